@@ -1,0 +1,55 @@
+"""hpccomm: an MPI backend for torch.distributed, in Python, over mpi4py.
+
+``import hpccomm`` registers the backend ``"hpccomm"`` and the rendezvous
+``"mpi://"`` with torch; it does not start MPI.  Then, under mpirun, mpiexec
+or srun::
+
+    import hpccomm
+    hpccomm.init_process_group()            # or dist.init_process_group("hpccomm", init_method="mpi://")
+    dist.all_reduce(torch.ones(4))
+"""
+from __future__ import annotations
+
+from . import errors
+from ._init import (
+    RankInfo,
+    from_mpi4py,
+    init_process_group,
+    local_rank,
+    local_size,
+    node_index,
+    register as _register,
+)
+from .errors import ConfigError, HpccommError, InitError, OpError, OpTypeError, OpValueError
+from .process_group import BACKEND_NAME, ProcessGroupHpccomm
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKEND_NAME",
+    "ConfigError",
+    "HpccommError",
+    "InitError",
+    "OpError",
+    "OpTypeError",
+    "OpValueError",
+    "ProcessGroupHpccomm",
+    "RankInfo",
+    "errors",
+    "from_mpi4py",
+    "init_process_group",
+    "is_available",
+    "local_rank",
+    "local_size",
+    "node_index",
+]
+
+
+def is_available() -> bool:
+    """True when mpi4py can be imported (without starting MPI)."""
+    import importlib.util
+
+    return importlib.util.find_spec("mpi4py") is not None
+
+
+_register()

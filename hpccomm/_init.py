@@ -1,0 +1,305 @@
+"""Start-up: the backend creator torch calls, the ``mpi://`` rendezvous, the
+key-value store, and hpccomm's own ``init_process_group``.
+
+Registering the backend with torch is cheap and happens at ``import hpccomm``;
+MPI itself starts only when a process group is made.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import zlib
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+
+from . import _compat, _group, _mpi, config
+from .errors import InitError
+from .process_group import BACKEND_NAME, ProcessGroupHpccomm
+
+log = logging.getLogger("hpccomm")
+
+DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for CPU backends
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits in the job (from MPI, not the launcher)."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    node: int
+    nodes: int
+
+
+class _State:
+    """The world communicator a pending or live default group will use."""
+
+    world: Optional[_group.Group] = None  # the hpccomm world group's MPI side
+    pending_comm = None  # a comm handed to init_process_group / from_mpi4py
+    info: Optional[RankInfo] = None
+
+
+_state = _State()
+
+
+def _configure_logging() -> None:
+    level = config.get("HPCCOMM_LOG")
+    log.setLevel(level)
+    if not log.handlers and level in ("INFO", "DEBUG"):
+        MPI = _mpi.mpi()
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(
+            f"[hpccomm rank {MPI.COMM_WORLD.Get_rank()}] %(levelname)s %(message)s"))
+        log.addHandler(handler)
+
+
+def rank_info(comm=None) -> RankInfo:
+    """Rank, size, local rank and size (ranks sharing this node's memory), and
+    node index, computed collectively over ``comm`` (default COMM_WORLD)."""
+    MPI = _mpi.mpi()
+    comm = MPI.COMM_WORLD if comm is None else comm
+    node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        local_rank, local_size = node_comm.Get_rank(), node_comm.Get_size()
+        leaders = comm.Split(0 if local_rank == 0 else MPI.UNDEFINED, key=comm.Get_rank())
+        if leaders != MPI.COMM_NULL:
+            node, nodes = leaders.Get_rank(), leaders.Get_size()
+            leaders.Free()
+        else:
+            node = nodes = 0
+        node, nodes = node_comm.bcast((node, nodes), root=0)
+    finally:
+        node_comm.Free()
+    return RankInfo(comm.Get_rank(), comm.Get_size(), local_rank, local_size, node, nodes)
+
+
+def _store_host(info: RankInfo) -> str:
+    chosen = config.get("HPCCOMM_STORE_ADDR")
+    if chosen:
+        return chosen
+    if info.nodes <= 1:
+        return "127.0.0.1"
+    name = socket.gethostname()
+    try:
+        for *_, addr in socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM):
+            if not addr[0].startswith("127."):
+                return addr[0]
+    except OSError:
+        pass
+    return name
+
+
+def make_store(comm, info: RankInfo, timeout: timedelta):
+    """A TCPStore on rank 0 of ``comm`` (a free port unless HPCCOMM_STORE_PORT),
+    its address broadcast over MPI: no MASTER_ADDR, no port to pick."""
+    size = comm.Get_size()
+    store, failure = None, None
+    if comm.Get_rank() == 0:
+        host = _store_host(info)
+        try:
+            store = _compat.TCPStore(host, config.get("HPCCOMM_STORE_PORT"), size, is_master=True,
+                                     timeout=timeout, wait_for_workers=False)
+            addr = (host, store.port)
+        except Exception as exc:  # every rank must learn of it, or they would hang
+            failure = f"rank 0 could not open the key-value store on {host}: {exc}"
+            addr = None
+        comm.bcast((addr, failure), root=0)
+    else:
+        addr, failure = comm.bcast(None, root=0)
+    if failure:
+        raise InitError(f"hpccomm init: {failure}. Set HPCCOMM_STORE_ADDR / HPCCOMM_STORE_PORT")
+    if store is None:
+        try:
+            store = _compat.TCPStore(addr[0], addr[1], size, is_master=False, timeout=timeout)
+        except Exception as exc:
+            raise InitError(f"hpccomm init (rank {comm.Get_rank()}/{size}): cannot reach the key-value store "
+                            f"at {addr[0]}:{addr[1]}: {exc}. Check host name resolution, or set "
+                            "HPCCOMM_STORE_ADDR to an address rank 0 has") from None
+    return store
+
+
+def _bootstrap(comm=None, timeout: timedelta = DEFAULT_TIMEOUT):
+    """MPI up, a private world communicator, rank info and a store."""
+    MPI = _mpi.mpi()
+    _configure_logging()
+    base = MPI.COMM_WORLD if comm is None else comm
+    _check_launch(base)
+    world_comm = base.Dup()
+    info = rank_info(world_comm)
+    store = make_store(world_comm, info, timeout)
+    _state.pending_comm = world_comm
+    _state.info = info
+    log.info("MPI %s, thread level %s, world %d ranks on %d node(s), local rank %d/%d",
+             _mpi.library_version(), _mpi.thread_level(), info.size, info.nodes, info.local_rank, info.local_size)
+    return store, info
+
+
+def _check_launch(comm) -> None:
+    """Refuse the silent-singleton trap: a launcher that started N processes
+    which each see an MPI world of one."""
+    import os
+
+    if comm.Get_size() != 1:
+        return
+    for var, launcher, fix in (
+        ("SLURM_NTASKS", "srun", "srun --mpi=pmix (Open MPI) or srun --mpi=pmi2 (MPICH)"),
+        ("OMPI_COMM_WORLD_SIZE", "mpirun", "the mpirun of the MPI library mpi4py was built with"),
+        ("PMI_SIZE", "mpiexec", "the mpiexec of the MPI library mpi4py was built with"),
+    ):
+        value = os.environ.get(var, "")
+        if value.isdigit() and int(value) > 1 and (var != "SLURM_NTASKS" or "SLURM_STEP_ID" in os.environ):
+            raise InitError(f"hpccomm init: {launcher} started {value} processes ({var}={value}) but MPI sees "
+                            f"a world of 1: every rank would run alone. Launch with {fix}")
+
+
+def _mpi_rendezvous(url: str, timeout: timedelta = DEFAULT_TIMEOUT, **kwargs):
+    """``init_method="mpi://"``: rank and size from MPI, a store made over MPI."""
+    store, info = _bootstrap(timeout=timeout)
+    yield store, info.rank, info.size
+    raise InitError("hpccomm: the mpi:// rendezvous cannot be reused after a failure")  # as torch's own handlers
+
+
+def _tag(group_id) -> int:
+    tag_ub = _mpi.mpi().COMM_WORLD.Get_attr(_mpi.mpi().TAG_UB) or 32767
+    return zlib.crc32(str(group_id).encode()) % (tag_ub + 1)
+
+
+def _create(opts, backend_options=None) -> ProcessGroupHpccomm:
+    """The creator torch calls for every hpccomm group, on member ranks only."""
+    MPI = _mpi.mpi()
+    ranks = list(opts.global_ranks_in_group)
+    timeout = opts.timeout
+    if not ranks:  # the default (world) group
+        comm = _state.pending_comm
+        _state.pending_comm = None
+        if comm is None:  # env:// or another torch rendezvous: MPI learns of it here
+            _configure_logging()
+            _check_launch(MPI.COMM_WORLD)
+            comm = MPI.COMM_WORLD.Dup()
+            _state.info = rank_info(comm)
+        if (opts.group_rank, opts.group_size) != (comm.Get_rank(), comm.Get_size()):
+            raise InitError(
+                f"hpccomm init: torch's rendezvous says rank {opts.group_rank} of {opts.group_size} but MPI says "
+                f"rank {comm.Get_rank()} of {comm.Get_size()}. With env:// the RANK and WORLD_SIZE variables must "
+                "match the MPI launch; or use init_method='mpi://' (or hpccomm.init_process_group()), which "
+                "takes both from MPI")
+        group = _group.Group(comm, range(comm.Get_size()), store=opts.store, timeout=timeout)
+        _state.world = group
+        return ProcessGroupHpccomm(group)
+    pending, _state.pending_comm = _state.pending_comm, None
+    if pending is not None:  # from_mpi4py: the user's communicator, reordered by world rank
+        group = _group.Group(pending, ranks, store=opts.store, timeout=timeout)
+        return ProcessGroupHpccomm(group)
+    world = _state.world
+    if world is None or world.freed:
+        parent = _group.Group(MPI.COMM_WORLD, range(MPI.COMM_WORLD.Get_size()), owns_comm=False)
+        base = parent  # the default group is not hpccomm: world ranks are MPI's
+    else:
+        base = world
+    group = base.subgroup(ranks, _tag(opts.group_id), store=opts.store, timeout=timeout)
+    if base is not world:
+        base.free()
+    return ProcessGroupHpccomm(group)
+
+
+def register() -> None:
+    """Make ``backend="hpccomm"`` and ``init_method="mpi://"`` known to torch."""
+    _compat.register_backend(BACKEND_NAME, _create, devices=["cpu"])
+    _compat.register_rendezvous_handler("mpi", _mpi_rendezvous)
+
+
+def init_process_group(backend: str = BACKEND_NAME, timeout: Optional[timedelta] = None, comm=None, **kwargs):
+    """Initialise torch.distributed over MPI: one call under mpirun, mpiexec or srun.
+
+    Rank and world size come from MPI (from ``comm``, an mpi4py communicator,
+    default COMM_WORLD); the key-value store torch needs is opened by rank 0
+    and its address broadcast over MPI, so no MASTER_ADDR or port is needed.
+    Other keyword arguments go to :func:`torch.distributed.init_process_group`.
+
+    Raises :class:`hpccomm.errors.InitError` if the launch is inconsistent
+    (for example srun started with the wrong ``--mpi=`` plugin) or the store
+    cannot be opened.
+
+    Example::
+
+        import hpccomm, torch, torch.distributed as dist
+        hpccomm.init_process_group()
+        t = torch.ones(4)
+        dist.all_reduce(t)          # t == world size everywhere
+        dist.destroy_process_group()
+    """
+    if dist.is_initialized():
+        raise InitError("hpccomm.init_process_group: torch.distributed is already initialised; call "
+                        "dist.destroy_process_group() first")
+    register()
+    timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+    store, info = _bootstrap(comm, timeout)
+    try:
+        dist.init_process_group(backend=backend, store=store, rank=info.rank, world_size=info.size,
+                                timeout=timeout, **kwargs)
+    finally:
+        if _state.pending_comm is not None:  # torch failed before our creator took it
+            _state.pending_comm.Free()
+            _state.pending_comm = None
+
+
+def from_mpi4py(comm, timeout: Optional[timedelta] = None):
+    """A torch process group over the ranks of ``comm``, an mpi4py communicator.
+
+    Called by the members of ``comm`` only, after the default group exists
+    (any backend; its ranks must be MPI_COMM_WORLD's).  The group communicates
+    on a private duplicate of ``comm``; its ranks follow world-rank order, as
+    torch's ``new_group`` does.  Returns what ``dist.new_group`` returns.
+
+    Example::
+
+        sub = MPI.COMM_WORLD.Split(color=rank % 2, key=rank)
+        pg = hpccomm.from_mpi4py(sub)
+        dist.all_reduce(t, group=pg)
+    """
+    MPI = _mpi.mpi()
+    if not dist.is_initialized():
+        raise InitError("hpccomm.from_mpi4py: initialise torch.distributed first (hpccomm.init_process_group)")
+    world = _state.world.comm if _state.world is not None and not _state.world.freed else MPI.COMM_WORLD
+    group = comm.Get_group()
+    try:
+        mine = MPI.Group.Translate_ranks(group, list(range(comm.Get_size())), world.Get_group())
+    finally:
+        group.Free()
+    if any(r == MPI.UNDEFINED for r in mine):
+        raise InitError("hpccomm.from_mpi4py: the communicator has processes outside the torch world")
+    ordered = comm.Split(0, key=mine[comm.Get_rank()])  # group rank order = world rank order
+    _state.pending_comm = ordered
+    try:
+        kw = {} if timeout is None else {"timeout": timeout}
+        return dist.new_group(sorted(mine), backend=BACKEND_NAME, use_local_synchronization=True, **kw)
+    finally:
+        if _state.pending_comm is not None:
+            _state.pending_comm.Free()
+            _state.pending_comm = None
+
+
+def local_rank() -> int:
+    """This process's rank among the ranks on its node (known after init)."""
+    return _require_info().local_rank
+
+
+def local_size() -> int:
+    """How many ranks share this node (known after init)."""
+    return _require_info().local_size
+
+
+def node_index() -> int:
+    """This node's index, 0..nodes-1, in order of the lowest rank on each node."""
+    return _require_info().node
+
+
+def _require_info() -> RankInfo:
+    if _state.info is None:
+        raise InitError("hpccomm: not initialised; call hpccomm.init_process_group() first")
+    return _state.info

@@ -1,0 +1,196 @@
+"""The one module that imports mpi4py: MPI start-up, datatypes, reduction ops
+and zero-copy buffers.
+
+Nothing here runs at import: MPI is initialised by the first call to
+:func:`mpi` (normally from :func:`hpccomm.init_process_group`).
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from ._compat import RedOpType
+
+_MPI = None
+_lock = threading.Lock()
+
+
+def mpi():
+    """The ``mpi4py.MPI`` module, initialising MPI (THREAD_MULTIPLE asked) on first use."""
+    global _MPI
+    if _MPI is None:
+        with _lock:
+            if _MPI is None:
+                import sys
+
+                import mpi4py
+
+                if "mpi4py.MPI" not in sys.modules:
+                    mpi4py.rc.threads = True
+                    mpi4py.rc.thread_level = "multiple"
+                from mpi4py import MPI
+
+                _MPI = MPI
+    return _MPI
+
+
+def is_initialized() -> bool:
+    return _MPI is not None and _MPI.Is_initialized() and not _MPI.Is_finalized()
+
+
+def library_version() -> str:
+    return mpi().Get_library_version().strip().splitlines()[0]
+
+
+THREAD_LEVELS = ("SINGLE", "FUNNELED", "SERIALIZED", "MULTIPLE")
+
+
+def thread_level() -> str:
+    return THREAD_LEVELS[mpi().Query_thread()]
+
+
+# --------------------------------------------------------------------------
+# dtypes
+# --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DTypeInfo:
+    """How a torch dtype travels and reduces over MPI.
+
+    ``move``: the MPI datatype (a name in mpi4py.MPI) used to move its bytes.
+    ``kind``: which reductions exist and how they are done:
+      float   native MPI ops on the MPI float type
+      half    a user-defined MPI op computing with torch kernels in that dtype
+              (MPI has no bfloat16, and a 16-bit integer type would be summed
+              as integers)
+      int     native MPI ops, bitwise ops allowed, AVG truncates like NCCL
+      bool    native ops on a uint8 view with torch's meaning (SUM = OR)
+      complex native MPI ops, SUM/PRODUCT/AVG/PREMUL_SUM only
+      bytes   data movement only; any reduction is refused
+    """
+
+    move: str
+    kind: str
+
+
+_FLOAT8 = [
+    getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if hasattr(torch, name)
+]
+
+DTYPES: dict[torch.dtype, DTypeInfo] = {
+    torch.float32: DTypeInfo("FLOAT", "float"),
+    torch.float64: DTypeInfo("DOUBLE", "float"),
+    torch.float16: DTypeInfo("INT16_T", "half"),
+    torch.bfloat16: DTypeInfo("INT16_T", "half"),
+    torch.complex64: DTypeInfo("C_FLOAT_COMPLEX", "complex"),
+    torch.complex128: DTypeInfo("C_DOUBLE_COMPLEX", "complex"),
+    torch.int8: DTypeInfo("INT8_T", "int"),
+    torch.int16: DTypeInfo("INT16_T", "int"),
+    torch.int32: DTypeInfo("INT32_T", "int"),
+    torch.int64: DTypeInfo("INT64_T", "int"),
+    torch.uint8: DTypeInfo("UINT8_T", "int"),
+    torch.uint16: DTypeInfo("UINT16_T", "int"),
+    torch.uint32: DTypeInfo("UINT32_T", "int"),
+    torch.uint64: DTypeInfo("UINT64_T", "int"),
+    torch.bool: DTypeInfo("UINT8_T", "bool"),
+    **{dt: DTypeInfo("UINT8_T", "bytes") for dt in _FLOAT8},
+}
+
+#: ReduceOps each kind accepts (PREMUL_SUM and AVG are done as SUM plus a
+#: local scaling step).
+_R = RedOpType
+ALLOWED_OPS: dict[str, frozenset] = {
+    "float": frozenset({_R.SUM, _R.PRODUCT, _R.MIN, _R.MAX, _R.AVG, _R.PREMUL_SUM}),
+    "half": frozenset({_R.SUM, _R.PRODUCT, _R.MIN, _R.MAX, _R.AVG, _R.PREMUL_SUM}),
+    "int": frozenset({_R.SUM, _R.PRODUCT, _R.MIN, _R.MAX, _R.AVG, _R.BAND, _R.BOR, _R.BXOR}),
+    "bool": frozenset({_R.SUM, _R.PRODUCT, _R.MIN, _R.MAX, _R.BAND, _R.BOR, _R.BXOR}),
+    "complex": frozenset({_R.SUM, _R.PRODUCT, _R.AVG, _R.PREMUL_SUM}),
+    "bytes": frozenset(),
+}
+
+# ReduceOp -> MPI op name for native reductions.  AVG and PREMUL_SUM reduce
+# with SUM; bool maps SUM to MAX (logical or) and PRODUCT to MIN (logical and),
+# as torch's NCCL and gloo backends do.
+_NATIVE_OP = {
+    _R.SUM: "SUM", _R.AVG: "SUM", _R.PREMUL_SUM: "SUM", _R.PRODUCT: "PROD",
+    _R.MIN: "MIN", _R.MAX: "MAX", _R.BAND: "BAND", _R.BOR: "BOR", _R.BXOR: "BXOR",
+}
+_BOOL_OP = {**_NATIVE_OP, _R.SUM: "MAX", _R.PRODUCT: "MIN"}
+
+
+def mpi_type(dtype: torch.dtype):
+    """The MPI datatype that moves ``dtype``'s bytes; KeyError if unknown."""
+    return getattr(mpi(), DTYPES[dtype].move)
+
+
+_half_ops: dict = {}
+
+
+def _make_half_op(dtype: torch.dtype, redop: RedOpType):
+    """A commutative MPI op reducing 16-bit float buffers with torch kernels."""
+    def combine(inbuf, outbuf, _datatype):
+        if len(memoryview(outbuf)) == 0:
+            return
+        a = torch.frombuffer(inbuf, dtype=dtype)
+        b = torch.frombuffer(outbuf, dtype=dtype)
+        if redop == _R.PRODUCT:
+            b.mul_(a)
+        elif redop == _R.MIN:
+            torch.minimum(b, a, out=b)
+        elif redop == _R.MAX:
+            torch.maximum(b, a, out=b)
+        else:  # SUM, AVG, PREMUL_SUM
+            b.add_(a)
+
+    return mpi().Op.Create(combine, commute=True)
+
+
+def mpi_op(dtype: torch.dtype, redop: RedOpType):
+    """The MPI op that reduces ``dtype`` for ``redop``; the caller checked ALLOWED_OPS."""
+    kind = DTYPES[dtype].kind
+    if kind == "half":
+        key = (dtype, _NATIVE_OP[redop])
+        op = _half_ops.get(key)
+        if op is None:
+            with _lock:
+                op = _half_ops.get(key)
+                if op is None:
+                    op = _half_ops[key] = _make_half_op(dtype, redop)
+        return op
+    table = _BOOL_OP if kind == "bool" else _NATIVE_OP
+    return getattr(mpi(), table[redop])
+
+
+def free_user_ops() -> None:
+    MPI = _MPI
+    if MPI is None or MPI.Is_finalized():
+        return
+    for op in _half_ops.values():
+        op.Free()
+    _half_ops.clear()
+
+
+# --------------------------------------------------------------------------
+# buffers
+# --------------------------------------------------------------------------
+
+def buffer(t: torch.Tensor, offset: int = 0, count: int | None = None):
+    """A zero-copy MPI buffer spec ``[memory, count, datatype]`` over a
+    contiguous CPU tensor's storage, ``count`` elements from element ``offset``.
+
+    The caller keeps ``t`` alive until MPI is done with the memory.
+    """
+    MPI = mpi()
+    size = t.element_size()
+    if count is None:
+        count = t.numel() - offset
+    mem = MPI.buffer.fromaddress(t.data_ptr() + offset * size, count * size)
+    return [mem, count, getattr(MPI, DTYPES[t.dtype].move)]
+
+
+def in_place():
+    return mpi().IN_PLACE

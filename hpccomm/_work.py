@@ -1,0 +1,150 @@
+"""The Work objects hpccomm hands to torch.
+
+torch's C++ callers (DDP's reducer, functional collectives) wait on
+``get_future()`` and never call ``wait()``, so every Work's future must
+complete by itself; its value is the list of output tensors (DDP reads it).
+
+A Work is either born done (a blocking op already ran) or wraps a
+``Pending`` operation: an object with ``test() -> bool`` (non-blocking),
+``wait(seconds or None) -> bool`` and ``finish() -> source rank or None``
+(run once, after completion, in the completing thread; it may raise).
+A pending Work completes when its owner calls ``wait()``, or, once someone
+asked for its future, on the progress thread.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Optional
+
+import torch
+
+from ._compat import WorkBase
+
+
+class Work(WorkBase):
+    """A finished or pending hpccomm operation (see the module docstring)."""
+
+    def __init__(self, outputs, pending=None, describe: str = "") -> None:
+        super().__init__()
+        self._outputs = outputs  # the future's value; also keeps the tensors alive
+        self._pending = pending  # holds the MPI request and its buffers until done
+        self._describe = describe
+        self._source = -1
+        self._future = torch.futures.Future()
+        self._error: Optional[BaseException] = None
+        self._lock = threading.Lock()  # one thread at a time touches the MPI request
+        self._done = pending is None
+        if self._done:
+            self._future.set_result(outputs)
+
+    def _complete(self) -> None:
+        """Run the pending op's finish step; caller holds ``_lock``, request done."""
+        pending, self._pending = self._pending, None
+        try:
+            source = pending.finish()
+            if source is not None:
+                self._source = source
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+            self._error = exc
+        self._done = True
+        if self._error is None:
+            self._future.set_result(self._outputs)
+        else:
+            self._future.set_exception(self._error)
+
+    def _poll(self) -> bool:
+        """Non-blocking progress from the progress thread; True once done."""
+        if self._done:
+            return True
+        if not self._lock.acquire(blocking=False):
+            return False  # a waiter holds it and will finish the op
+        try:
+            if not self._done and self._pending.test():
+                self._complete()
+            return self._done
+        finally:
+            self._lock.release()
+
+    # -- torch's Work API ---------------------------------------------------
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if not self._done:
+            seconds = None
+            if timeout is not None and timeout != timedelta(0):
+                seconds = timeout.total_seconds()
+            with self._lock:
+                if not self._done:
+                    if not self._pending.wait(seconds):
+                        raise TimeoutError(f"hpccomm {self._describe}: not complete after {seconds:g} s")
+                    self._complete()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        if not self._done:
+            _progress.watch(self)
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._poll()
+
+    def is_success(self) -> bool:
+        return self._poll() and self._error is None
+
+    def exception(self):
+        return self._error
+
+    def result(self):
+        self.wait()
+        return self._outputs
+
+    def source_rank(self) -> int:
+        return self._source
+
+    def _source_rank(self) -> int:
+        return self._source
+
+
+def done(outputs) -> Work:
+    """A Work for an op that already completed (the blocking path)."""
+    return Work(outputs)
+
+
+class _Progress:
+    """A daemon thread that completes watched pending Works, so that their
+    futures complete without anyone calling ``wait()``."""
+
+    def __init__(self) -> None:
+        self._works: list[Work] = []
+        self._cv = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+
+    def watch(self, work: Work) -> None:
+        with self._cv:
+            if work not in self._works:
+                self._works.append(work)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="hpccomm-progress", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def _run(self) -> None:
+        idle = 1e-5
+        while True:
+            with self._cv:
+                while not self._works:
+                    self._cv.wait()
+                works = list(self._works)
+            finished = [w for w in works if w._poll()]
+            if finished:
+                with self._cv:
+                    self._works = [w for w in self._works if w not in finished]
+                idle = 1e-5
+            else:
+                time.sleep(idle)  # back off up to 1 ms while nothing completes
+                idle = min(idle * 2, 1e-3)
+
+
+_progress = _Progress()

@@ -1,0 +1,99 @@
+"""Runtime options: every ``HPCCOMM_*`` environment variable, declared once.
+
+Each option has a name, a type, a default and a line of documentation; the
+docs table and ``hpccomm info`` are generated from :data:`OPTIONS`.  Values are
+read when asked for (not at import), so a test or a launcher can set them
+before :func:`hpccomm.init_process_group`.  A malformed value raises
+:class:`hpccomm.errors.ConfigError` naming the variable.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    doc: str
+    choices: tuple = ()
+
+    def get(self) -> Any:
+        raw = os.environ.get(self.name)
+        if raw is None or raw == "":
+            return self.default
+        try:
+            value = self.parse(raw)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"{self.name}={raw!r} is not a valid {self.parse.__name__}: {exc}"
+            ) from None
+        if self.choices and value not in self.choices:
+            raise ConfigError(
+                f"{self.name}={raw!r} is not one of {', '.join(map(str, self.choices))}"
+            )
+        return value
+
+
+def _level(raw: str) -> str:
+    return raw.strip().upper()
+
+
+_level.__name__ = "log level"
+
+
+def _positive_int(raw: str) -> int:
+    value = int(raw, 0)
+    if value <= 0:
+        raise ValueError("must be positive")
+    return value
+
+
+_positive_int.__name__ = "positive integer"
+
+
+def _port(raw: str) -> int:
+    value = int(raw)
+    if not 0 <= value <= 65535:
+        raise ValueError("must be in 0..65535")
+    return value
+
+
+_port.__name__ = "port"
+
+OPTIONS: dict[str, Option] = {
+    o.name: o
+    for o in (
+        Option(
+            "HPCCOMM_LOG", _level, "WARNING",
+            "Log level of the 'hpccomm' logger: INFO logs init (MPI library, thread "
+            "level, communicator sizes), DEBUG also logs every op.",
+            ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG"),
+        ),
+        Option(
+            "HPCCOMM_MAX_MPI_COUNT", _positive_int, 2**31 - 1,
+            "Largest element count handed to one MPI call. Larger messages are split "
+            "into several calls (MPI-3 counts are C ints). Lower it only to test the "
+            "split paths.",
+        ),
+        Option(
+            "HPCCOMM_STORE_ADDR", str, "",
+            "Address rank 0 advertises for the key-value store (a TCPStore). Default: "
+            "127.0.0.1 when all ranks share one node, else rank 0's host address.",
+        ),
+        Option(
+            "HPCCOMM_STORE_PORT", _port, 0,
+            "Port of the key-value store on rank 0; 0 picks a free port.",
+        ),
+    )
+}
+
+
+def get(name: str) -> Any:
+    """The value of option ``name`` (for example ``"HPCCOMM_LOG"``)."""
+    return OPTIONS[name].get()

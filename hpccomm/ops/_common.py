@@ -1,0 +1,166 @@
+"""Checks and staging shared by the op modules."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .. import _mpi
+from .._compat import RedOpType, premul_sum_factor, reduce_op_type
+from ..errors import OpTypeError, OpValueError
+
+_R = RedOpType
+
+
+def check_tensor(group, op: str, t, what: str = "tensor") -> None:
+    """``t`` is a dense CPU tensor of a dtype hpccomm moves."""
+    if not isinstance(t, torch.Tensor):
+        raise OpTypeError(op, group.where(), f"{what} is a {type(t).__name__}, not a torch.Tensor")
+    if t.layout != torch.strided:
+        raise OpTypeError(op, group.where(), f"{what} has layout {t.layout}; only dense (strided) tensors can be sent",
+                          "Call .to_dense() first")
+    dev = t.device.type
+    if dev != "cpu":
+        if dev == "meta":
+            raise OpTypeError(op, group.where(), f"{what} is a meta tensor: it has no data to communicate")
+        raise OpTypeError(op, group.where(), f"{what} is on device {t.device}; hpccomm moves CPU tensors only in this "
+                          "release (the GPU transports are not built yet)", "Move it to the CPU with .cpu()")
+    if t.dtype not in _mpi.DTYPES:
+        raise OpTypeError(op, group.where(), f"{what} has dtype {t.dtype}, which hpccomm cannot send",
+                          f"Supported: {', '.join(str(d).replace('torch.', '') for d in _mpi.DTYPES)}")
+
+
+def check_tensors(group, op: str, ts, what: str = "tensor") -> None:
+    for i, t in enumerate(ts):
+        check_tensor(group, op, t, f"{what}[{i}]")
+
+
+def check_list(group, op: str, ts, n: int, what: str) -> None:
+    if not isinstance(ts, (list, tuple)):
+        raise OpTypeError(op, group.where(), f"{what} is a {type(ts).__name__}, not a list of tensors")
+    if len(ts) != n:
+        raise OpValueError(op, group.where(), f"{what} has {len(ts)} tensors, expected {n}"
+                           + (" (one per rank of the group)" if n == group.size else ""))
+
+
+def check_same_dtype(group, op: str, ts, dtype, what: str) -> None:
+    for i, t in enumerate(ts):
+        if t.dtype != dtype:
+            raise OpTypeError(op, group.where(), f"{what}[{i}] has dtype {t.dtype} but the input has {dtype}",
+                              "All tensors of one op must have the same dtype")
+
+
+def check_root(group, op: str, root: int, what: str = "root") -> None:
+    if not isinstance(root, int) or not 0 <= root < group.size:
+        raise OpValueError(op, group.where(), f"{what} {root!r} is not a rank of this group of size {group.size}",
+                           "Pass a group rank in 0..size-1 (use group_src/group_dst, or dist.get_group_rank)")
+
+
+def check_peer(group, op: str, peer: int, what: str) -> None:
+    check_root(group, op, peer, what)
+    if peer == group.rank:
+        raise OpValueError(op, group.where(), f"{what} {peer} is this rank itself",
+                           "MPI point-to-point needs two different ranks")
+
+
+def check_tag(group, op: str, tag: int) -> None:
+    if not isinstance(tag, int) or not 0 <= tag <= group.tag_ub:
+        raise OpValueError(op, group.where(), f"tag {tag!r} is outside 0..{group.tag_ub} (MPI_TAG_UB)")
+
+
+def reduce_op(group, op: str, dtype: torch.dtype, redop):
+    """``(RedOpType, premul factor or None)`` for ``redop`` on ``dtype``, or an error."""
+    try:
+        kind = reduce_op_type(redop)
+    except AttributeError:
+        raise OpTypeError(op, group.where(), f"{redop!r} is not a torch.distributed.ReduceOp") from None
+    info = _mpi.DTYPES[dtype]
+    if kind not in _mpi.ALLOWED_OPS[info.kind]:
+        name = str(kind).split(".")[-1]
+        if info.kind == "bytes":
+            why = f"{dtype} can be moved but not reduced"
+        elif kind in (_R.BAND, _R.BOR, _R.BXOR):
+            why = f"ReduceOp.{name} needs an integer or bool tensor, got {dtype}"
+        elif kind == _R.AVG and info.kind == "bool":
+            why = "ReduceOp.AVG is not defined for bool tensors"
+        elif kind in (_R.MIN, _R.MAX) and info.kind == "complex":
+            why = f"ReduceOp.{name} is not defined for complex tensors"
+        elif kind == _R.PREMUL_SUM:
+            why = f"ReduceOp.PREMUL_SUM needs a floating-point or complex tensor, got {dtype}"
+        else:
+            why = f"ReduceOp.{name} is not supported for {dtype}"
+        raise OpTypeError(op, group.where(), why)
+    factor = premul_sum_factor(redop) if kind == _R.PREMUL_SUM else None
+    return kind, factor
+
+
+def premultiplied(t: torch.Tensor, factor, inplace: bool) -> torch.Tensor:
+    """``t * factor`` for PREMUL_SUM, in ``t`` when allowed, else in a new tensor."""
+    if isinstance(factor, torch.Tensor):
+        factor = factor.to(device=t.device, dtype=t.dtype)
+    return t.mul_(factor) if inplace else t * factor
+
+
+def finish_average(t: torch.Tensor, n: int) -> None:
+    """Divide a SUM by the group size: integers truncate toward zero, as NCCL's AVG."""
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        t.div_(n)
+    else:
+        t.copy_(torch.div(t, n, rounding_mode="trunc"))
+
+
+def contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when MPI can use its memory, else a contiguous copy."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def out_buffer(t: torch.Tensor) -> torch.Tensor:
+    """Where MPI writes a result for ``t``: ``t`` itself, or a fresh contiguous
+    tensor whose data :func:`write_back` copies into ``t`` afterwards."""
+    return t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype)
+
+
+def write_back(user: torch.Tensor, staged: torch.Tensor) -> None:
+    if staged is not user:
+        user.copy_(staged)
+
+
+def flat_view(ts: Sequence[torch.Tensor]):
+    """A 1-D tensor viewing all of ``ts`` if they are contiguous and laid end
+    to end in one storage, in order (as ``torch.empty(n).chunk(k)`` makes
+    them); else None."""
+    if not ts:
+        return None
+    first = ts[0]
+    if not all(t.is_contiguous() for t in ts):
+        return None
+    ptr = first.data_ptr()
+    size = first.element_size()
+    for t in ts:
+        if t.data_ptr() != ptr or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return None
+        ptr += t.numel() * size
+    total = sum(t.numel() for t in ts)
+    base = torch.empty(0, dtype=first.dtype)
+    base.set_(first.untyped_storage(), first.storage_offset(), (total,), (1,))
+    return base
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory of ``a`` and ``b`` intersects."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1 = a0 + a.numel() * a.element_size()
+    b1 = b0 + b.numel() * b.element_size()
+    return a0 < b1 and b0 < a1
+
+
+def chunks(count: int, limit: int):
+    """``(offset, n)`` pieces of at most ``limit`` elements covering ``count``
+    (one empty piece when count is 0, so a collective still takes place)."""
+    if count <= limit:
+        yield 0, count
+        return
+    for off in range(0, count, limit):
+        yield off, min(limit, count - off)

@@ -1,0 +1,101 @@
+"""All-to-all: all_to_all_single (even and uneven splits) and all_to_all (lists)."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+from .. import _mpi
+from . import _common as c
+
+
+def _layout(counts):
+    return list(counts), [0, *itertools.accumulate(counts)][:-1]
+
+
+def _spec(t: torch.Tensor, counts, displs, limit: int, group, op: str):
+    """``[memory, (counts, displs), datatype]``; past MPI's int counts the unit
+    becomes a contiguous block of g elements (g = gcd of counts and displs).
+    Each rank picks its own unit: MPI matches type signatures, not datatypes."""
+    MPI = _mpi.mpi()
+    mem = _mpi.buffer(t)[0]
+    base = _mpi.mpi_type(t.dtype)
+    top = max([*counts, *displs, 0])
+    if top <= limit:
+        return [mem, (counts, displs), base], None
+    g = math.gcd(*counts, *displs)
+    if g == 0 or top // g > limit:
+        raise c.OpValueError(op, group.where(), f"a split of {top} elements does not fit MPI-3's int counts "
+                             "and the splits share no common block size", "Use split sizes with a common factor")
+    unit = base.Create_contiguous(g).Commit()
+    return [mem, ([k // g for k in counts], [d // g for d in displs]), unit], unit
+
+
+def _alltoallv(group, send, scounts, recv, rcounts, op):
+    sspec, stype = _spec(send, *_layout(scounts), group.max_count, group, op)
+    rspec, rtype = _spec(recv, *_layout(rcounts), group.max_count, group, op)
+    try:
+        group.comm.Alltoallv(sspec, rspec)
+    finally:
+        for t in (stype, rtype):
+            if t is not None:
+                t.Free()
+
+
+def _splits(group, op, t: torch.Tensor, splits, what: str):
+    rows = t.shape[0] if t.dim() else 1
+    row = t.numel() // rows if rows else 0
+    if not splits:
+        if rows % group.size:
+            raise c.OpValueError(op, group.where(), f"{what} has {rows} rows, not divisible by the group size "
+                                 f"{group.size}", f"Pass {what}_split_sizes")
+        return [rows // group.size * row] * group.size
+    splits = list(splits)
+    if len(splits) != group.size:
+        raise c.OpValueError(op, group.where(), f"{what}_split_sizes has {len(splits)} entries, expected "
+                             f"{group.size} (one per rank)")
+    if any(s < 0 for s in splits) or sum(splits) != rows:
+        raise c.OpValueError(op, group.where(), f"{what}_split_sizes {splits} do not add up to {what}'s "
+                             f"{rows} rows (dim 0)")
+    return [s * row for s in splits]
+
+
+def all_to_all_single(group, output, input, output_splits, input_splits, op: str = "all_to_all_single"):
+    c.check_tensor(group, op, output, "output")
+    c.check_tensor(group, op, input, "input")
+    if input.dtype != output.dtype:
+        raise c.OpTypeError(op, group.where(), f"input has dtype {input.dtype} but output has {output.dtype}")
+    scounts = _splits(group, op, input, input_splits, "input")
+    rcounts = _splits(group, op, output, output_splits, "output")
+    send = c.contiguous(input)
+    out = c.out_buffer(output)
+    if c.overlaps(send, out):
+        send = send.clone()  # MPI forbids aliased send and receive buffers
+    _alltoallv(group, send, scounts, out, rcounts, op)
+    c.write_back(output, out)
+    return [output]
+
+
+def alltoall(group, outputs, inputs, op: str = "all_to_all"):
+    c.check_list(group, op, outputs, group.size, "output_tensor_list")
+    c.check_list(group, op, inputs, group.size, "input_tensor_list")
+    c.check_tensors(group, op, inputs, "input_tensor_list")
+    c.check_tensors(group, op, outputs, "output_tensor_list")
+    dtype = inputs[0].dtype
+    c.check_same_dtype(group, op, inputs, dtype, "input_tensor_list")
+    c.check_same_dtype(group, op, outputs, dtype, "output_tensor_list")
+    scounts = [t.numel() for t in inputs]
+    rcounts = [t.numel() for t in outputs]
+    send = c.flat_view(inputs)
+    if send is None:
+        send = torch.cat([t.reshape(-1) for t in inputs])
+    recv = c.flat_view(outputs)
+    direct = recv is not None and not c.overlaps(send, recv)
+    if not direct:
+        recv = torch.empty(sum(rcounts), dtype=dtype)
+    _alltoallv(group, send, scounts, recv, rcounts, op)
+    if not direct:
+        for t, part in zip(outputs, torch.split(recv, rcounts)):
+            t.copy_(part.view(t.shape))
+    return outputs

@@ -1,0 +1,140 @@
+"""Gathers: all_gather (lists, equal or different sizes), all_gather_into_tensor
+(``all_gather_single``), gather, and the coalesced forms."""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from .. import _mpi
+from . import _common as c
+
+
+def _displs(counts):
+    return [0, *itertools.accumulate(counts)][:-1]
+
+
+def _allgatherv(group, send: torch.Tensor, recv: torch.Tensor, counts) -> None:
+    """Allgather(v) of contiguous ``send`` into contiguous ``recv`` laid out by
+    ``counts``; ``send`` may be the rank's own slot of ``recv`` (in place)."""
+    comm, MPI = group.comm, _mpi.mpi()
+    in_place = send.numel() > 0 and send.data_ptr() == recv.data_ptr() + sum(counts[:group.rank]) * recv.element_size()
+    if max(counts, default=0) > group.max_count or sum(counts) > group.max_count:
+        # Past the count limit: every rank broadcasts its part, chunked.
+        displs = _displs(counts)
+        if not in_place:
+            recv[displs[group.rank]:displs[group.rank] + counts[group.rank]].copy_(send)
+        for r in range(group.size):
+            for off, n in c.chunks(counts[r], group.max_count):
+                comm.Bcast(_mpi.buffer(recv, displs[r] + off, n), root=r)
+        return
+    sendbuf = MPI.IN_PLACE if in_place else _mpi.buffer(send)
+    dtype = _mpi.mpi_type(recv.dtype)
+    mem = _mpi.buffer(recv)[0]
+    if len(set(counts)) <= 1:
+        comm.Allgather(sendbuf, [mem, counts[0] if counts else 0, dtype])
+    else:
+        comm.Allgatherv(sendbuf, [mem, (counts, _displs(counts)), dtype])
+
+
+def all_gather_single(group, output, input, op: str = "all_gather_into_tensor"):
+    c.check_tensor(group, op, output, "output")
+    c.check_tensor(group, op, input, "input")
+    if input.dtype != output.dtype:
+        raise c.OpTypeError(op, group.where(), f"input has dtype {input.dtype} but output has {output.dtype}")
+    if output.numel() != input.numel() * group.size:
+        raise c.OpValueError(op, group.where(), f"output has {output.numel()} elements, expected input's "
+                             f"{input.numel()} × group size {group.size} = {input.numel() * group.size}")
+    out = c.out_buffer(output)
+    send = c.contiguous(input)
+    n = send.numel()
+    own = out.numel() and send.data_ptr() == out.data_ptr() + group.rank * n * out.element_size()
+    if not own and c.overlaps(send, out):
+        send = send.clone()  # aliased elsewhere than this rank's slot: MPI forbids it
+    _allgatherv(group, send, out.view(-1), [n] * group.size)
+    c.write_back(output, out)
+    return [output]
+
+
+def allgather(group, output_lists, inputs, op: str = "all_gather"):
+    c.check_list(group, op, inputs, 1, "input_tensors")
+    c.check_list(group, op, output_lists, 1, "output_tensor_lists")
+    input, outputs = inputs[0], output_lists[0]
+    c.check_tensor(group, op, input, "input")
+    c.check_list(group, op, outputs, group.size, "tensor_list")
+    c.check_tensors(group, op, outputs, "tensor_list")
+    c.check_same_dtype(group, op, outputs, input.dtype, "tensor_list")
+    if outputs[group.rank].numel() != input.numel():
+        raise c.OpValueError(op, group.where(), f"tensor_list[{group.rank}] (this rank's slot) has "
+                             f"{outputs[group.rank].numel()} elements but the input has {input.numel()}")
+    counts = [t.numel() for t in outputs]
+    send = c.contiguous(input)
+    flat = c.flat_view(outputs)
+    if flat is not None and not (c.overlaps(send, flat) and send.data_ptr() != outputs[group.rank].data_ptr()):
+        _allgatherv(group, send, flat, counts)  # the outputs are one buffer: zero-copy
+        return output_lists
+    recv = torch.empty(sum(counts), dtype=input.dtype)
+    _allgatherv(group, send, recv, counts)
+    for t, part in zip(outputs, torch.split(recv, counts)):
+        t.copy_(part.view(t.shape))
+    return output_lists
+
+
+def allgather_coalesced(group, output_lists, inputs, op: str = "all_gather_coalesced"):
+    c.check_list(group, op, output_lists, len(inputs), "output_lists")
+    for outs, inp in zip(output_lists, inputs):
+        allgather(group, [outs], [inp], op)
+    return output_lists
+
+
+def all_gather_single_coalesced(group, outputs, inputs, op: str = "all_gather_into_tensor_coalesced"):
+    c.check_list(group, op, inputs, len(outputs), "inputs")
+    for o, i in zip(outputs, inputs):
+        all_gather_single(group, o, i, op)
+    return outputs
+
+
+def gather(group, output_lists, inputs, root: int, op: str = "gather"):
+    c.check_list(group, op, inputs, 1, "input_tensors")
+    input = inputs[0]
+    c.check_tensor(group, op, input, "input")
+    c.check_root(group, op, root, "dst")
+    comm = group.comm
+    send = c.contiguous(input)
+    if group.rank != root:
+        if output_lists and any(len(o) for o in output_lists):
+            raise c.OpValueError(op, group.where(), f"gather_list must be empty or None on rank {group.rank}, "
+                                 f"which is not the destination (rank {root})")
+        n = send.numel()
+        if n * group.size > group.max_count:  # the root decides the same way
+            for off, k in c.chunks(n, group.max_count):
+                comm.Send(_mpi.buffer(send, off, k), dest=root, tag=0)
+        else:
+            comm.Gatherv(_mpi.buffer(send), None, root=root)
+        return output_lists
+    c.check_list(group, op, output_lists, 1, "output_tensor_lists")
+    outputs = output_lists[0]
+    c.check_list(group, op, outputs, group.size, "gather_list")
+    c.check_tensors(group, op, outputs, "gather_list")
+    c.check_same_dtype(group, op, outputs, input.dtype, "gather_list")
+    for i, t in enumerate(outputs):
+        if t.numel() != input.numel():
+            raise c.OpValueError(op, group.where(), f"gather_list[{i}] has {t.numel()} elements but the input "
+                                 f"has {input.numel()}", "gather needs tensors of one size on every rank")
+    counts = [t.numel() for t in outputs]
+    flat = c.flat_view(outputs)
+    recv = flat if flat is not None and not c.overlaps(send, flat) else torch.empty(sum(counts), dtype=input.dtype)
+    displs = _displs(counts)
+    if sum(counts) > group.max_count:
+        recv[displs[root]:displs[root] + counts[root]].copy_(send)
+        for r in range(group.size):
+            if r != root:
+                for off, k in c.chunks(counts[r], group.max_count):
+                    comm.Recv(_mpi.buffer(recv, displs[r] + off, k), source=r, tag=0)
+    else:
+        mem = _mpi.buffer(recv)[0]
+        comm.Gatherv(_mpi.buffer(send), [mem, (counts, displs), _mpi.mpi_type(recv.dtype)], root=root)
+    if recv is not flat:
+        for t, part in zip(outputs, torch.split(recv, counts)):
+            t.copy_(part.view(t.shape))
+    return output_lists

@@ -1,0 +1,65 @@
+"""Rooted distribution: broadcast and scatter."""
+from __future__ import annotations
+
+import torch
+
+from .. import _mpi
+from . import _common as c
+
+
+def broadcast(group, tensors, root: int, op: str = "broadcast"):
+    c.check_list(group, op, tensors, 1, "tensors")
+    t = tensors[0]
+    c.check_tensor(group, op, t)
+    c.check_root(group, op, root, "src")
+    buf = c.contiguous(t)
+    for off, n in c.chunks(buf.numel(), group.max_count):
+        group.comm.Bcast(_mpi.buffer(buf, off, n), root=root)
+    if group.rank != root:
+        c.write_back(t, buf)
+    return tensors
+
+
+def scatter(group, outputs, input_lists, root: int, op: str = "scatter"):
+    c.check_list(group, op, outputs, 1, "output_tensors")
+    output = outputs[0]
+    c.check_tensor(group, op, output, "output")
+    c.check_root(group, op, root, "src")
+    comm, n = group.comm, output.numel()
+    big = n * group.size > group.max_count  # every rank decides alike: sizes are equal
+    out = c.out_buffer(output)
+    if group.rank != root:
+        if input_lists and any(len(i) for i in input_lists):
+            raise c.OpValueError(op, group.where(), f"scatter_list must be empty or None on rank {group.rank}, "
+                                 f"which is not the source (rank {root})")
+        if big:
+            for off, k in c.chunks(n, group.max_count):
+                comm.Recv(_mpi.buffer(out, off, k), source=root, tag=0)
+        else:
+            comm.Scatter(None, _mpi.buffer(out), root=root)
+        c.write_back(output, out)
+        return outputs
+    c.check_list(group, op, input_lists, 1, "input_tensor_lists")
+    inputs = input_lists[0]
+    c.check_list(group, op, inputs, group.size, "scatter_list")
+    c.check_tensors(group, op, inputs, "scatter_list")
+    c.check_same_dtype(group, op, inputs, output.dtype, "scatter_list")
+    for i, t in enumerate(inputs):
+        if t.numel() != n:
+            raise c.OpValueError(op, group.where(), f"scatter_list[{i}] has {t.numel()} elements but the output "
+                                 f"has {n}", "scatter needs tensors of the output's size")
+    send = c.flat_view(inputs)
+    if send is None or c.overlaps(send, out):
+        send = torch.cat([t.reshape(-1) for t in inputs]) if inputs else torch.empty(0, dtype=output.dtype)
+    if big:
+        out.view(-1).copy_(send[root * n:(root + 1) * n])
+        reqs = []
+        for r in range(group.size):
+            if r != root:
+                for off, k in c.chunks(n, group.max_count):
+                    reqs.append(comm.Isend(_mpi.buffer(send, r * n + off, k), dest=r, tag=0))
+        _mpi.mpi().Request.Waitall(reqs)
+    else:
+        comm.Scatter(_mpi.buffer(send), _mpi.buffer(out), root=root)
+    c.write_back(output, out)
+    return outputs

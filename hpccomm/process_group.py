@@ -1,0 +1,168 @@
+"""The torch-facing adapter: a ``torch.distributed.ProcessGroup`` whose ops run on MPI.
+
+The only module with torch's method names.  Each method unpacks torch's
+options, calls the op module, and wraps the result in a
+:class:`hpccomm._work.Work`.  Blocking ops complete before they return;
+point-to-point ops return a pending Work.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from . import _mpi, _work
+from .errors import HpccommError, OpError
+from .ops import alltoall as _a2a
+from .ops import gather as _gather
+from .ops import p2p as _p2p
+from .ops import reduce as _reduce
+from .ops import scatter as _scatter
+from ._compat import ProcessGroupBase, ReduceOp
+
+BACKEND_NAME = "hpccomm"
+log = logging.getLogger("hpccomm")
+
+
+class ProcessGroupHpccomm(ProcessGroupBase):
+    """A torch process group over one MPI communicator.
+
+    Made by ``dist.init_process_group("hpccomm")``, ``dist.new_group`` and
+    :func:`hpccomm.from_mpi4py`; not usually constructed directly.
+    """
+
+    def __init__(self, group) -> None:
+        super().__init__(group.rank, group.size)
+        self._g = group
+
+    # -- plumbing -------------------------------------------------------------
+    @property
+    def mpi_comm(self):
+        """The mpi4py communicator this group's collectives run on (owned by hpccomm)."""
+        return self._g.comm
+
+    def _run(self, op: str, fn, *args):
+        g = self._g
+        if g.comm is None:
+            raise HpccommError(f"hpccomm {op} (group '{g.name}'): the process group was destroyed")
+        g.next_seq()
+        debug = log.isEnabledFor(logging.DEBUG)
+        t0 = time.perf_counter() if debug else 0.0
+        try:
+            result = fn(g, *args)
+        except OpError:
+            raise
+        except _mpi.mpi().Exception as exc:
+            raise HpccommError(f"hpccomm {op} ({g.where()}): MPI failed: {exc}") from exc
+        if debug:
+            log.debug("%s #%d on %s: %.1f us", op, g.seq, g.name, (time.perf_counter() - t0) * 1e6)
+        if isinstance(result, _p2p.Pending):
+            return _work.Work(args[0], result, f"{op} ({g.where()})")
+        return _work.done(result)
+
+    @staticmethod
+    def _redop(opts):
+        return ReduceOp.SUM if opts is None else getattr(opts, "reduceOp", opts)
+
+    # -- identity -------------------------------------------------------------
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    def getGroupName(self) -> str:
+        return self._g.name
+
+    def setGroupName(self, name: str) -> None:
+        self._g.name = name
+
+    def getGroupDesc(self) -> str:
+        return self._g.desc
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._g.desc = desc
+
+    @property
+    def group_name(self) -> str:
+        return self._g.name
+
+    def abort(self) -> None:
+        """Abort every rank of the job: MPI state cannot be recovered."""
+        _mpi.mpi().COMM_WORLD.Abort(1)
+
+    def shutdown(self) -> None:
+        """Free this group's MPI communicators (torch's destroy_process_group calls it)."""
+        self._g.free()
+
+    # -- collectives ----------------------------------------------------------
+    def allreduce(self, tensors, opts=None):
+        if not isinstance(tensors, (list, tuple)):
+            tensors = [tensors]
+        return self._run("all_reduce", _reduce.allreduce, tensors, self._redop(opts))
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        return self._run("all_reduce_coalesced", _reduce.allreduce_coalesced, tensors, self._redop(opts))
+
+    def reduce(self, tensors, opts):
+        return self._run("reduce", _reduce.reduce, tensors, opts.rootRank, opts.reduceOp)
+
+    def reduce_scatter(self, outputs, input_lists, opts=None):
+        return self._run("reduce_scatter", _reduce.reduce_scatter, outputs, input_lists, self._redop(opts))
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        return self._run("reduce_scatter_tensor", _reduce.reduce_scatter_single, output, input, self._redop(opts))
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        return self._run("reduce_scatter_tensor_coalesced", _reduce.reduce_scatter_single_coalesced,
+                         outputs, inputs, self._redop(opts))
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def broadcast(self, tensors, opts):
+        return self._run("broadcast", _scatter.broadcast, tensors, opts.rootRank)
+
+    def scatter(self, outputs, input_lists, opts):
+        return self._run("scatter", _scatter.scatter, outputs, input_lists, opts.rootRank)
+
+    def allgather(self, output_lists, inputs, opts=None):
+        return self._run("all_gather", _gather.allgather, output_lists, inputs)
+
+    def all_gather_single(self, output, input, opts=None):
+        return self._run("all_gather_into_tensor", _gather.all_gather_single, output, input)
+
+    _allgather_base = all_gather_single
+
+    def allgather_coalesced(self, output_lists, inputs, opts=None):
+        return self._run("all_gather_coalesced", _gather.allgather_coalesced, output_lists, inputs)
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        return self._run("all_gather_into_tensor_coalesced", _gather.all_gather_single_coalesced, outputs, inputs)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def gather(self, output_lists, inputs, opts):
+        return self._run("gather", _gather.gather, output_lists, inputs, opts.rootRank)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        return self._run("all_to_all_single", _a2a.all_to_all_single, output, input,
+                         output_split_sizes, input_split_sizes)
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, outputs, inputs, opts=None):
+        return self._run("all_to_all", _a2a.alltoall, outputs, inputs)
+
+    def barrier(self, opts=None):
+        return self._run("barrier", _p2p.barrier)
+
+    # -- point-to-point -------------------------------------------------------
+    def send(self, tensors, dst: int, tag: int = 0):
+        return self._run("send", _p2p.send, tensors, dst, tag)
+
+    def recv(self, tensors, src: int, tag: int = 0):
+        return self._run("recv", _p2p.recv, tensors, src, tag)
+
+    def recv_anysource(self, tensors, tag: int = 0):
+        return self._run("recv", _p2p.recv, tensors, None, tag)
