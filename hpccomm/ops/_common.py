@@ -10,6 +10,7 @@ from .._compat import RedOpType, premul_sum_factor, reduce_op_type
 from ..errors import OpTypeError, OpValueError
 
 _R = RedOpType
+_UNSIGNED_WIDE = (torch.uint16, torch.uint32, torch.uint64)
 
 
 def check_tensor(group, op: str, t, what: str = "tensor") -> None:
@@ -105,6 +106,9 @@ def finish_average(t: torch.Tensor, n: int) -> None:
     """Divide a SUM by the group size: integers truncate toward zero, as NCCL's AVG."""
     if t.dtype.is_floating_point or t.dtype.is_complex:
         t.div_(n)
+    elif t.dtype in _UNSIGNED_WIDE:  # torch has no integer division for these; numpy does
+        a = t.numpy()
+        a //= n
     else:
         t.copy_(torch.div(t, n, rounding_mode="trunc"))
 
