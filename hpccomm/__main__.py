@@ -1,0 +1,46 @@
+"""The ``hpccomm`` command: ``hpccomm info`` prints what hpccomm sees."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def info() -> dict:
+    import torch
+
+    from . import __version__, _mpi, config
+
+    MPI = _mpi.mpi()
+    return {
+        "hpccomm": __version__,
+        "torch": torch.__version__,
+        "mpi4py": __import__("mpi4py").__version__,
+        "mpi_library": _mpi.library_version(),
+        "mpi_standard": "%d.%d" % MPI.Get_version(),
+        "thread_level": _mpi.thread_level(),
+        "rank": MPI.COMM_WORLD.Get_rank(),
+        "size": MPI.COMM_WORLD.Get_size(),
+        "processor": MPI.Get_processor_name(),
+        "options": {name: opt.get() for name, opt in config.OPTIONS.items()},
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="hpccomm", description="MPI backend for torch.distributed")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_info = sub.add_parser("info", help="print versions, MPI library, thread level and options")
+    p_info.add_argument("--json", action="store_true", help="print JSON")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        report = info()
+        if args.json:
+            print(json.dumps(report, indent=2))
+        else:
+            for key, value in report.items():
+                print(f"{key:14s} {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
