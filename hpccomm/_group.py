@@ -33,10 +33,12 @@ class Group:
         self.store = store
         self.timeout = timeout
         self.seq = 0
+        self.queued = 0  # async ops of this group not yet run by the comm thread
         self.max_count = config.get("HPCCOMM_MAX_MPI_COUNT")
         self.tag_ub = _mpi.mpi().COMM_WORLD.Get_attr(_mpi.mpi().TAG_UB) or 32767
         self._owns_comm = owns_comm
         self._lock = threading.Lock()
+        _mpi.live.add(self)
 
     def where(self) -> str:
         """Context for error messages: op number, group and rank."""
@@ -56,7 +58,12 @@ class Group:
             mgroup.Free()
         return Group(comm, [self.global_ranks[r] for r in ranks], name, store, timeout)
 
-    def free(self) -> None:
+    def free(self, flush: bool = True) -> None:
+        """Free the communicators, after this group's queued ops ran (``flush``)."""
+        from ._engine import engine
+
+        if self.comm is not None and flush:
+            engine.flush(self)
         comm, p2p, self.comm, self.p2p = self.comm, self.p2p, None, None
         MPI = _mpi.mpi()
         if comm is None or MPI.Is_finalized():

@@ -7,6 +7,7 @@ MPI itself starts only when a process group is made.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import zlib
 from dataclasses import dataclass
@@ -63,7 +64,15 @@ def rank_info(comm=None) -> RankInfo:
     node index, computed collectively over ``comm`` (default COMM_WORLD)."""
     MPI = _mpi.mpi()
     comm = MPI.COMM_WORLD if comm is None else comm
-    node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    # Number local ranks as the launcher does (it binds cores and picks devices
+    # by that number); without a launcher's word, in world-rank order.
+    key = comm.Get_rank()
+    for var in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "PMI_LOCAL_RANK"):
+        value = os.environ.get(var, "")
+        if value.isdigit() and comm.Get_size() == _launcher_size():
+            key = int(value)
+            break
+    node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=key)
     try:
         local_rank, local_size = node_comm.Get_rank(), node_comm.Get_size()
         leaders = comm.Split(0 if local_rank == 0 else MPI.UNDEFINED, key=comm.Get_rank())
@@ -76,6 +85,16 @@ def rank_info(comm=None) -> RankInfo:
     finally:
         node_comm.Free()
     return RankInfo(comm.Get_rank(), comm.Get_size(), local_rank, local_size, node, nodes)
+
+
+def _launcher_size() -> int:
+    """The world size the launcher announced, or -1 (its local ranks then
+    describe another world, e.g. a sub-communicator's)."""
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return -1
 
 
 def _store_host(info: RankInfo) -> str:
@@ -142,8 +161,6 @@ def _bootstrap(comm=None, timeout: timedelta = DEFAULT_TIMEOUT):
 def _check_launch(comm) -> None:
     """Refuse the silent-singleton trap: a launcher that started N processes
     which each see an MPI world of one."""
-    import os
-
     if comm.Get_size() != 1:
         return
     for var, launcher, fix in (
@@ -164,9 +181,12 @@ def _mpi_rendezvous(url: str, timeout: timedelta = DEFAULT_TIMEOUT, **kwargs):
     raise InitError("hpccomm: the mpi:// rendezvous cannot be reused after a failure")  # as torch's own handlers
 
 
-def _tag(group_id) -> int:
+def _tag(ranks) -> int:
+    """The MPI_Comm_create_group tag for a group of ``ranks``: derived from the
+    members alone, so it is equal on every member whatever else each created
+    before (torch's group ids can differ under use_local_synchronization)."""
     tag_ub = _mpi.mpi().COMM_WORLD.Get_attr(_mpi.mpi().TAG_UB) or 32767
-    return zlib.crc32(str(group_id).encode()) % (tag_ub + 1)
+    return zlib.crc32(",".join(map(str, ranks)).encode()) % (tag_ub + 1)
 
 
 def _create(opts, backend_options=None) -> ProcessGroupHpccomm:
@@ -183,9 +203,12 @@ def _create(opts, backend_options=None) -> ProcessGroupHpccomm:
             comm = MPI.COMM_WORLD.Dup()
             _state.info = rank_info(comm)
         if (opts.group_rank, opts.group_size) != (comm.Get_rank(), comm.Get_size()):
+            mpi_rank, mpi_size = comm.Get_rank(), comm.Get_size()
+            comm.Free()
+            _state.info = None
             raise InitError(
                 f"hpccomm init: torch's rendezvous says rank {opts.group_rank} of {opts.group_size} but MPI says "
-                f"rank {comm.Get_rank()} of {comm.Get_size()}. With env:// the RANK and WORLD_SIZE variables must "
+                f"rank {mpi_rank} of {mpi_size}. With env:// the RANK and WORLD_SIZE variables must "
                 "match the MPI launch; or use init_method='mpi://' (or hpccomm.init_process_group()), which "
                 "takes both from MPI")
         group = _group.Group(comm, range(comm.Get_size()), store=opts.store, timeout=timeout)
@@ -201,7 +224,7 @@ def _create(opts, backend_options=None) -> ProcessGroupHpccomm:
         base = parent  # the default group is not hpccomm: world ranks are MPI's
     else:
         base = world
-    group = base.subgroup(ranks, _tag(opts.group_id), store=opts.store, timeout=timeout)
+    group = base.subgroup(ranks, _tag(ranks), store=opts.store, timeout=timeout)
     if base is not world:
         base.free()
     return ProcessGroupHpccomm(group)

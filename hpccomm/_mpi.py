@@ -6,7 +6,9 @@ Nothing here runs at import: MPI is initialised by the first call to
 """
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +35,26 @@ def mpi():
                 from mpi4py import MPI
 
                 _MPI = MPI
+                atexit.register(_before_finalize)  # runs before mpi4py finalizes MPI
     return _MPI
+
+
+#: Objects holding MPI handles (groups), freed at exit before MPI_Finalize.
+live = weakref.WeakSet()
+
+
+def _before_finalize() -> None:
+    """Free hpccomm's communicators and user ops while MPI is still up, so
+    finalisation prints no leak or error messages."""
+    MPI = _MPI
+    if MPI is None or MPI.Is_finalized():
+        return
+    for obj in list(live):
+        try:
+            obj.free(flush=False)  # a queued op still pending at exit is abandoned
+        except Exception:  # noqa: BLE001 - at exit: keep freeing the rest
+            pass
+    free_user_ops()
 
 
 def is_initialized() -> bool:
@@ -41,7 +62,7 @@ def is_initialized() -> bool:
 
 
 def library_version() -> str:
-    return mpi().Get_library_version().strip().splitlines()[0]
+    return mpi().Get_library_version().replace("\x00", "").strip().splitlines()[0]
 
 
 THREAD_LEVELS = ("SINGLE", "FUNNELED", "SERIALIZED", "MULTIPLE")

@@ -7,7 +7,10 @@ complete by itself; its value is the list of output tensors (DDP reads it).
 A Work is either born done (a blocking op already ran) or wraps a
 ``Pending`` operation: an object with ``test() -> bool`` (non-blocking),
 ``wait(seconds or None) -> bool`` and ``finish() -> source rank or None``
-(run once, after completion, in the completing thread; it may raise).
+(run once, after completion, in the completing thread; it may raise).  An
+error from any of them completes the Work with that error (wrapped in
+:class:`hpccomm.errors.HpccommError` naming the op), which ``wait()`` and the
+future raise: a pending op never dies silently on the progress thread.
 A pending Work completes when its owner calls ``wait()``, or, once someone
 asked for its future, on the progress thread.
 """
@@ -21,6 +24,7 @@ from typing import Optional
 import torch
 
 from ._compat import WorkBase
+from .errors import HpccommError
 
 
 class Work(WorkBase):
@@ -39,15 +43,22 @@ class Work(WorkBase):
         if self._done:
             self._future.set_result(outputs)
 
-    def _complete(self) -> None:
-        """Run the pending op's finish step; caller holds ``_lock``, request done."""
+    def _complete(self, error: Optional[BaseException] = None) -> None:
+        """Run the pending op's finish step; caller holds ``_lock``, request
+        done (or failed with ``error``)."""
         pending, self._pending = self._pending, None
-        try:
-            source = pending.finish()
-            if source is not None:
-                self._source = source
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-            self._error = exc
+        if error is None:
+            try:
+                source = pending.finish()
+                if source is not None:
+                    self._source = source
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                error = exc
+        if isinstance(error, Exception) and not isinstance(error, HpccommError):
+            wrapped = HpccommError(f"hpccomm {self._describe}: {type(error).__name__}: {error}")
+            wrapped.__cause__ = error
+            error = wrapped
+        self._error = error
         self._done = True
         if self._error is None:
             self._future.set_result(self._outputs)
@@ -61,8 +72,14 @@ class Work(WorkBase):
         if not self._lock.acquire(blocking=False):
             return False  # a waiter holds it and will finish the op
         try:
-            if not self._done and self._pending.test():
-                self._complete()
+            if not self._done:
+                try:
+                    finished = self._pending.test()
+                except Exception as exc:  # noqa: BLE001 - the op failed; its waiter learns why
+                    self._complete(exc)
+                else:
+                    if finished:
+                        self._complete()
             return self._done
         finally:
             self._lock.release()
@@ -75,9 +92,14 @@ class Work(WorkBase):
                 seconds = timeout.total_seconds()
             with self._lock:
                 if not self._done:
-                    if not self._pending.wait(seconds):
-                        raise TimeoutError(f"hpccomm {self._describe}: not complete after {seconds:g} s")
-                    self._complete()
+                    try:
+                        finished = self._pending.wait(seconds)
+                    except Exception as exc:  # noqa: BLE001 - the op failed
+                        self._complete(exc)
+                    else:
+                        if not finished:
+                            raise TimeoutError(f"hpccomm {self._describe}: not complete after {seconds:g} s")
+                        self._complete()
         if self._error is not None:
             raise self._error
         return True

@@ -31,11 +31,11 @@ class Option:
             value = self.parse(raw)
         except (TypeError, ValueError) as exc:
             raise ConfigError(
-                f"{self.name}={raw!r} is not a valid {self.parse.__name__}: {exc}"
+                f"{self.name}={raw!r} is not a valid {self.parse.__name__}: {exc}", self.name
             ) from None
         if self.choices and value not in self.choices:
             raise ConfigError(
-                f"{self.name}={raw!r} is not one of {', '.join(map(str, self.choices))}"
+                f"{self.name}={raw!r} is not one of {', '.join(map(str, self.choices))}", self.name
             )
         return value
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
-from . import _mpi, _work
+from . import _engine, _mpi, _work
 from .errors import HpccommError, OpError
 from .ops import alltoall as _a2a
 from .ops import gather as _gather
@@ -40,24 +40,49 @@ class ProcessGroupHpccomm(ProcessGroupBase):
         """The mpi4py communicator this group's collectives run on (owned by hpccomm)."""
         return self._g.comm
 
-    def _run(self, op: str, fn, *args):
+    def _run(self, op: str, prepare, *args, opts=None):
+        """Check the op's arguments (``prepare``), then run it: here, or on the
+        comm thread when torch asked for ``async_op=True``."""
         g = self._g
         if g.comm is None:
             raise HpccommError(f"hpccomm {op} (group '{g.name}'): the process group was destroyed")
         g.next_seq()
-        debug = log.isEnabledFor(logging.DEBUG)
-        t0 = time.perf_counter() if debug else 0.0
         try:
-            result = fn(g, *args)
+            run = prepare(g, *args)  # raises OpError before any communication
         except OpError:
+            g.seq -= 1  # refused ops are not counted: op numbers stay equal on every rank
             raise
-        except _mpi.mpi().Exception as exc:
-            raise HpccommError(f"hpccomm {op} ({g.where()}): MPI failed: {exc}") from exc
-        if debug:
-            log.debug("%s #%d on %s: %.1f us", op, g.seq, g.name, (time.perf_counter() - t0) * 1e6)
-        if isinstance(result, _p2p.Pending):
-            return _work.Work(args[0], result, f"{op} ({g.where()})")
-        return _work.done(result)
+        if isinstance(run, _p2p.Pending):  # point-to-point: already posted, nonblocking
+            return _work.Work(args[0], run, f"{op} ({g.where()})")
+        asynchronous = opts is not None and getattr(opts, "asyncOp", False)
+        if (asynchronous or g.queued) and _engine.engine.usable():
+            job = _engine.Job(g, self._guarded(op, g, run))
+            work = _work.Work(None, job, f"{op} ({g.where()})")
+            job.work = work
+            _engine.engine.submit(job)
+            if not asynchronous:  # queued only to keep this group's issue order
+                work.wait()
+            return work
+        return _work.done(self._guarded(op, g, run)())
+
+    @staticmethod
+    def _guarded(op: str, g, run):
+        where = g.where()
+
+        def guarded():
+            debug = log.isEnabledFor(logging.DEBUG)
+            t0 = time.perf_counter() if debug else 0.0
+            try:
+                result = run()
+            except OpError:
+                raise
+            except _mpi.mpi().Exception as exc:
+                raise HpccommError(f"hpccomm {op} ({where}): MPI failed: {exc}") from exc
+            if debug:
+                log.debug("%s (%s): %.1f us", op, where, (time.perf_counter() - t0) * 1e6)
+            return result
+
+        return guarded
 
     @staticmethod
     def _redop(opts):
@@ -98,64 +123,64 @@ class ProcessGroupHpccomm(ProcessGroupBase):
     def allreduce(self, tensors, opts=None):
         if not isinstance(tensors, (list, tuple)):
             tensors = [tensors]
-        return self._run("all_reduce", _reduce.allreduce, tensors, self._redop(opts))
+        return self._run("all_reduce", _reduce.allreduce, tensors, self._redop(opts), opts=opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
-        return self._run("all_reduce_coalesced", _reduce.allreduce_coalesced, tensors, self._redop(opts))
+        return self._run("all_reduce_coalesced", _reduce.allreduce_coalesced, tensors, self._redop(opts), opts=opts)
 
     def reduce(self, tensors, opts):
-        return self._run("reduce", _reduce.reduce, tensors, opts.rootRank, opts.reduceOp)
+        return self._run("reduce", _reduce.reduce, tensors, opts.rootRank, opts.reduceOp, opts=opts)
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
-        return self._run("reduce_scatter", _reduce.reduce_scatter, outputs, input_lists, self._redop(opts))
+        return self._run("reduce_scatter", _reduce.reduce_scatter, outputs, input_lists, self._redop(opts), opts=opts)
 
     def reduce_scatter_single(self, output, input, opts=None):
-        return self._run("reduce_scatter_tensor", _reduce.reduce_scatter_single, output, input, self._redop(opts))
+        return self._run("reduce_scatter_tensor", _reduce.reduce_scatter_single, output, input, self._redop(opts), opts=opts)
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         return self._run("reduce_scatter_tensor_coalesced", _reduce.reduce_scatter_single_coalesced,
-                         outputs, inputs, self._redop(opts))
+                         outputs, inputs, self._redop(opts), opts=opts)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def broadcast(self, tensors, opts):
-        return self._run("broadcast", _scatter.broadcast, tensors, opts.rootRank)
+        return self._run("broadcast", _scatter.broadcast, tensors, opts.rootRank, opts=opts)
 
     def scatter(self, outputs, input_lists, opts):
-        return self._run("scatter", _scatter.scatter, outputs, input_lists, opts.rootRank)
+        return self._run("scatter", _scatter.scatter, outputs, input_lists, opts.rootRank, opts=opts)
 
     def allgather(self, output_lists, inputs, opts=None):
-        return self._run("all_gather", _gather.allgather, output_lists, inputs)
+        return self._run("all_gather", _gather.allgather, output_lists, inputs, opts=opts)
 
     def all_gather_single(self, output, input, opts=None):
-        return self._run("all_gather_into_tensor", _gather.all_gather_single, output, input)
+        return self._run("all_gather_into_tensor", _gather.all_gather_single, output, input, opts=opts)
 
     _allgather_base = all_gather_single
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
-        return self._run("all_gather_coalesced", _gather.allgather_coalesced, output_lists, inputs)
+        return self._run("all_gather_coalesced", _gather.allgather_coalesced, output_lists, inputs, opts=opts)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        return self._run("all_gather_into_tensor_coalesced", _gather.all_gather_single_coalesced, outputs, inputs)
+        return self._run("all_gather_into_tensor_coalesced", _gather.all_gather_single_coalesced, outputs, inputs, opts=opts)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def gather(self, output_lists, inputs, opts):
-        return self._run("gather", _gather.gather, output_lists, inputs, opts.rootRank)
+        return self._run("gather", _gather.gather, output_lists, inputs, opts.rootRank, opts=opts)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         return self._run("all_to_all_single", _a2a.all_to_all_single, output, input,
-                         output_split_sizes, input_split_sizes)
+                         output_split_sizes, input_split_sizes, opts=opts)
 
     alltoall_base = all_to_all_single
 
     def alltoall(self, outputs, inputs, opts=None):
-        return self._run("all_to_all", _a2a.alltoall, outputs, inputs)
+        return self._run("all_to_all", _a2a.alltoall, outputs, inputs, opts=opts)
 
     def barrier(self, opts=None):
-        return self._run("barrier", _p2p.barrier)
+        return self._run("barrier", lambda g: (lambda: _p2p.barrier(g)), opts=opts)
 
     # -- point-to-point -------------------------------------------------------
     def send(self, tensors, dst: int, tag: int = 0):

@@ -100,8 +100,8 @@ def fill(shape, dtype, value_of_rank: int, salt: int = 0) -> torch.Tensor:
     for s in shape:
         numel *= s
     base = (torch.arange(numel, dtype=torch.int64) + salt) % 5 + value_of_rank + 1
-    if dtype == torch.bool:
-        return ((base + value_of_rank) % 2 == 0).reshape(shape)
+    if dtype == torch.bool:  # a pattern that differs between ranks
+        return ((torch.arange(numel) + salt + value_of_rank) % (value_of_rank + 2) == 0).reshape(shape)
     if dtype.is_complex:
         return torch.complex(base.double(), -base.double()).to(dtype).reshape(shape)
     return base.to(dtype).reshape(shape)

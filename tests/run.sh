@@ -16,13 +16,13 @@ limit=${HPCCOMM_TEST_TIMEOUT:-1800}
 mkdir -p tests/logs
 status=0
 echo "== unit tests (no MPI launch)"
-python -m pytest -q -p no:cacheprovider -m "not mpi" tests "$@"
+python -m pytest -q -p no:cacheprovider -m "not mpi" "$@"
 rc=$?
 [ $rc -ne 0 ] && [ $rc -ne 5 ] && status=1   # 5: no test selected (a -k for MPI tests only)
 for n in $sizes; do
     echo "== mpirun -n $n"
     timeout --kill-after=30 "$limit" mpirun -n "$n" --oversubscribe \
-        bash tests/rank_output.sh python -m pytest -q -p no:cacheprovider --with-mpi --only-mpi tests "$@"
+        bash tests/rank_output.sh python -m pytest -q -p no:cacheprovider --with-mpi -m mpi "$@"
     rc=$?
     if [ $rc -ne 0 ]; then
         [ $rc -eq 124 ] && echo "!! mpirun -n $n timed out after ${limit}s (see tests/logs/n$n-rank*.log)"

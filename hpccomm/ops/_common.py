@@ -91,7 +91,13 @@ def reduce_op(group, op: str, dtype: torch.dtype, redop):
         else:
             why = f"ReduceOp.{name} is not supported for {dtype}"
         raise OpTypeError(op, group.where(), why)
-    factor = premul_sum_factor(redop) if kind == _R.PREMUL_SUM else None
+    factor = None
+    if kind == _R.PREMUL_SUM:
+        try:
+            factor = premul_sum_factor(redop)
+        except (AttributeError, TypeError):
+            raise OpTypeError(op, group.where(), "ReduceOp.PREMUL_SUM needs its factor",
+                              "Make it with dist._make_nccl_premul_sum(factor)") from None
     return kind, factor
 
 
@@ -131,20 +137,20 @@ def write_back(user: torch.Tensor, staged: torch.Tensor) -> None:
 
 def flat_view(ts: Sequence[torch.Tensor]):
     """A 1-D tensor viewing all of ``ts`` if they are contiguous and laid end
-    to end in one storage, in order (as ``torch.empty(n).chunk(k)`` makes
-    them); else None."""
-    if not ts:
+    to end in one storage, in order (as ``torch.empty(n).chunk(k)`` or
+    ``split`` make them, empty pieces included); else None."""
+    full = [t for t in ts if t.numel() > 0]  # an empty tensor's data_ptr() is 0
+    if not full or not all(t.is_contiguous() for t in full):
         return None
-    first = ts[0]
-    if not all(t.is_contiguous() for t in ts):
-        return None
+    first = full[0]
+    storage = first.untyped_storage().data_ptr()
     ptr = first.data_ptr()
     size = first.element_size()
-    for t in ts:
-        if t.data_ptr() != ptr or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+    for t in full:
+        if t.data_ptr() != ptr or t.untyped_storage().data_ptr() != storage:
             return None
         ptr += t.numel() * size
-    total = sum(t.numel() for t in ts)
+    total = sum(t.numel() for t in full)
     base = torch.empty(0, dtype=first.dtype)
     base.set_(first.untyped_storage(), first.storage_offset(), (total,), (1,))
     return base

@@ -26,19 +26,24 @@ def _spec(t: torch.Tensor, counts, displs, limit: int, group, op: str):
         return [mem, (counts, displs), base], None
     g = math.gcd(*counts, *displs)
     if g == 0 or top // g > limit:
-        raise c.OpValueError(op, group.where(), f"a split of {top} elements does not fit MPI-3's int counts "
-                             "and the splits share no common block size", "Use split sizes with a common factor")
+        raise c.OpValueError(op, group.where(), f"a count or offset of {top} elements is past the MPI count "
+                             f"limit {limit}, and the counts and offsets (in elements) share no common block "
+                             "size that brings them under it", "Use split sizes with a common factor, such as "
+                             "a row length")
     unit = base.Create_contiguous(g).Commit()
     return [mem, ([k // g for k in counts], [d // g for d in displs]), unit], unit
 
 
 def _alltoallv(group, send, scounts, recv, rcounts, op):
-    sspec, stype = _spec(send, *_layout(scounts), group.max_count, group, op)
-    rspec, rtype = _spec(recv, *_layout(rcounts), group.max_count, group, op)
+    units = []  # committed block datatypes, freed even when the receive side is refused
     try:
+        sspec, unit = _spec(send, *_layout(scounts), group.max_count, group, op)
+        units.append(unit)
+        rspec, unit = _spec(recv, *_layout(rcounts), group.max_count, group, op)
+        units.append(unit)
         group.comm.Alltoallv(sspec, rspec)
     finally:
-        for t in (stype, rtype):
+        for t in units:
             if t is not None:
                 t.Free()
 
@@ -68,13 +73,17 @@ def all_to_all_single(group, output, input, output_splits, input_splits, op: str
         raise c.OpTypeError(op, group.where(), f"input has dtype {input.dtype} but output has {output.dtype}")
     scounts = _splits(group, op, input, input_splits, "input")
     rcounts = _splits(group, op, output, output_splits, "output")
-    send = c.contiguous(input)
-    out = c.out_buffer(output)
-    if c.overlaps(send, out):
-        send = send.clone()  # MPI forbids aliased send and receive buffers
-    _alltoallv(group, send, scounts, out, rcounts, op)
-    c.write_back(output, out)
-    return [output]
+
+    def run():
+        send = c.contiguous(input)
+        out = c.out_buffer(output)
+        if c.overlaps(send, out):
+            send = send.clone()  # MPI forbids aliased send and receive buffers
+        _alltoallv(group, send, scounts, out, rcounts, op)
+        c.write_back(output, out)
+        return [output]
+
+    return run
 
 
 def alltoall(group, outputs, inputs, op: str = "all_to_all"):
@@ -85,17 +94,21 @@ def alltoall(group, outputs, inputs, op: str = "all_to_all"):
     dtype = inputs[0].dtype
     c.check_same_dtype(group, op, inputs, dtype, "input_tensor_list")
     c.check_same_dtype(group, op, outputs, dtype, "output_tensor_list")
-    scounts = [t.numel() for t in inputs]
-    rcounts = [t.numel() for t in outputs]
-    send = c.flat_view(inputs)
-    if send is None:
-        send = torch.cat([t.reshape(-1) for t in inputs])
-    recv = c.flat_view(outputs)
-    direct = recv is not None and not c.overlaps(send, recv)
-    if not direct:
-        recv = torch.empty(sum(rcounts), dtype=dtype)
-    _alltoallv(group, send, scounts, recv, rcounts, op)
-    if not direct:
-        for t, part in zip(outputs, torch.split(recv, rcounts)):
-            t.copy_(part.view(t.shape))
-    return outputs
+
+    def run():
+        scounts = [t.numel() for t in inputs]
+        rcounts = [t.numel() for t in outputs]
+        send = c.flat_view(inputs)
+        if send is None:
+            send = torch.cat([t.reshape(-1) for t in inputs])
+        recv = c.flat_view(outputs)
+        direct = recv is not None and not c.overlaps(send, recv)
+        if not direct:
+            recv = torch.empty(sum(rcounts), dtype=dtype)
+        _alltoallv(group, send, scounts, recv, rcounts, op)
+        if not direct:
+            for t, part in zip(outputs, torch.split(recv, rcounts)):
+                t.copy_(part.view(t.shape))
+        return outputs
+
+    return run

@@ -45,15 +45,19 @@ def all_gather_single(group, output, input, op: str = "all_gather_into_tensor"):
     if output.numel() != input.numel() * group.size:
         raise c.OpValueError(op, group.where(), f"output has {output.numel()} elements, expected input's "
                              f"{input.numel()} × group size {group.size} = {input.numel() * group.size}")
-    out = c.out_buffer(output)
-    send = c.contiguous(input)
-    n = send.numel()
-    own = out.numel() and send.data_ptr() == out.data_ptr() + group.rank * n * out.element_size()
-    if not own and c.overlaps(send, out):
-        send = send.clone()  # aliased elsewhere than this rank's slot: MPI forbids it
-    _allgatherv(group, send, out.view(-1), [n] * group.size)
-    c.write_back(output, out)
-    return [output]
+
+    def run():
+        out = c.out_buffer(output)
+        send = c.contiguous(input)
+        n = send.numel()
+        own = out.numel() and send.data_ptr() == out.data_ptr() + group.rank * n * out.element_size()
+        if not own and c.overlaps(send, out):
+            send = send.clone()  # aliased elsewhere than this rank's slot: MPI forbids it
+        _allgatherv(group, send, out.view(-1), [n] * group.size)
+        c.write_back(output, out)
+        return [output]
+
+    return run
 
 
 def allgather(group, output_lists, inputs, op: str = "all_gather"):
@@ -67,31 +71,45 @@ def allgather(group, output_lists, inputs, op: str = "all_gather"):
     if outputs[group.rank].numel() != input.numel():
         raise c.OpValueError(op, group.where(), f"tensor_list[{group.rank}] (this rank's slot) has "
                              f"{outputs[group.rank].numel()} elements but the input has {input.numel()}")
-    counts = [t.numel() for t in outputs]
-    send = c.contiguous(input)
-    flat = c.flat_view(outputs)
-    if flat is not None and not (c.overlaps(send, flat) and send.data_ptr() != outputs[group.rank].data_ptr()):
-        _allgatherv(group, send, flat, counts)  # the outputs are one buffer: zero-copy
+
+    def run():
+        counts = [t.numel() for t in outputs]
+        send = c.contiguous(input)
+        flat = c.flat_view(outputs)
+        if flat is not None and not (c.overlaps(send, flat) and send.data_ptr() != outputs[group.rank].data_ptr()):
+            _allgatherv(group, send, flat, counts)  # the outputs are one buffer: zero-copy
+            return output_lists
+        recv = torch.empty(sum(counts), dtype=input.dtype)
+        _allgatherv(group, send, recv, counts)
+        for t, part in zip(outputs, torch.split(recv, counts)):
+            t.copy_(part.view(t.shape))
         return output_lists
-    recv = torch.empty(sum(counts), dtype=input.dtype)
-    _allgatherv(group, send, recv, counts)
-    for t, part in zip(outputs, torch.split(recv, counts)):
-        t.copy_(part.view(t.shape))
-    return output_lists
+
+    return run
 
 
 def allgather_coalesced(group, output_lists, inputs, op: str = "all_gather_coalesced"):
     c.check_list(group, op, output_lists, len(inputs), "output_lists")
-    for outs, inp in zip(output_lists, inputs):
-        allgather(group, [outs], [inp], op)
-    return output_lists
+    runs = [allgather(group, [outs], [inp], op) for outs, inp in zip(output_lists, inputs)]
+
+    def run():
+        for r in runs:
+            r()
+        return output_lists
+
+    return run
 
 
 def all_gather_single_coalesced(group, outputs, inputs, op: str = "all_gather_into_tensor_coalesced"):
     c.check_list(group, op, inputs, len(outputs), "inputs")
-    for o, i in zip(outputs, inputs):
-        all_gather_single(group, o, i, op)
-    return outputs
+    runs = [all_gather_single(group, o, i, op) for o, i in zip(outputs, inputs)]
+
+    def run():
+        for r in runs:
+            r()
+        return outputs
+
+    return run
 
 
 def gather(group, output_lists, inputs, root: int, op: str = "gather"):
@@ -99,19 +117,11 @@ def gather(group, output_lists, inputs, root: int, op: str = "gather"):
     input = inputs[0]
     c.check_tensor(group, op, input, "input")
     c.check_root(group, op, root, "dst")
-    comm = group.comm
-    send = c.contiguous(input)
     if group.rank != root:
         if output_lists and any(len(o) for o in output_lists):
             raise c.OpValueError(op, group.where(), f"gather_list must be empty or None on rank {group.rank}, "
                                  f"which is not the destination (rank {root})")
-        n = send.numel()
-        if n * group.size > group.max_count:  # the root decides the same way
-            for off, k in c.chunks(n, group.max_count):
-                comm.Send(_mpi.buffer(send, off, k), dest=root, tag=0)
-        else:
-            comm.Gatherv(_mpi.buffer(send), None, root=root)
-        return output_lists
+        return lambda: _gather_send(group, input, root, output_lists)
     c.check_list(group, op, output_lists, 1, "output_tensor_lists")
     outputs = output_lists[0]
     c.check_list(group, op, outputs, group.size, "gather_list")
@@ -121,6 +131,24 @@ def gather(group, output_lists, inputs, root: int, op: str = "gather"):
         if t.numel() != input.numel():
             raise c.OpValueError(op, group.where(), f"gather_list[{i}] has {t.numel()} elements but the input "
                                  f"has {input.numel()}", "gather needs tensors of one size on every rank")
+    return lambda: _gather_recv(group, input, root, outputs, output_lists)
+
+
+def _gather_send(group, input, root, output_lists):
+    comm = group.comm
+    send = c.contiguous(input)
+    n = send.numel()
+    if n * group.size > group.max_count:  # the root decides the same way
+        for off, k in c.chunks(n, group.max_count):
+            comm.Send(_mpi.buffer(send, off, k), dest=root, tag=0)
+    else:
+        comm.Gatherv(_mpi.buffer(send), None, root=root)
+    return output_lists
+
+
+def _gather_recv(group, input, root, outputs, output_lists):
+    comm = group.comm
+    send = c.contiguous(input)
     counts = [t.numel() for t in outputs]
     flat = c.flat_view(outputs)
     recv = flat if flat is not None and not c.overlaps(send, flat) else torch.empty(sum(counts), dtype=input.dtype)

@@ -3,6 +3,10 @@
 AVG and PREMUL_SUM reduce with SUM plus a local step (divide after, multiply
 before), as NCCL does; float16/bfloat16 reduce through a user-defined MPI op
 that computes in that dtype (see ``_mpi.DTYPES``).
+
+Like every op module, each op checks its arguments and returns ``run``, a
+function that communicates and returns the outputs; the caller decides which
+thread runs it.
 """
 from __future__ import annotations
 
@@ -28,14 +32,18 @@ def allreduce(group, tensors, redop, op: str = "all_reduce"):
     t = tensors[0]
     c.check_tensor(group, op, t)
     kind, factor = c.reduce_op(group, op, t.dtype, redop)
-    work = c.contiguous(t)
-    if factor is not None:
-        c.premultiplied(work, factor, inplace=True)
-    _allreduce_flat(group, work, _mpi.mpi_op(t.dtype, kind))
-    if kind == _R.AVG:
-        c.finish_average(work, group.size)
-    c.write_back(t, work)
-    return tensors
+
+    def run():
+        work = c.contiguous(t)
+        if factor is not None:
+            c.premultiplied(work, factor, inplace=True)
+        _allreduce_flat(group, work, _mpi.mpi_op(t.dtype, kind))
+        if kind == _R.AVG:
+            c.finish_average(work, group.size)
+        c.write_back(t, work)
+        return tensors
+
+    return run
 
 
 def allreduce_coalesced(group, tensors, redop, op: str = "all_reduce_coalesced"):
@@ -44,47 +52,55 @@ def allreduce_coalesced(group, tensors, redop, op: str = "all_reduce_coalesced")
     c.check_tensors(group, op, tensors)
     for t in tensors:  # every check before the first message
         c.reduce_op(group, op, t.dtype, redop)
-    # Small tensors of one dtype travel as one message: one latency, not many.
-    by_dtype: dict = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for dtype, ts in by_dtype.items():
-        if len(ts) > 1 and sum(t.numel() for t in ts) * ts[0].element_size() <= _FLATTEN_BYTES:
-            flat = torch.cat([t.reshape(-1) for t in ts])
-            allreduce(group, [flat], redop, op)
-            off = 0
-            for t in ts:
-                t.copy_(flat[off:off + t.numel()].view(t.shape))
-                off += t.numel()
-        else:
-            for t in ts:
-                allreduce(group, [t], redop, op)
-    return tensors
+
+    def run():
+        # Small tensors of one dtype travel as one message: one latency, not many.
+        by_dtype: dict = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for ts in by_dtype.values():
+            if len(ts) > 1 and sum(t.numel() for t in ts) * ts[0].element_size() <= _FLATTEN_BYTES:
+                flat = torch.cat([t.reshape(-1) for t in ts])
+                allreduce(group, [flat], redop, op)()
+                off = 0
+                for t in ts:
+                    t.copy_(flat[off:off + t.numel()].view(t.shape))
+                    off += t.numel()
+            else:
+                for t in ts:
+                    allreduce(group, [t], redop, op)()
+        return tensors
+
+    return run
 
 
 def reduce(group, tensors, root: int, redop, op: str = "reduce"):
     c.check_list(group, op, tensors, 1, "tensors")
     t = tensors[0]
     c.check_tensor(group, op, t)
-    c.check_root(group, op, root)
+    c.check_root(group, op, root, "dst")
     kind, factor = c.reduce_op(group, op, t.dtype, redop)
-    mop = _mpi.mpi_op(t.dtype, kind)
-    comm = group.comm
-    if group.rank == root:
-        work = c.contiguous(t)
-        if factor is not None:
-            c.premultiplied(work, factor, inplace=True)
-        for off, n in c.chunks(work.numel(), group.max_count):
-            comm.Reduce(_mpi.in_place(), _mpi.buffer(work, off, n), op=mop, root=root)
-        if kind == _R.AVG:
-            c.finish_average(work, group.size)
-        c.write_back(t, work)
-    else:
-        # Only the root's tensor is an output: leave this rank's untouched.
-        send = c.premultiplied(t, factor, inplace=False) if factor is not None else c.contiguous(t)
-        for off, n in c.chunks(send.numel(), group.max_count):
-            comm.Reduce(_mpi.buffer(send, off, n), None, op=mop, root=root)
-    return tensors
+
+    def run():
+        mop = _mpi.mpi_op(t.dtype, kind)
+        comm = group.comm
+        if group.rank == root:
+            work = c.contiguous(t)
+            if factor is not None:
+                c.premultiplied(work, factor, inplace=True)
+            for off, n in c.chunks(work.numel(), group.max_count):
+                comm.Reduce(_mpi.in_place(), _mpi.buffer(work, off, n), op=mop, root=root)
+            if kind == _R.AVG:
+                c.finish_average(work, group.size)
+            c.write_back(t, work)
+        else:
+            # Only the root's tensor is an output: leave this rank's untouched.
+            send = c.premultiplied(t, factor, inplace=False) if factor is not None else c.contiguous(t)
+            for off, n in c.chunks(send.numel(), group.max_count):
+                comm.Reduce(_mpi.buffer(send, off, n), None, op=mop, root=root)
+        return tensors
+
+    return run
 
 
 def _reduce_scatter_flat(group, send: torch.Tensor, out: torch.Tensor, mop) -> None:
@@ -117,13 +133,17 @@ def reduce_scatter_single(group, output, input, redop, op: str = "reduce_scatter
         raise c.OpValueError(op, group.where(), f"input has {input.numel()} elements, expected output's "
                              f"{output.numel()} × group size {group.size} = {output.numel() * group.size}")
     kind, factor = c.reduce_op(group, op, input.dtype, redop)
-    send = c.premultiplied(input, factor, inplace=False) if factor is not None else c.contiguous(input)
-    if c.overlaps(send, output):
-        send = send.clone()  # MPI forbids aliased send and receive buffers
-    out = c.out_buffer(output)
-    _reduce_scatter_flat(group, send, out, _mpi.mpi_op(input.dtype, kind))
-    _finish_reduce_scatter(group, out, kind, output)
-    return [output]
+
+    def run():
+        send = c.premultiplied(input, factor, inplace=False) if factor is not None else c.contiguous(input)
+        if c.overlaps(send, output):
+            send = send.clone()  # MPI forbids aliased send and receive buffers
+        out = c.out_buffer(output)
+        _reduce_scatter_flat(group, send, out, _mpi.mpi_op(input.dtype, kind))
+        _finish_reduce_scatter(group, out, kind, output)
+        return [output]
+
+    return run
 
 
 def reduce_scatter(group, outputs, input_lists, redop, op: str = "reduce_scatter"):
@@ -139,19 +159,28 @@ def reduce_scatter(group, outputs, input_lists, redop, op: str = "reduce_scatter
             raise c.OpValueError(op, group.where(), f"input_list[{i}] has {t.numel()} elements but output has "
                                  f"{output.numel()}", "Every input must have the output's size")
     kind, factor = c.reduce_op(group, op, output.dtype, redop)
-    send = c.flat_view(inputs)
-    if send is None or factor is not None or c.overlaps(send, output):
-        send = torch.cat([t.reshape(-1) for t in inputs])
-        if factor is not None:
-            c.premultiplied(send, factor, inplace=True)
-    out = c.out_buffer(output)
-    _reduce_scatter_flat(group, send, out, _mpi.mpi_op(output.dtype, kind))
-    _finish_reduce_scatter(group, out, kind, output)
-    return outputs
+
+    def run():
+        send = c.flat_view(inputs)
+        if send is None or factor is not None or c.overlaps(send, output):
+            send = torch.cat([t.reshape(-1) for t in inputs])
+            if factor is not None:
+                c.premultiplied(send, factor, inplace=True)
+        out = c.out_buffer(output)
+        _reduce_scatter_flat(group, send, out, _mpi.mpi_op(output.dtype, kind))
+        _finish_reduce_scatter(group, out, kind, output)
+        return outputs
+
+    return run
 
 
 def reduce_scatter_single_coalesced(group, outputs, inputs, redop, op: str = "reduce_scatter_tensor_coalesced"):
     c.check_list(group, op, inputs, len(outputs), "inputs")
-    for o, i in zip(outputs, inputs):
-        reduce_scatter_single(group, o, i, redop, op)
-    return outputs
+    runs = [reduce_scatter_single(group, o, i, redop, op) for o, i in zip(outputs, inputs)]
+
+    def run():
+        for r in runs:
+            r()
+        return outputs
+
+    return run

@@ -12,12 +12,16 @@ def broadcast(group, tensors, root: int, op: str = "broadcast"):
     t = tensors[0]
     c.check_tensor(group, op, t)
     c.check_root(group, op, root, "src")
-    buf = c.contiguous(t)
-    for off, n in c.chunks(buf.numel(), group.max_count):
-        group.comm.Bcast(_mpi.buffer(buf, off, n), root=root)
-    if group.rank != root:
-        c.write_back(t, buf)
-    return tensors
+
+    def run():
+        buf = c.contiguous(t)
+        for off, n in c.chunks(buf.numel(), group.max_count):
+            group.comm.Bcast(_mpi.buffer(buf, off, n), root=root)
+        if group.rank != root:
+            c.write_back(t, buf)
+        return tensors
+
+    return run
 
 
 def scatter(group, outputs, input_lists, root: int, op: str = "scatter"):
@@ -25,22 +29,14 @@ def scatter(group, outputs, input_lists, root: int, op: str = "scatter"):
     output = outputs[0]
     c.check_tensor(group, op, output, "output")
     c.check_root(group, op, root, "src")
-    comm, n = group.comm, output.numel()
-    big = n * group.size > group.max_count  # every rank decides alike: sizes are equal
-    out = c.out_buffer(output)
     if group.rank != root:
         if input_lists and any(len(i) for i in input_lists):
             raise c.OpValueError(op, group.where(), f"scatter_list must be empty or None on rank {group.rank}, "
                                  f"which is not the source (rank {root})")
-        if big:
-            for off, k in c.chunks(n, group.max_count):
-                comm.Recv(_mpi.buffer(out, off, k), source=root, tag=0)
-        else:
-            comm.Scatter(None, _mpi.buffer(out), root=root)
-        c.write_back(output, out)
-        return outputs
+        return lambda: _scatter_recv(group, output, root, outputs)
     c.check_list(group, op, input_lists, 1, "input_tensor_lists")
     inputs = input_lists[0]
+    n = output.numel()
     c.check_list(group, op, inputs, group.size, "scatter_list")
     c.check_tensors(group, op, inputs, "scatter_list")
     c.check_same_dtype(group, op, inputs, output.dtype, "scatter_list")
@@ -48,10 +44,32 @@ def scatter(group, outputs, input_lists, root: int, op: str = "scatter"):
         if t.numel() != n:
             raise c.OpValueError(op, group.where(), f"scatter_list[{i}] has {t.numel()} elements but the output "
                                  f"has {n}", "scatter needs tensors of the output's size")
+    return lambda: _scatter_send(group, output, inputs, root, outputs)
+
+
+def _big(group, n: int) -> bool:
+    return n * group.size > group.max_count  # every rank decides alike: sizes are equal
+
+
+def _scatter_recv(group, output, root, outputs):
+    comm, n = group.comm, output.numel()
+    out = c.out_buffer(output)
+    if _big(group, n):
+        for off, k in c.chunks(n, group.max_count):
+            comm.Recv(_mpi.buffer(out, off, k), source=root, tag=0)
+    else:
+        comm.Scatter(None, _mpi.buffer(out), root=root)
+    c.write_back(output, out)
+    return outputs
+
+
+def _scatter_send(group, output, inputs, root, outputs):
+    comm, n = group.comm, output.numel()
+    out = c.out_buffer(output)
     send = c.flat_view(inputs)
     if send is None or c.overlaps(send, out):
         send = torch.cat([t.reshape(-1) for t in inputs]) if inputs else torch.empty(0, dtype=output.dtype)
-    if big:
+    if _big(group, n):
         out.view(-1).copy_(send[root * n:(root + 1) * n])
         reqs = []
         for r in range(group.size):
@@ -60,6 +78,8 @@ def scatter(group, outputs, input_lists, root: int, op: str = "scatter"):
                     reqs.append(comm.Isend(_mpi.buffer(send, r * n + off, k), dest=r, tag=0))
         _mpi.mpi().Request.Waitall(reqs)
     else:
-        comm.Scatter(_mpi.buffer(send), _mpi.buffer(out), root=root)
+        sendbuf = _mpi.buffer(send)
+        sendbuf[1] = n  # mpi4py reads an explicit count as the count per rank, not the total
+        comm.Scatter(sendbuf, _mpi.buffer(out), root=root)
     c.write_back(output, out)
     return outputs

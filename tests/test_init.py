@@ -1,0 +1,538 @@
+"""Start-up and shut-down, each in a fresh job: these tests launch their own
+``mpirun`` (or a single process) from a plain pytest run, with a tiny worker
+script written into the test's tmp_path.
+
+Every launch runs under a timeout (coreutils ``timeout`` inside, the
+subprocess timeout outside), with rank-tagged output (``--output tag``), so
+a hang becomes a failure that shows each rank's last words.  Workers report
+results as ``HPCCOMM-TEST {json}`` lines on stdout.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TIMEOUT = 120  # seconds per launch, start-up of torch on every rank included
+SIZES = [1, 2, 3, 4]
+
+# What MPI or torch prints when a job ends badly at finalize.
+BAD_STDERR = re.compile(r"MPI_ERR|leak|finaliz|Traceback|Segmentation|core dumped|PRTE has lost|"
+                        r"exited on signal|MPI_ABORT", re.IGNORECASE)
+
+PRELUDE = '''\
+import json, os, sys, traceback
+def report(**kw):
+    print("HPCCOMM-TEST " + json.dumps(kw), flush=True)
+'''
+
+
+
+
+
+def _clean_env(**extra) -> dict:
+    """The environment for a launch: none of this process's MPI, PMIx or
+    SLURM variables (a launcher must not think it is nested), and no
+    HPCCOMM_* settings but those a test asks for."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMIX_", "PMI_", "PRTE_", "SLURM_", "HPCCOMM_", "MASTER_",
+                                "RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_"))}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_mpi_yield_when_idle="1",  # oversubscribed: yield instead of spinning
+               PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1", TORCH_CPP_LOG_LEVEL="ERROR",
+               PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+@dataclass
+class Job:
+    cmd: list
+    rc: int
+    stdout: str
+    stderr: str
+    reports: dict = field(default_factory=dict)  # rank -> merged report dicts
+
+    def describe(self) -> str:
+        return (f"$ {' '.join(self.cmd)}\nexit status {self.rc}\n--- stdout\n{self.stdout[-6000:]}\n"
+                f"--- stderr\n{self.stderr[-6000:]}")
+
+    def ok(self, n: int) -> "Job":
+        """Exit status 0, every rank reported, and nothing alarming on stderr."""
+        assert self.rc == 0, self.describe()
+        assert sorted(self.reports) == list(range(n)), f"ranks that reported: {sorted(self.reports)}\n" \
+                                                         + self.describe()
+        bad = [line for line in self.stderr.splitlines() if BAD_STDERR.search(line)]
+        assert not bad, "MPI/torch error text on stderr:\n" + "\n".join(bad) + "\n" + self.describe()
+        return self
+
+
+_TAG = re.compile(r"^\[\d+,(\d+)\]<std(?:out|err)>: ?(.*)$")
+
+
+def _parse(stdout: str, single: bool) -> dict:
+    reports: dict = {}
+    for line in stdout.splitlines():
+        if single:
+            rank, text = 0, line
+        else:
+            m = _TAG.match(line)
+            if not m:
+                continue
+            rank, text = int(m.group(1)), m.group(2)
+        if text.startswith("HPCCOMM-TEST "):
+            reports.setdefault(rank, {}).update(json.loads(text[len("HPCCOMM-TEST "):]))
+    return reports
+
+
+def _run(cmd: list, env: dict, single: bool) -> Job:
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # mpirun and its ranks: the session this test started
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {TIMEOUT} s\n" + Job(cmd, -9, out, err).describe())
+    return Job(cmd, proc.returncode, out, err, _parse(out, single))
+
+
+def mpirun(n: int, script: Path, *args: str, **env) -> Job:
+    """``script`` under ``mpirun -n n`` (oversubscribed, rank-tagged output)."""
+    cmd = ["timeout", "--kill-after=10", str(TIMEOUT - 15), "mpirun", "-n", str(n), "--oversubscribe",
+           "--output", "tag"]
+    for name in env:
+        cmd += ["-x", name]
+    cmd += [sys.executable, str(script), *args]
+    return _run(cmd, _clean_env(**env), single=False)
+
+
+def single(script: Path, *args: str, **env) -> Job:
+    """``script`` as one plain process, no launcher."""
+    cmd = ["timeout", "--kill-after=10", str(TIMEOUT - 15), sys.executable, str(script), *args]
+    return _run(cmd, _clean_env(**env), single=True)
+
+
+def worker(directory: Path, name: str, body: str) -> Path:
+    path = directory / f"{name}.py"
+    path.write_text(PRELUDE + textwrap.dedent(body))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sum_of_ranks_plus_one(n: int) -> float:
+    return n * (n + 1) / 2
+
+
+# --------------------------------------------------------------------------
+# (a) hpccomm.init_process_group(), and what the same job shows:
+# (e) a clean finalize, (i) local ranks, (j) the INFO log
+# --------------------------------------------------------------------------
+
+MAIN = '''
+import torch, torch.distributed as dist
+import hpccomm
+from hpccomm.errors import InitError
+try:
+    hpccomm.local_rank()
+    report(local_rank_before_init="no error")
+except InitError as exc:
+    report(local_rank_before_init=str(exc))
+hpccomm.init_process_group()
+from mpi4py import MPI
+t = torch.full((5,), float(dist.get_rank() + 1))
+dist.all_reduce(t)
+report(rank=dist.get_rank(), size=dist.get_world_size(), backend=dist.get_backend(),
+       mpi_rank=MPI.COMM_WORLD.Get_rank(), result=t.tolist(),
+       local_rank=hpccomm.local_rank(), local_size=hpccomm.local_size(), node=hpccomm.node_index(),
+       env_local_rank=os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK"),
+       env_local_size=os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE"),
+       library=MPI.Get_library_version().replace("\\0", "").strip().splitlines()[0],
+       thread_level=MPI.Query_thread())
+dist.destroy_process_group()
+'''
+
+
+@pytest.fixture(scope="module", params=SIZES, ids=[f"n{n}" for n in SIZES])
+def main_job(request, tmp_path_factory):
+    """One job per size running MAIN with HPCCOMM_LOG=INFO: ``(n, Job)``."""
+    n = request.param
+    script = worker(tmp_path_factory.mktemp(f"main{n}"), "main", MAIN)
+    return n, mpirun(n, script, HPCCOMM_LOG="INFO")
+
+
+def test_hpccomm_init_process_group(main_job):
+    """(a) hpccomm.init_process_group(), then an all_reduce, at every size."""
+    n, job = main_job
+    job.ok(n)
+    for r, rep in job.reports.items():
+        assert (rep["rank"], rep["size"], rep["mpi_rank"]) == (r, n, r), rep
+        assert rep["backend"] == "hpccomm"
+        assert rep["result"] == [_sum_of_ranks_plus_one(n)] * 5, rep
+
+
+def test_job_ends_cleanly(main_job):
+    """(e) exit status 0 and no MPI error text (MPI_ERR, leak, finalize) on stderr."""
+    n, job = main_job
+    job.ok(n)  # ok() greps stderr
+    assert not BAD_STDERR.search(job.stderr)
+
+
+def test_local_rank_matches_launcher(main_job):
+    """(i) local_size/node_index agree with Open MPI's variables (one node
+    here: node 0), local ranks are the launcher's 0..local_size-1, and before
+    init they raise InitError."""
+    n, job = main_job
+    job.ok(n)
+    ours = {r: rep["local_rank"] for r, rep in job.reports.items()}
+    launcher = {r: int(rep["env_local_rank"]) for r, rep in job.reports.items()}
+    assert sorted(ours.values()) == sorted(launcher.values()) == list(range(n)), (ours, launcher)
+    for r, rep in job.reports.items():
+        assert rep["local_size"] == int(rep["env_local_size"]) == n, rep
+        assert rep["node"] == 0, rep
+        assert "not initialised" in rep["local_rank_before_init"], rep
+        assert "init_process_group" in rep["local_rank_before_init"], rep
+
+
+def test_local_rank_equals_launcher_local_rank(main_job):
+    """(i) hpccomm.local_rank() is the launcher's OMPI_COMM_WORLD_LOCAL_RANK,
+    the number that binding and per-node device selection use."""
+    n, job = main_job
+    job.ok(n)
+    for r, rep in job.reports.items():
+        assert rep["local_rank"] == int(rep["env_local_rank"]), (r, rep["local_rank"], rep["env_local_rank"])
+
+
+def test_info_log_names_mpi_library_and_thread_level(main_job):
+    """(j) HPCCOMM_LOG=INFO: each rank logs the MPI library and thread level."""
+    n, job = main_job
+    job.ok(n)
+    levels = ("SINGLE", "FUNNELED", "SERIALIZED", "MULTIPLE")
+    for r, rep in job.reports.items():
+        pattern = (rf"^\[\d+,{r}\]<stderr>: \[hpccomm rank {r}\] INFO MPI {re.escape(rep['library'])}\x00?, "
+                   rf"thread level {levels[rep['thread_level']]}, world {n} ranks on 1 node\(s\), "
+                   rf"local rank {r}/{n}$")
+        assert re.search(pattern, job.stderr, re.MULTILINE), f"rank {r}: no line matching {pattern}\n" \
+                                                              + job.describe()
+
+
+def test_info_log_is_plain_text(main_job):
+    """(j) the INFO lines are printable text (no NUL or control bytes)."""
+    n, job = main_job
+    job.ok(n)
+    lines = [line for line in job.stderr.splitlines() if "[hpccomm rank" in line]
+    assert len(lines) >= n, job.describe()
+    for line in lines:
+        assert line.isprintable(), repr(line)
+
+
+# --------------------------------------------------------------------------
+# (b) init_method="mpi://"
+# --------------------------------------------------------------------------
+
+MPI_URL = '''
+import torch, torch.distributed as dist
+import hpccomm
+dist.init_process_group(backend="hpccomm", init_method="mpi://")
+from mpi4py import MPI
+t = torch.full((3,), float(dist.get_rank() + 1), dtype=torch.float64)
+dist.all_reduce(t)
+report(rank=dist.get_rank(), size=dist.get_world_size(), mpi_rank=MPI.COMM_WORLD.Get_rank(),
+       backend=dist.get_backend(), result=t.tolist())
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_init_method_mpi_url(tmp_path, n):
+    """(b) dist.init_process_group(backend="hpccomm", init_method="mpi://"); no
+    HPCCOMM_LOG: hpccomm says nothing on stderr."""
+    job = mpirun(n, worker(tmp_path, "mpi_url", MPI_URL)).ok(n)
+    for r, rep in job.reports.items():
+        assert (rep["rank"], rep["size"], rep["mpi_rank"], rep["backend"]) == (r, n, r, "hpccomm"), rep
+        assert rep["result"] == [_sum_of_ranks_plus_one(n)] * 3, rep
+    assert "[hpccomm rank" not in job.stderr, job.describe()
+
+
+# --------------------------------------------------------------------------
+# (c) env:// and (c') a RANK that disagrees with MPI
+# --------------------------------------------------------------------------
+
+ENV_URL = '''
+import torch, torch.distributed as dist
+import hpccomm
+from hpccomm.errors import InitError
+mpi_rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
+size = int(os.environ["WORLD_SIZE"])
+shift = int(sys.argv[1])
+os.environ["RANK"] = str((mpi_rank + shift) % size)
+try:
+    dist.init_process_group(backend="hpccomm")
+except InitError as exc:
+    report(error=type(exc).__name__, message=str(exc))
+    sys.exit(0)
+from mpi4py import MPI
+t = torch.full((4,), float(dist.get_rank() + 1))
+dist.all_reduce(t)
+report(rank=dist.get_rank(), size=dist.get_world_size(), mpi_rank=MPI.COMM_WORLD.Get_rank(), result=t.tolist())
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_env_rendezvous(tmp_path, n):
+    """(c) dist.init_process_group(backend="hpccomm") with env:// (RANK from
+    OMPI_COMM_WORLD_RANK, MASTER_ADDR/MASTER_PORT/WORLD_SIZE from the test)."""
+    job = mpirun(n, worker(tmp_path, "env_url", ENV_URL), "0",
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), WORLD_SIZE=n).ok(n)
+    for r, rep in job.reports.items():
+        assert "error" not in rep, rep
+        assert (rep["rank"], rep["size"], rep["mpi_rank"]) == (r, n, r), rep
+        assert rep["result"] == [_sum_of_ranks_plus_one(n)] * 4, rep
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_env_rendezvous_rank_mismatch(tmp_path, n):
+    """(c') RANK shifted by one against MPI's rank (a permutation: the store
+    rendezvous itself succeeds) gives InitError on every rank, naming RANK and MPI."""
+    job = mpirun(n, worker(tmp_path, "env_url", ENV_URL), "1",
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), WORLD_SIZE=n).ok(n)
+    for r, rep in job.reports.items():
+        assert rep.get("error") == "InitError", rep
+        msg = rep["message"]
+        assert f"rank {(r + 1) % n} of {n}" in msg and f"MPI says rank {r} of {n}" in msg, msg
+        assert "RANK" in msg and "WORLD_SIZE" in msg and "mpi://" in msg, msg
+
+
+# --------------------------------------------------------------------------
+# (d) destroy, then init again in the same process
+# --------------------------------------------------------------------------
+
+REINIT = '''
+import torch, torch.distributed as dist
+import hpccomm
+from hpccomm.errors import InitError
+from mpi4py import MPI
+n = int(os.environ["OMPI_COMM_WORLD_SIZE"])
+results = []
+for round in range(3):
+    if round == 1:
+        dist.init_process_group(backend="hpccomm", init_method="mpi://")
+    else:
+        hpccomm.init_process_group()
+    try:
+        hpccomm.init_process_group()
+        report(**{f"double_init_{round}": "no error"})
+    except InitError as exc:
+        report(**{f"double_init_{round}": str(exc)})
+    world = dist.group.WORLD
+    sub = dist.new_group(list(range(n)))
+    comms = [world.mpi_comm, world._g.p2p, sub.mpi_comm, sub._g.p2p]
+    handles = [c.py2f() for c in comms]
+    t = torch.full((2,), float(dist.get_rank() + 1))
+    dist.all_reduce(t)
+    u = torch.ones(2)
+    dist.all_reduce(u, group=sub)
+    dist.destroy_process_group()
+    results.append(dict(sum=t.tolist(), sub=u.tolist(), handles=handles,
+                        freed=[c == MPI.COMM_NULL for c in comms],
+                        mpi_comm_after=[repr(world.mpi_comm), repr(sub.mpi_comm)],
+                        initialized_after=dist.is_initialized()))
+report(rounds=results, pending=repr(hpccomm._init._state.pending_comm))
+'''
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_destroy_then_init_again(tmp_path, n):
+    """(d) destroy_process_group() frees the groups' MPI communicators (the
+    mpi4py handles become COMM_NULL, mpi_comm is None) and a second and third
+    init in the same process work; init while initialised is an InitError."""
+    job = mpirun(n, worker(tmp_path, "reinit", REINIT)).ok(n)
+    for r, rep in job.reports.items():
+        assert len(rep["rounds"]) == 3, rep
+        for i, rnd in enumerate(rep["rounds"]):
+            assert rnd["sum"] == [_sum_of_ranks_plus_one(n)] * 2, (i, rnd)
+            assert rnd["sub"] == [float(n)] * 2, (i, rnd)
+            assert rnd["freed"] == [True] * 4, (i, rnd)
+            assert rnd["mpi_comm_after"] == ["None", "None"], (i, rnd)
+            assert rnd["initialized_after"] is False, (i, rnd)
+            assert "already initialised" in rep[f"double_init_{i}"], rep
+        assert rep["pending"] == "None", rep
+
+
+# --------------------------------------------------------------------------
+# (e) a busy job ends cleanly, with or without destroy_process_group
+# --------------------------------------------------------------------------
+
+BUSY = '''
+import torch, torch.distributed as dist
+import hpccomm
+from mpi4py import MPI
+hpccomm.init_process_group()
+r, n = dist.get_rank(), dist.get_world_size()
+for dtype in (torch.float16, torch.bfloat16, torch.float32):   # user-defined MPI ops for 16-bit floats
+    t = torch.ones(8, dtype=dtype)
+    dist.all_reduce(t)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+odd = dist.new_group([k for k in range(n) if k % 2])
+mine = hpccomm.from_mpi4py(MPI.COMM_WORLD.Split(r % 2, r))
+if n > 1:
+    x = torch.arange(4.0)
+    reqs = [dist.isend(x, dst=(r + 1) % n), dist.irecv(torch.empty(4), src=(r - 1) % n)]
+    for q in reqs:
+        q.wait()
+dist.barrier()
+if sys.argv[1] == "destroy":
+    dist.destroy_process_group()
+report(done=True)
+'''
+
+
+@pytest.mark.parametrize("how", ["destroy", "no-destroy"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_busy_job_finalizes_cleanly(tmp_path, n, how):
+    """(e) after collectives, user MPI ops, subgroups (new_group and
+    from_mpi4py) and point-to-point, the job exits 0 with no MPI error text,
+    whether or not the script calls destroy_process_group()."""
+    mpirun(n, worker(tmp_path, "busy", BUSY), how).ok(n)
+
+
+# --------------------------------------------------------------------------
+# (f) a gloo group beside the hpccomm world
+# --------------------------------------------------------------------------
+
+GLOO = '''
+import torch, torch.distributed as dist
+import hpccomm
+hpccomm.init_process_group()
+r, n = dist.get_rank(), dist.get_world_size()
+everyone = dist.new_group(backend="gloo")
+evens = dist.new_group([k for k in range(n) if k % 2 == 0], backend="gloo")
+t = torch.full((3,), float(r + 1))
+dist.all_reduce(t, group=everyone)
+u = torch.full((3,), float(r + 1))
+dist.all_reduce(u)  # the hpccomm world, interleaved with gloo
+v = None
+if r % 2 == 0:
+    v = torch.full((2,), float(r))
+    dist.all_reduce(v, group=evens)
+    v = v.tolist()
+report(gloo=t.tolist(), world=u.tolist(), evens=v, backends=[dist.get_backend(everyone), dist.get_backend()])
+dist.destroy_process_group()
+# Drop the last references so the gloo groups' threads are joined now: a gloo
+# thread still alive at interpreter exit can abort the process (torch, not hpccomm).
+del everyone, evens
+'''
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_gloo_group_beside_hpccomm_world(tmp_path, n):
+    """(f) new_group(backend="gloo") works beside the hpccomm world (the
+    store made over MPI is shared by both)."""
+    job = mpirun(n, worker(tmp_path, "gloo", GLOO)).ok(n)
+    total = _sum_of_ranks_plus_one(n)
+    even_sum = float(sum(k for k in range(n) if k % 2 == 0))
+    for r, rep in job.reports.items():
+        assert rep["backends"] == ["gloo", "hpccomm"], rep
+        assert rep["gloo"] == [total] * 3 and rep["world"] == [total] * 3, rep
+        assert rep["evens"] == ([even_sum] * 2 if r % 2 == 0 else None), rep
+
+
+# --------------------------------------------------------------------------
+# (g) the silent-singleton trap
+# --------------------------------------------------------------------------
+
+SINGLETON = '''
+import torch, torch.distributed as dist
+import hpccomm
+from hpccomm.errors import InitError
+how = sys.argv[1]
+try:
+    if how == "hpccomm":
+        hpccomm.init_process_group()
+    elif how == "mpi-url":
+        dist.init_process_group(backend="hpccomm", init_method="mpi://")
+    else:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1")
+        dist.init_process_group(backend="hpccomm")
+except InitError as exc:
+    report(error=type(exc).__name__, message=str(exc))
+else:
+    report(error=None, size=dist.get_world_size())
+    dist.destroy_process_group()
+'''
+
+
+@pytest.mark.parametrize("how", ["hpccomm", "mpi-url", "env-url"])
+def test_srun_without_pmi_plugin_is_refused(tmp_path, how):
+    """(g) one process that SLURM says is one of 4 tasks of a job step (srun
+    without --mpi=pmix: every task would see an MPI world of 1) is refused
+    with InitError naming the fix, on every init path."""
+    job = single(worker(tmp_path, "singleton", SINGLETON), how, str(free_port()),
+                 SLURM_NTASKS=4, SLURM_STEP_ID=0, SLURM_PROCID=0).ok(1)
+    rep = job.reports[0]
+    assert rep["error"] == "InitError", rep
+    assert "srun started 4 processes (SLURM_NTASKS=4)" in rep["message"], rep
+    assert "--mpi=pmix" in rep["message"] and "world of 1" in rep["message"], rep
+
+
+def test_batch_script_single_process_is_allowed(tmp_path):
+    """(g) the same SLURM_NTASKS outside a job step (a batch script running
+    one python) is a legitimate world of 1."""
+    job = single(worker(tmp_path, "singleton", SINGLETON), "hpccomm", "0", SLURM_NTASKS=4).ok(1)
+    assert job.reports[0] == {"error": None, "size": 1}, job.describe()
+
+
+def test_mpiexec_variable_without_mpi_world_is_refused(tmp_path):
+    """(g) PMI_SIZE (Hydra's mpiexec) > 1 with an MPI world of 1: the wrong
+    MPI library's launcher."""
+    job = single(worker(tmp_path, "singleton", SINGLETON), "hpccomm", "0", PMI_SIZE=3).ok(1)
+    rep = job.reports[0]
+    assert rep["error"] == "InitError" and "mpiexec started 3 processes (PMI_SIZE=3)" in rep["message"], rep
+
+
+# --------------------------------------------------------------------------
+# (h) import is cheap
+# --------------------------------------------------------------------------
+
+IMPORT = '''
+import threading
+before = set(sys.modules)
+import hpccomm
+import torch.distributed as dist
+import importlib
+rdzv = importlib.import_module("torch.distributed.rendezvous")
+mpi_initialized = None
+if "mpi4py.MPI" in sys.modules:
+    mpi_initialized = sys.modules["mpi4py.MPI"].Is_initialized()
+report(mpi4py_MPI_imported="mpi4py.MPI" in sys.modules, mpi_initialized=mpi_initialized,
+       mpi4py_imported="mpi4py" in sys.modules, threads=threading.active_count(),
+       backend=str(dist.Backend("hpccomm")), rendezvous="mpi" in rdzv._rendezvous_handlers,
+       available=hpccomm.is_available(), mpi4py_MPI_after_is_available="mpi4py.MPI" in sys.modules)
+'''
+
+
+def test_import_does_not_start_mpi(tmp_path):
+    """(h) ``import hpccomm`` registers the backend and mpi:// but neither
+    imports mpi4py.MPI (which would initialise MPI) nor starts threads."""
+    job = single(worker(tmp_path, "imp", IMPORT)).ok(1)
+    rep = job.reports[0]
+    assert rep["mpi4py_MPI_imported"] is False and rep["mpi_initialized"] is None, rep
+    assert rep["mpi4py_MPI_after_is_available"] is False, rep
+    assert rep["threads"] == 1, rep
+    assert rep["backend"] == "hpccomm" and rep["rendezvous"] is True and rep["available"] is True, rep

@@ -1,0 +1,764 @@
+"""Unit tests: no MPI launch, plain pytest.
+
+Configuration parsing, the dtype table, the ReduceOp support table, the
+checks every op runs before communicating (against a group with no
+communicator: touching it fails the test) and the format of their messages,
+the launcher checks, errors, and a layering test over hpccomm's imports.
+
+A few tests need MPI datatypes; they start MPI as a singleton in this process
+(fixture ``MPI``), which ``mpirun`` is not needed for.
+"""
+from __future__ import annotations
+
+import ast
+import pickle
+import re
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hpccomm
+from hpccomm import _compat, _group, _init, _mpi, config, errors
+from hpccomm.ops import _common as c
+from hpccomm.ops import alltoall, gather, p2p, reduce, scatter
+from helpers import MOVE_DTYPES
+
+R = dist.ReduceOp
+T = R.RedOpType
+PKG = Path(hpccomm.__file__).resolve().parent
+ALL_REDOPS = [T.SUM, T.PRODUCT, T.MIN, T.MAX, T.AVG, T.BAND, T.BOR, T.BXOR, T.PREMUL_SUM]
+
+
+
+
+
+# --------------------------------------------------------------------------
+# fakes
+# --------------------------------------------------------------------------
+
+class NoComm:
+    """A communicator that fails the test if anything is done with it."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the op used its communicator ({name}) before refusing its input")
+
+
+def fake_group(rank: int = 1, size: int = 4) -> _group.Group:
+    """A real :class:`hpccomm._group.Group` (so ``where()`` is the real one)
+    without MPI: its communicators are :class:`NoComm`."""
+    g = _group.Group.__new__(_group.Group)
+    g.__dict__.update(comm=NoComm(), p2p=NoComm(), rank=rank, size=size, global_ranks=list(range(size)),
+                      name="fake", desc="", store=None, timeout=None, seq=7, max_count=2**31 - 1,
+                      tag_ub=32767, _owns_comm=False)
+    return g
+
+
+class FakeCudaTensor(torch.Tensor):
+    """A CPU tensor claiming to be on cuda:0."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+@pytest.fixture(scope="module")
+def MPI():
+    """mpi4py.MPI, MPI started as a singleton in this process."""
+    return _mpi.mpi()
+
+
+# --------------------------------------------------------------------------
+# configuration
+# --------------------------------------------------------------------------
+
+def test_options_are_declared_well():
+    assert config.OPTIONS, "no options"
+    for name, opt in config.OPTIONS.items():
+        assert name == opt.name and re.fullmatch(r"HPCCOMM_[A-Z0-9_]+", name), name
+        assert opt.doc and opt.doc[0].isupper() and "  " not in opt.doc, (name, opt.doc)
+        if opt.choices:
+            assert opt.default in opt.choices, name
+
+
+@pytest.mark.parametrize("name", sorted(config.OPTIONS))
+def test_unset_or_empty_gives_default(monkeypatch, name):
+    monkeypatch.delenv(name, raising=False)
+    assert config.get(name) == config.OPTIONS[name].default
+    monkeypatch.setenv(name, "")
+    assert config.get(name) == config.OPTIONS[name].default
+
+
+@pytest.mark.parametrize("raw,value", [("7", 7), (" 12 ", 12), ("0x10", 16), ("2147483647", 2**31 - 1)])
+def test_max_mpi_count_parses(monkeypatch, raw, value):
+    monkeypatch.setenv("HPCCOMM_MAX_MPI_COUNT", raw)
+    assert config.get("HPCCOMM_MAX_MPI_COUNT") == value
+
+
+@pytest.mark.parametrize("raw", ["abc", "0", "-5", "1.5", "1e6"])
+def test_bad_max_mpi_count_names_the_variable(monkeypatch, raw):
+    monkeypatch.setenv("HPCCOMM_MAX_MPI_COUNT", raw)
+    with pytest.raises(hpccomm.ConfigError, match=rf"^HPCCOMM_MAX_MPI_COUNT={re.escape(repr(raw))} is not a "
+                       r"valid positive integer: \S") as info:
+        config.get("HPCCOMM_MAX_MPI_COUNT")
+    assert isinstance(info.value, ValueError) and isinstance(info.value, hpccomm.HpccommError)
+    assert info.value.variable == "HPCCOMM_MAX_MPI_COUNT"
+    assert "  " not in str(info.value)
+
+
+@pytest.mark.parametrize("raw", ["70000", "-1", "http"])
+def test_bad_store_port_names_the_variable(monkeypatch, raw):
+    monkeypatch.setenv("HPCCOMM_STORE_PORT", raw)
+    with pytest.raises(hpccomm.ConfigError, match=rf"^HPCCOMM_STORE_PORT={re.escape(repr(raw))} is not a "
+                       r"valid port"):
+        config.get("HPCCOMM_STORE_PORT")
+
+
+def test_log_level_choices(monkeypatch):
+    monkeypatch.setenv("HPCCOMM_LOG", " info ")
+    assert config.get("HPCCOMM_LOG") == "INFO"
+    monkeypatch.setenv("HPCCOMM_LOG", "loud")
+    with pytest.raises(hpccomm.ConfigError, match=r"^HPCCOMM_LOG='loud' is not one of CRITICAL, ERROR, WARNING, "
+                       r"INFO, DEBUG$"):
+        config.get("HPCCOMM_LOG")
+
+
+def test_bad_log_level_refused_at_init(monkeypatch):
+    """init reads HPCCOMM_LOG first: a bad value fails before MPI starts."""
+    monkeypatch.setenv("HPCCOMM_LOG", "loud")
+    with mock.patch.object(_mpi, "mpi", side_effect=AssertionError("MPI started before the config was read")):
+        with pytest.raises(hpccomm.ConfigError, match="HPCCOMM_LOG"):
+            _init._configure_logging()
+
+
+def test_unknown_option_name():
+    with pytest.raises(KeyError):
+        config.get("HPCCOMM_NO_SUCH_THING")
+
+
+def _hpccomm_sources():
+    return sorted(p for p in PKG.rglob("*.py"))
+
+
+def test_every_hpccomm_variable_is_declared():
+    """Every HPCCOMM_* name in the package is an option, and only config.py
+    reads the environment for one."""
+    undeclared, direct = set(), []
+    for path in _hpccomm_sources():
+        text = path.read_text()
+        for name in re.findall(r"\bHPCCOMM_[A-Z][A-Z0-9_]*", text):
+            if name not in config.OPTIONS:
+                undeclared.add(f"{path.relative_to(PKG)}: {name}")
+        if path.name == "config.py":
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                    and node.value.startswith("HPCCOMM_") and _reads_env(path, node, text):
+                direct.append(f"{path.relative_to(PKG)}:{node.lineno}")
+    assert not undeclared, f"not in config.OPTIONS: {sorted(undeclared)}"
+    assert not direct, f"read HPCCOMM_* with os.environ/getenv instead of config.get: {direct}"
+
+
+def _reads_env(path, node, text) -> bool:
+    line = text.splitlines()[node.lineno - 1]
+    return "environ" in line or "getenv" in line
+
+
+# --------------------------------------------------------------------------
+# dtypes
+# --------------------------------------------------------------------------
+
+#: torch dtypes hpccomm deliberately does not handle (sub-byte, packed,
+#: quantized, bit containers, complex32: torch views complex as real first).
+REFUSED_DTYPES = {"complex32", "qint8", "quint8", "qint32", "quint4x2", "quint2x4", "bits1x8", "bits2x4",
+                  "bits4x2", "bits8", "bits16", "float4_e2m1fn_x2",
+                  *(f"int{k}" for k in range(1, 8)), *(f"uint{k}" for k in range(1, 8))}
+
+
+def _torch_dtypes():
+    return {str(v).replace("torch.", ""): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+
+
+def test_every_torch_dtype_has_a_decision():
+    """A dtype torch adds must be put in DTYPES or refused on purpose."""
+    undecided = [n for n, d in _torch_dtypes().items() if d not in _mpi.DTYPES and n not in REFUSED_DTYPES]
+    assert not undecided, f"torch dtypes neither in _mpi.DTYPES nor refused: {sorted(undecided)}"
+    both = [n for n, d in _torch_dtypes().items() if d in _mpi.DTYPES and n in REFUSED_DTYPES]
+    assert not both, both
+
+
+def test_tested_dtypes_are_in_the_table():
+    assert [d for d in MOVE_DTYPES if d not in _mpi.DTYPES] == []
+
+
+def _expected_kind(dtype: torch.dtype) -> str:
+    name = str(dtype)
+    if dtype == torch.bool:
+        return "bool"
+    if "float8" in name:
+        return "bytes"
+    if dtype in (torch.float16, torch.bfloat16):
+        return "half"
+    if dtype.is_complex:
+        return "complex"
+    if dtype.is_floating_point:
+        return "float"
+    return "int"
+
+
+@pytest.mark.parametrize("dtype", list(_mpi.DTYPES), ids=[str(d)[6:] for d in _mpi.DTYPES])
+def test_dtype_entry_is_sensible(MPI, dtype):
+    info = _mpi.DTYPES[dtype]
+    assert info.kind == _expected_kind(dtype), (dtype, info)
+    assert info.kind in _mpi.ALLOWED_OPS
+    mtype = getattr(MPI, info.move, None)
+    assert mtype is not None and mtype != MPI.DATATYPE_NULL, (dtype, info.move)
+    assert mtype.Get_size() == torch.empty(0, dtype=dtype).element_size(), (dtype, info.move)
+    assert _mpi.mpi_type(dtype) == mtype
+    if info.kind == "float":
+        assert info.move == {torch.float32: "FLOAT", torch.float64: "DOUBLE"}[dtype]
+    elif info.kind == "complex":
+        assert info.move == {torch.complex64: "C_FLOAT_COMPLEX", torch.complex128: "C_DOUBLE_COMPLEX"}[dtype]
+    elif info.kind == "int":
+        # MIN/MAX/AVG depend on the signedness MPI is told
+        assert info.move.startswith("UINT") == (not dtype.is_signed), (dtype, info.move)
+        assert info.move.endswith("_T")
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental:UserWarning")
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
+@pytest.mark.parametrize("dtype", [torch.bits8, torch.complex32, torch.quint8, torch.float4_e2m1fn_x2])
+def test_unknown_dtype_is_rejected(dtype):
+    assert dtype not in _mpi.DTYPES
+    with pytest.raises(KeyError):
+        _mpi.mpi_type(dtype)
+    t = torch.empty(2, dtype=dtype) if dtype != torch.quint8 else torch.quantize_per_tensor(
+        torch.zeros(2), 0.1, 0, torch.quint8)
+    with pytest.raises(hpccomm.OpTypeError, match=rf"tensor has dtype {re.escape(str(dtype))}, which hpccomm "
+                       r"cannot send\. Supported: float32, float64, float16, bfloat16"):
+        c.check_tensor(fake_group(), "broadcast", t)
+
+
+# --------------------------------------------------------------------------
+# ReduceOps
+# --------------------------------------------------------------------------
+
+def _supported(dtype, redop) -> bool:
+    """torch's semantics, independent of hpccomm's tables."""
+    if "float8" in str(dtype):
+        return False
+    if dtype == torch.bool:
+        return redop not in (T.AVG, T.PREMUL_SUM)
+    if dtype.is_complex:
+        return redop in (T.SUM, T.PRODUCT, T.AVG, T.PREMUL_SUM)
+    if dtype.is_floating_point:
+        return redop not in (T.BAND, T.BOR, T.BXOR)
+    return redop != T.PREMUL_SUM
+
+
+def _redop(kind):
+    return dist._make_nccl_premul_sum(2.5) if kind == T.PREMUL_SUM else R(kind)
+
+
+TABLE = [(d, k) for d in _mpi.DTYPES for k in ALL_REDOPS]
+
+
+@pytest.mark.parametrize("dtype,kind", TABLE, ids=[f"{str(d)[6:]}-{str(k).split('.')[-1]}" for d, k in TABLE])
+def test_reduce_op_support_table(dtype, kind):
+    g = fake_group()
+    if _supported(dtype, kind):
+        got, factor = c.reduce_op(g, "all_reduce", dtype, _redop(kind))
+        assert got == kind
+        assert factor == (2.5 if kind == T.PREMUL_SUM else None)
+        if kind != T.PREMUL_SUM:  # a bare RedOpType is accepted too
+            assert c.reduce_op(g, "all_reduce", dtype, kind) == (kind, None)
+    else:
+        name = str(kind).split(".")[-1]
+        with pytest.raises(hpccomm.OpTypeError) as info:
+            c.reduce_op(g, "all_reduce", dtype, _redop(kind))
+        msg = str(info.value)
+        assert msg.startswith("hpccomm all_reduce (op #7 on group 'fake', rank 1/4): "), msg
+        assert f"ReduceOp.{name}" in msg or "can be moved but not reduced" in msg, msg
+        assert str(dtype) in msg or "complex" in msg or "bool" in msg, msg
+        _assert_well_formed(msg)
+
+
+def test_premul_sum_tensor_factor():
+    factor = torch.tensor([0.25], dtype=torch.float64)
+    kind, got = c.reduce_op(fake_group(), "all_reduce", torch.float32, dist._make_nccl_premul_sum(factor))
+    assert kind == T.PREMUL_SUM and torch.equal(got, factor)
+
+
+def test_not_a_reduce_op():
+    with pytest.raises(hpccomm.OpTypeError, match=r"'max' is not a torch\.distributed\.ReduceOp$"):
+        c.reduce_op(fake_group(), "all_reduce", torch.float32, "max")
+
+
+def test_mpi_ops(MPI):
+    """Native ops where MPI computes right; a user-defined op (torch kernels)
+    for 16-bit floats, never MPI's integer arithmetic on their bits; bool's
+    SUM/PRODUCT are logical or/and."""
+    predefined = [getattr(MPI, n) for n in ("SUM", "PROD", "MIN", "MAX", "BAND", "BOR", "BXOR", "LOR", "LAND")]
+    try:
+        for dtype, info in _mpi.DTYPES.items():
+            for kind in _mpi.ALLOWED_OPS[info.kind]:
+                op = _mpi.mpi_op(dtype, kind)
+                if info.kind == "half":
+                    assert op not in predefined and op != MPI.OP_NULL and op.Is_commutative(), (dtype, kind)
+                elif info.kind == "bool" and kind in (T.SUM, T.PRODUCT):
+                    assert op == (MPI.MAX if kind == T.SUM else MPI.MIN), (dtype, kind)
+                else:
+                    expected = {T.SUM: MPI.SUM, T.AVG: MPI.SUM, T.PREMUL_SUM: MPI.SUM, T.PRODUCT: MPI.PROD,
+                                T.MIN: MPI.MIN, T.MAX: MPI.MAX, T.BAND: MPI.BAND, T.BOR: MPI.BOR,
+                                T.BXOR: MPI.BXOR}[kind]
+                    assert op == expected, (dtype, kind)
+    finally:
+        _mpi.free_user_ops()
+
+
+# --------------------------------------------------------------------------
+# checks before communication, and their messages
+# --------------------------------------------------------------------------
+
+_PREFIX = re.compile(r"^hpccomm (?P<op>[a-z_]+) \(op #(?P<seq>\d+) on group '(?P<group>[^']+)', "
+                     r"rank (?P<rank>\d+)/(?P<size>\d+)\): (?P<rest>.+)$", re.DOTALL)
+
+
+def _assert_well_formed(msg: str) -> None:
+    """No doubled spaces or periods, no stray space before punctuation, no
+    doubled word, no unformatted placeholder, each sentence starts a capital."""
+    m = _PREFIX.match(msg)
+    assert m, f"not 'hpccomm OP (op #N on group 'G', rank R/N): ...': {msg!r}"
+    rest = m.group("rest")
+    assert "  " not in msg, f"doubled space: {msg!r}"
+    assert not re.search(r"\s[,;:)]|\s\.(?=\s|$)", msg), f"space before punctuation: {msg!r}"
+    assert ".." not in rest.replace("0..", "").replace("...", ""), f"doubled period: {msg!r}"
+    assert not msg.endswith((".", " ", ":", ",")), f"ragged end: {msg!r}"
+    assert not re.search(r"\b([A-Za-z]{2,}) \1\b", msg), f"doubled word: {msg!r}"
+    assert "{" not in msg and "}" not in msg, f"unformatted placeholder: {msg!r}"
+    assert "torch.torch." not in msg
+    for sentence in re.split(r"(?<=[a-z0-9)\]])\. (?=\S)", rest)[1:]:
+        # a sentence may begin with the op's own name ("gather needs ...")
+        assert sentence[0].isupper() or sentence.split()[0] == m.group("op"), \
+            f"sentence after the first does not start with a capital: {msg!r}"
+
+
+def _t(*shape, dtype=torch.float32):
+    return torch.ones(*shape, dtype=dtype)
+
+
+def _meta():
+    return torch.empty(2, device="meta")
+
+
+def _cuda_mock():
+    """A stand-in passing isinstance(torch.Tensor) whose device is cuda:1."""
+    m = mock.MagicMock(spec=torch.Tensor)
+    m.layout, m.device, m.dtype = torch.strided, torch.device("cuda", 1), torch.float32
+    return m
+
+
+S = T.SUM
+# (name, op, function, args after the group, fragment of what the message must say).
+# The fake group has rank 1 of 4; root 0 is another rank.
+BAD = [
+    ("not-a-tensor", "all_reduce", reduce.allreduce, ([[1.0]], S), r"tensor is a list, not a torch\.Tensor"),
+    ("not-a-list", "all_reduce", reduce.allreduce, ("x", S), r"tensors is a str, not a list of tensors"),
+    ("two-tensors", "all_reduce", reduce.allreduce, ([_t(2), _t(2)], S), r"tensors has 2 tensors, expected 1$"),
+    ("sparse", "all_reduce", reduce.allreduce, ([_t(2).to_sparse()], S),
+     r"tensor has layout torch\.sparse_coo; only dense \(strided\) tensors can be sent\. Call \.to_dense\(\) first"),
+    ("meta", "all_reduce", reduce.allreduce, ([_meta()], S), r"tensor is a meta tensor: it has no data"),
+    ("cuda-subclass", "all_reduce", reduce.allreduce, ([_t(2).as_subclass(FakeCudaTensor)], S),
+     r"tensor is on device cuda:0; .*Move it to the CPU with \.cpu\(\)"),
+    ("cuda-mock", "broadcast", scatter.broadcast, ([_cuda_mock()], 0), r"tensor is on device cuda:1"),
+    ("bits8", "all_reduce", reduce.allreduce, ([torch.zeros(2, dtype=torch.bits8)], S),
+     r"tensor has dtype torch\.bits8, which hpccomm cannot send"),
+    ("band-float", "all_reduce", reduce.allreduce, ([_t(2)], T.BAND), r"ReduceOp\.BAND needs an integer or bool"),
+    ("avg-bool", "all_reduce", reduce.allreduce, ([_t(2, dtype=torch.bool)], T.AVG),
+     r"ReduceOp\.AVG is not defined for bool tensors"),
+    ("premul-int", "all_reduce", reduce.allreduce, ([_t(2, dtype=torch.int32)], dist._make_nccl_premul_sum(2.0)),
+     r"ReduceOp\.PREMUL_SUM needs a floating-point or complex tensor, got torch\.int32"),
+    ("float8", "all_reduce", reduce.allreduce, ([_t(2).to(torch.float8_e4m3fn)], T.MAX),
+     r"torch\.float8_e4m3fn can be moved but not reduced"),
+    ("coalesced-float8", "all_reduce_coalesced", reduce.allreduce_coalesced,
+     ([_t(2), _t(2).to(torch.float8_e5m2)], S), r"torch\.float8_e5m2 can be moved but not reduced"),
+    ("reduce-root", "reduce", reduce.reduce, ([_t(2)], 4, S), r"\w+ 4 is not a rank of this group of size 4"),
+    ("reduce-root-float", "reduce", reduce.reduce, ([_t(2)], 1.0, S), r"\w+ 1\.0 is not a rank of this group"),
+    ("reduce-min-complex", "reduce", reduce.reduce, ([_t(2, dtype=torch.complex64)], 0, T.MIN),
+     r"ReduceOp\.MIN is not defined for complex tensors"),
+    ("rst-size", "reduce_scatter_tensor", reduce.reduce_scatter_single, (_t(3), _t(8), S),
+     r"input has 8 elements, expected output's 3 × group size 4 = 12"),
+    ("rst-dtype", "reduce_scatter_tensor", reduce.reduce_scatter_single, (_t(2), _t(8, dtype=torch.float64), S),
+     r"input has dtype torch\.float64 but output has torch\.float32"),
+    ("rs-len", "reduce_scatter", reduce.reduce_scatter, ([_t(2)], [[_t(2)] * 3], S),
+     r"input_list has 3 tensors, expected 4 \(one per rank of the group\)"),
+    ("rs-entry", "reduce_scatter", reduce.reduce_scatter, ([_t(2)], [[_t(2), _t(3), _t(2), _t(2)]], S),
+     r"input_list\[1\] has 3 elements but output has 2\. Every input must have the output's size"),
+    ("rs-dtype", "reduce_scatter", reduce.reduce_scatter, ([_t(2)], [[_t(2, dtype=torch.int8)] * 4], S),
+     r"input_list\[0\] has dtype torch\.int8 but the input has torch\.float32\. All tensors of one op"),
+    ("rstc-len", "reduce_scatter_tensor_coalesced", reduce.reduce_scatter_single_coalesced,
+     ([_t(2)], [_t(8), _t(8)], S), r"inputs has 2 tensors, expected 1$"),
+    ("agit-size", "all_gather_into_tensor", gather.all_gather_single, (_t(9), _t(2)),
+     r"output has 9 elements, expected input's 2 × group size 4 = 8"),
+    ("agit-dtype", "all_gather_into_tensor", gather.all_gather_single, (_t(8, dtype=torch.int64), _t(2)),
+     r"input has dtype torch\.float32 but output has torch\.int64"),
+    ("agit-meta", "all_gather_into_tensor", gather.all_gather_single, (_t(8), _meta()),
+     r"input is a meta tensor"),
+    ("ag-len", "all_gather", gather.allgather, ([[_t(2)] * 5], [_t(2)]),
+     r"tensor_list has 5 tensors, expected 4 \(one per rank of the group\)"),
+    ("ag-slot", "all_gather", gather.allgather, ([[_t(2), _t(3), _t(2), _t(2)]], [_t(2)]),
+     r"tensor_list\[1\] \(this rank's slot\) has 3 elements but the input has 2"),
+    ("ag-dtype", "all_gather", gather.allgather, ([[_t(2, dtype=torch.float16)] * 4], [_t(2)]),
+     r"tensor_list\[0\] has dtype torch\.float16 but the input has torch\.float32"),
+    ("agc-len", "all_gather_coalesced", gather.allgather_coalesced, ([[_t(2)] * 4], [_t(2), _t(2)]),
+     r"output_lists has 1 tensors, expected 2$"),
+    ("agitc-len", "all_gather_into_tensor_coalesced", gather.all_gather_single_coalesced,
+     ([_t(8)], [_t(2), _t(2)]), r"inputs has 2 tensors, expected 1$"),
+    ("gather-root", "gather", gather.gather, ([[]], [_t(2)], -1), r"dst -1 is not a rank of this group of size 4"),
+    ("gather-nonroot-list", "gather", gather.gather, ([[_t(2)] * 4], [_t(2)], 0),
+     r"gather_list must be empty or None on rank 1, which is not the destination \(rank 0\)"),
+    ("gather-root-len", "gather", gather.gather, ([[_t(2)] * 3], [_t(2)], 1),
+     r"gather_list has 3 tensors, expected 4 \(one per rank of the group\)"),
+    ("gather-root-entry", "gather", gather.gather, ([[_t(2), _t(2), _t(2), _t(5)]], [_t(2)], 1),
+     r"gather_list\[3\] has 5 elements but the input has 2\. gather needs tensors of one size on every rank"),
+    ("bcast-root", "broadcast", scatter.broadcast, ([_t(2)], 4), r"src 4 is not a rank of this group of size 4\. "
+     r"Pass a group rank in 0\.\.size-1"),
+    ("scatter-root", "scatter", scatter.scatter, ([_t(2)], [], 9), r"src 9 is not a rank"),
+    ("scatter-nonroot-list", "scatter", scatter.scatter, ([_t(2)], [[_t(2)] * 4], 0),
+     r"scatter_list must be empty or None on rank 1, which is not the source \(rank 0\)"),
+    ("scatter-root-len", "scatter", scatter.scatter, ([_t(2)], [[_t(2)] * 2], 1),
+     r"scatter_list has 2 tensors, expected 4"),
+    ("scatter-root-dtype", "scatter", scatter.scatter, ([_t(2)], [[_t(2, dtype=torch.int16)] * 4], 1),
+     r"scatter_list\[0\] has dtype torch\.int16 but the input has torch\.float32"),
+    ("a2as-splits-len", "all_to_all_single", alltoall.all_to_all_single, (_t(4), _t(4), [1] * 4, [1] * 3),
+     r"input_split_sizes has 3 entries, expected 4 \(one per rank\)"),
+    ("a2as-splits-sum", "all_to_all_single", alltoall.all_to_all_single, (_t(4), _t(4), [1] * 4, [2, 1, 1, 1]),
+     r"input_split_sizes \[2, 1, 1, 1\] do not add up to input's 4 rows \(dim 0\)"),
+    ("a2as-rows", "all_to_all_single", alltoall.all_to_all_single, (_t(4), _t(6), [], []),
+     r"input has 6 rows, not divisible by the group size 4\. Pass input_split_sizes"),
+    ("a2as-dtype", "all_to_all_single", alltoall.all_to_all_single, (_t(4, dtype=torch.int32), _t(4), [], []),
+     r"input has dtype torch\.float32 but output has torch\.int32"),
+    ("a2a-len", "all_to_all", alltoall.alltoall, ([_t(1)] * 4, [_t(1)] * 5),
+     r"input_tensor_list has 5 tensors, expected 4"),
+    ("a2a-dtype", "all_to_all", alltoall.alltoall, ([_t(1, dtype=torch.int32)] * 4, [_t(1)] * 4),
+     r"output_tensor_list\[0\] has dtype torch\.int32 but the input has torch\.float32"),
+    ("send-dst", "send", p2p.send, ([_t(2)], 4, 0), r"dst 4 is not a rank of this group of size 4"),
+    ("send-tag", "send", p2p.send, ([_t(2)], 0, -3), r"tag -3 is outside 0\.\.32767 \(MPI_TAG_UB\)"),
+    ("recv-src", "recv", p2p.recv, ([_t(2)], -2, 0), r"src -2 is not a rank of this group of size 4"),
+    ("recv-tag", "recv", p2p.recv, ([_t(2)], None, 40000), r"tag 40000 is outside 0\.\.32767"),
+]
+
+
+@pytest.mark.parametrize("name,op,fn,args,what", BAD, ids=[b[0] for b in BAD])
+def test_refused_before_communication(name, op, fn, args, what):
+    """Every op refuses bad input without touching its communicator, with an
+    OpError naming the op, the group, rank/size and what is wrong."""
+    g = fake_group()
+    with pytest.raises(errors.OpError) as info:
+        fn(g, *args)
+    exc = info.value
+    msg = str(exc)
+    assert isinstance(exc, (hpccomm.OpValueError, hpccomm.OpTypeError)), type(exc)
+    assert exc.op == op, (exc.op, msg)
+    assert msg.startswith(f"hpccomm {op} (op #7 on group 'fake', rank 1/4): "), msg
+    assert re.search(what, msg), f"{what!r} not in {msg!r}"
+    _assert_well_formed(msg)
+
+
+def test_message_check_catches_bad_messages():
+    """The format check itself can fail."""
+    for bad in ["hpccomm x (op #1 on group 'g', rank 0/1): a  b",
+                "hpccomm x (op #1 on group 'g', rank 0/1): the the tensor",
+                "hpccomm x (op #1 on group 'g', rank 0/1): tensor {what}",
+                "hpccomm x (op #1 on group 'g', rank 0/1): bad. fix it",
+                "hpccomm x (op #1 on group 'g', rank 0/1): bad .",
+                "hpccomm x rank 0/1: bad"]:
+        with pytest.raises(AssertionError):
+            _assert_well_formed(bad)
+
+
+# --------------------------------------------------------------------------
+# errors
+# --------------------------------------------------------------------------
+
+def test_op_error_format():
+    e = errors.OpValueError("broadcast", "op #3 on group 'g', rank 0/2", "src 5 is bad", "Pass 0 or 1")
+    assert str(e) == "hpccomm broadcast (op #3 on group 'g', rank 0/2): src 5 is bad. Pass 0 or 1"
+    assert (e.op, e.where, e.what, e.fix) == ("broadcast", "op #3 on group 'g', rank 0/2", "src 5 is bad",
+                                             "Pass 0 or 1")
+    e = errors.OpTypeError("send", "w", "no fix")
+    assert str(e) == "hpccomm send (w): no fix" and e.fix == ""
+    assert isinstance(e, TypeError) and isinstance(errors.OpValueError("a", "w", "x"), ValueError)
+
+
+def test_op_error_tidies_its_parts():
+    """Stray periods and spaces at the joins never double up."""
+    e = errors.OpValueError("gather", "w", " dst 5 is bad. ", " Pass a group rank. ")
+    assert str(e) == "hpccomm gather (w): dst 5 is bad. Pass a group rank"
+
+
+@pytest.mark.parametrize("exc", [
+    errors.OpValueError("all_reduce", "op #1 on group 'g', rank 0/2", "what", "Fix"),
+    errors.OpTypeError("all_reduce", "w", "what"),
+    errors.ConfigError("HPCCOMM_LOG='x' is bad", variable="HPCCOMM_LOG"),
+    errors.InitError("hpccomm init: no"),
+    errors.HpccommError("plain"),
+])
+def test_errors_pickle(exc):
+    """Errors cross process boundaries (multiprocessing, torch elastic's error files)."""
+    back = pickle.loads(pickle.dumps(exc))
+    assert type(back) is type(exc) and str(back) == str(exc)
+    for attr in ("op", "where", "what", "fix", "variable"):
+        assert getattr(back, attr, None) == getattr(exc, attr, None), attr
+
+
+def test_error_hierarchy():
+    for cls in (errors.ConfigError, errors.InitError, errors.OpError, errors.OpValueError, errors.OpTypeError):
+        assert issubclass(cls, hpccomm.HpccommError) and issubclass(cls, RuntimeError)
+    assert hpccomm.OpError is errors.OpError
+
+
+# --------------------------------------------------------------------------
+# launch checks and init state (no MPI)
+# --------------------------------------------------------------------------
+
+class _Comm:
+    def __init__(self, size):
+        self.size = size
+
+    def Get_size(self):
+        return self.size
+
+
+_LAUNCH_VARS = ("SLURM_NTASKS", "SLURM_STEP_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+@pytest.mark.parametrize("env,size,fragment", [
+    ({"SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"}, 1, r"srun started 4 processes \(SLURM_NTASKS=4\) but MPI sees "
+     r"a world of 1: every rank would run alone\. Launch with srun --mpi=pmix"),
+    ({"OMPI_COMM_WORLD_SIZE": "2"}, 1, r"mpirun started 2 processes \(OMPI_COMM_WORLD_SIZE=2\)"),
+    ({"PMI_SIZE": "8"}, 1, r"mpiexec started 8 processes \(PMI_SIZE=8\)"),
+    ({"SLURM_NTASKS": "4"}, 1, None),                         # a batch script: not a job step
+    ({"SLURM_NTASKS": "1", "SLURM_STEP_ID": "0"}, 1, None),   # srun -n 1
+    ({"SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"}, 4, None),   # the right plugin
+    ({"PMI_SIZE": "junk"}, 1, None),
+])
+def test_check_launch(monkeypatch, env, size, fragment):
+    for var in _LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    if fragment is None:
+        _init._check_launch(_Comm(size))
+    else:
+        with pytest.raises(hpccomm.InitError, match=rf"^hpccomm init: {fragment}"):
+            _init._check_launch(_Comm(size))
+
+
+@pytest.mark.parametrize("fn", [hpccomm.local_rank, hpccomm.local_size, hpccomm.node_index])
+def test_rank_info_before_init(monkeypatch, fn):
+    monkeypatch.setattr(_init._state, "info", None)
+    with pytest.raises(hpccomm.InitError, match=r"not initialised; call hpccomm\.init_process_group\(\) first"):
+        fn()
+
+
+def test_from_mpi4py_before_init(monkeypatch):
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    with mock.patch.object(_mpi, "mpi"):
+        with pytest.raises(hpccomm.InitError, match="initialise torch.distributed first"):
+            hpccomm.from_mpi4py(object())
+
+
+# --------------------------------------------------------------------------
+# small helpers of ops/_common
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("count,limit,expected", [
+    (0, 5, [(0, 0)]), (5, 5, [(0, 5)]), (6, 5, [(0, 5), (5, 1)]), (10, 3, [(0, 3), (3, 3), (6, 3), (9, 1)]),
+])
+def test_chunks(count, limit, expected):
+    assert list(c.chunks(count, limit)) == expected
+
+
+def test_flat_view_and_overlaps():
+    base = torch.arange(12.0)
+    parts = list(base.chunk(4))
+    flat = c.flat_view(parts)
+    assert flat is not None and flat.data_ptr() == base.data_ptr() and torch.equal(flat, base)
+    assert c.flat_view(parts[::-1]) is None          # out of order
+    assert c.flat_view([torch.ones(3), torch.ones(3)]) is None  # two storages
+    assert c.flat_view([base[::2]]) is None           # not contiguous
+    assert c.overlaps(parts[0], base) and not c.overlaps(parts[0], parts[1])
+    assert not c.overlaps(torch.empty(0), base)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint64, torch.float32])
+def test_finish_average_truncates_integers(dtype):
+    t = torch.tensor([7, 9, 0], dtype=dtype)
+    c.finish_average(t, 4)
+    expected = [1.75, 2.25, 0.0] if dtype.is_floating_point else [1, 2, 0]
+    assert t.tolist() == expected
+    if dtype.is_signed:
+        s = torch.tensor([-7], dtype=dtype)
+        c.finish_average(s, 4)
+        assert s.tolist() == ([-1.75] if dtype.is_floating_point else [-1])  # toward zero, as NCCL
+
+
+def test_premul_sum_factor_from_compat():
+    assert _compat.premul_sum_factor(dist._make_nccl_premul_sum(3.0)) == 3.0
+    assert _compat.reduce_op_type(R.MAX) == T.MAX
+    assert _compat.reduce_op_type(dist._make_nccl_premul_sum(3.0)) == T.PREMUL_SUM
+
+
+# --------------------------------------------------------------------------
+# layering
+# --------------------------------------------------------------------------
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(source: str, module: str, is_package: bool = False) -> list:
+    """``(line, absolute module name, at module level)`` for every import in
+    ``source`` (nested ones too), relative imports resolved against
+    ``module``, plus ``importlib.import_module("literal")`` and
+    ``__import__("literal")`` calls; ``from X
+    import Y`` yields both X and X.Y (Y may be a submodule)."""
+    package = module if is_package else module.rpartition(".")[0]
+    out = []
+
+    def visit(node, top: bool) -> None:
+        if isinstance(node, ast.Import):
+            out.extend((node.lineno, a.name, top) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module
+            out.append((node.lineno, mod, top))
+            out.extend((node.lineno, f"{mod}.{a.name}", top) for a in node.names)
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) \
+                in ("import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant):
+            out.append((node.lineno, node.args[0].value, top))
+        inner = top and not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+        for child in ast.iter_child_nodes(node):
+            visit(child, inner)
+
+    visit(ast.parse(source), True)
+    return out
+
+
+def _all_imports():
+    for path in _hpccomm_sources():
+        module = _module_name(path)
+        for line, name, top in imports_of(path.read_text(), module, path.name == "__init__.py"):
+            yield module, f"{path.relative_to(PKG.parent)}:{line}", name, top
+
+
+def _is(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+#: torch.distributed's internals: submodules and private names.
+def _torch_internal(name: str) -> bool:
+    if _is(name, "torch._C"):
+        return True
+    if _is(name, "torch.distributed") and name != "torch.distributed":
+        last = name[len("torch.distributed."):]
+        return True if last.startswith("_") or "." in last or last in _TORCH_DIST_SUBMODULES else False
+    return False
+
+
+_TORCH_DIST_SUBMODULES = {"distributed_c10d", "rendezvous", "c10d_logger", "constants", "utils", "device_mesh",
+                          "elastic", "algorithms", "fsdp", "tensor", "checkpoint", "launcher", "run", "nn",
+                          "optim", "pipelining", "rpc", "autograd", "logging_handlers"}
+
+
+#: Tools on top of the library (``python -m hpccomm.X``): nothing imports them.
+#: Like any user they may import torch.distributed, and mpi4py inside a
+#: function (after hpccomm started MPI; a raw-MPI baseline in the benchmark).
+TOOLS = ("hpccomm.__main__", "hpccomm.cli", "hpccomm.bench", "hpccomm.demo")
+
+
+def layering_violations(imports) -> list:
+    """The rules, over ``(module, where, imported name, at module level)``."""
+    bad = []
+    for module, where, name, top in imports:
+        tool = module in TOOLS
+        if _is(name, "mpi4py") and module != "hpccomm._mpi" and (top or not tool):
+            bad.append(f"{where}: {module} imports {name}; only hpccomm._mpi may import mpi4py"
+                       + (" (a tool may, inside a function)" if tool else ""))
+        if _torch_internal(name) and module != "hpccomm._compat":
+            bad.append(f"{where}: {module} imports torch internals ({name}); only hpccomm._compat may")
+        if name == "torch.distributed" and not tool and module not in (
+                "hpccomm._compat", "hpccomm._init", "hpccomm.process_group"):
+            bad.append(f"{where}: {module} imports torch.distributed; only _compat, _init and "
+                       "process_group may (the rest get torch's names from _compat)")
+        if _is(module, "hpccomm.ops") and any(_is(name, up) for up in (
+                "hpccomm.process_group", "hpccomm._init", "hpccomm._work", *TOOLS)):
+            bad.append(f"{where}: {module} imports {name}; op modules must not import the layers above them")
+        if any(_is(name, t) for t in TOOLS) and not tool:
+            bad.append(f"{where}: {module} imports the tool {name}; nothing in the library may")
+        if module in _BELOW and _is(name, "hpccomm") and name != "hpccomm" \
+                and not any(_is(name, low) for low in _BELOW[module]):
+            bad.append(f"{where}: {module} imports {name}, which sits above it")
+    return bad
+
+
+#: what each bottom module may import from hpccomm.
+_BELOW = {
+    "hpccomm.errors": (),
+    "hpccomm.config": ("hpccomm.errors",),
+    "hpccomm._compat": ("hpccomm.errors",),
+    "hpccomm._mpi": ("hpccomm.errors", "hpccomm._compat", "hpccomm.config"),
+}
+
+
+def test_layering():
+    imports = list(_all_imports())
+    assert any(m == "hpccomm._mpi" and _is(n, "mpi4py") for m, _, n, _ in imports), \
+        "the scan saw no mpi4py import"
+    assert any(_is(m, "hpccomm.ops") and n == "hpccomm.ops._common" for m, _, n, _ in imports), \
+        "relative imports were not resolved"
+    bad = layering_violations(imports)
+    assert not bad, "imports pointing the wrong way:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("module,source", [
+    ("hpccomm.ops.reduce", "from ..process_group import ProcessGroupHpccomm"),
+    ("hpccomm.ops.reduce", "from .. import process_group"),
+    ("hpccomm._group", "def f():\n    import mpi4py.MPI"),
+    ("hpccomm._init", "from torch.distributed import distributed_c10d"),
+    ("hpccomm._work", "import torch._C._distributed_c10d as c"),
+    ("hpccomm._group", "import torch.distributed as dist"),
+    ("hpccomm.process_group", "import importlib\nimportlib.import_module('torch.distributed.rendezvous')"),
+    ("hpccomm._mpi", "from ._group import Group"),
+    ("hpccomm.errors", "from .config import get"),
+    ("hpccomm.bench", "from mpi4py import MPI"),
+    ("hpccomm._init", "from . import bench"),
+    ("hpccomm.ops.gather", "from ..demo import say"),
+    ("hpccomm._group", "def f():\n    return __import__('mpi4py').MPI"),
+])
+def test_layering_rules_catch(module, source):
+    """Each rule fires on a planted bad import."""
+    found = imports_of(source, module)
+    assert layering_violations((module, "planted", name, top) for _, name, top in found), (module, source, found)
+
+
+@pytest.mark.parametrize("module,source", [
+    ("hpccomm.bench", "def main():\n    from mpi4py import MPI"),
+    ("hpccomm.demo", "import torch.distributed as dist\nimport hpccomm"),
+    ("hpccomm._init", "import torch.distributed as dist\nfrom . import _compat, _group"),
+    ("hpccomm.ops.reduce", "from .. import _mpi\nfrom .._compat import RedOpType\nfrom . import _common as c"),
+])
+def test_layering_rules_allow(module, source):
+    found = imports_of(source, module)
+    assert layering_violations((module, "planted", name, top) for _, name, top in found) == []
