@@ -213,6 +213,7 @@ def _create(opts, backend_options=None) -> ProcessGroupHpccomm:
                 "takes both from MPI")
         group = _group.Group(comm, range(comm.Get_size()), store=opts.store, timeout=timeout)
         _state.world = group
+        _install_excepthook(comm.Get_rank(), comm.Get_size())
         return ProcessGroupHpccomm(group)
     pending, _state.pending_comm = _state.pending_comm, None
     if pending is not None:  # from_mpi4py: the user's communicator, reordered by world rank
@@ -228,6 +229,42 @@ def _create(opts, backend_options=None) -> ProcessGroupHpccomm:
     if base is not world:
         base.free()
     return ProcessGroupHpccomm(group)
+
+
+_hook_installed = False
+
+
+def _install_excepthook(rank: int, size: int) -> None:
+    """An uncaught exception on one rank ends the whole job at once, with a
+    line saying which rank and where, instead of leaving the other ranks in
+    their next collective until the timeout."""
+    global _hook_installed
+    if _hook_installed or size == 1:
+        return
+    _hook_installed = True
+    import sys
+
+    from . import process_group
+
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        if not config.get("HPCCOMM_ABORT_ON_EXCEPTION") or _state.world is None or _state.world.freed:
+            return
+        out = sys.__stderr__
+        if sys.stderr is not out:  # torch's own hook captures the traceback to prefix it: print it here
+            import traceback
+
+            traceback.print_exception(kind, value, tb, file=out)
+        last = process_group._last_op[0]
+        where = f"last op: {last[0]} ({last[1]})" if last else "before any op"
+        print(f"hpccomm: rank {rank} of {size} raised an uncaught {kind.__name__} ({where}); aborting the job "
+              "so the other ranks do not wait for it (HPCCOMM_ABORT_ON_EXCEPTION=0 turns this off)",
+              file=out, flush=True)
+        _mpi.abort(1)
+
+    sys.excepthook = hook
 
 
 def register() -> None:

@@ -57,6 +57,18 @@ def _before_finalize() -> None:
     free_user_ops()
 
 
+def abort(code: int) -> None:
+    """MPI_Abort on the world, after giving the launcher time to forward what
+    this rank just wrote (Open MPI drops output still in flight at abort)."""
+    import sys
+    import time
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    time.sleep(0.5)
+    mpi().COMM_WORLD.Abort(code)
+
+
 def is_initialized() -> bool:
     return _MPI is not None and _MPI.Is_initialized() and not _MPI.Is_finalized()
 

@@ -66,6 +66,18 @@ def _port(raw: str) -> int:
 
 _port.__name__ = "port"
 
+
+def _bool(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected 1/0, true/false, yes/no or on/off")
+
+
+_bool.__name__ = "boolean"
+
 OPTIONS: dict[str, Option] = {
     o.name: o
     for o in (
@@ -80,6 +92,19 @@ OPTIONS: dict[str, Option] = {
             "Largest element count handed to one MPI call. Larger messages are split "
             "into several calls (MPI-3 counts are C ints). Lower it only to test the "
             "split paths.",
+        ),
+        Option(
+            "HPCCOMM_ON_TIMEOUT", str, "abort",
+            "What a rank does when a collective outlives its group's timeout (given to init or "
+            "new_group): 'abort' ends the whole job with MPI_Abort after printing which ranks never "
+            "arrived (MPI cannot cancel a collective); 'warn' prints the same and keeps waiting.",
+            ("abort", "warn"),
+        ),
+        Option(
+            "HPCCOMM_ABORT_ON_EXCEPTION", _bool, True,
+            "An uncaught Python exception on one rank of a multi-rank job prints a line naming the "
+            "rank and its last op, then ends the whole job with MPI_Abort (the other ranks would "
+            "otherwise wait in their next collective until the timeout).",
         ),
         Option(
             "HPCCOMM_STORE_ADDR", str, "",

@@ -18,8 +18,10 @@ from .ops import p2p as _p2p
 from .ops import reduce as _reduce
 from .ops import scatter as _scatter
 from ._compat import ProcessGroupBase, ReduceOp
+from ._watchdog import watchdog
 
 BACKEND_NAME = "hpccomm"
+_last_op = [None]  # (op, where) of the latest collective: named when a rank dies
 log = logging.getLogger("hpccomm")
 
 
@@ -67,17 +69,21 @@ class ProcessGroupHpccomm(ProcessGroupBase):
 
     @staticmethod
     def _guarded(op: str, g, run):
-        where = g.where()
+        where, seq = g.where(), g.seq
 
         def guarded():
             debug = log.isEnabledFor(logging.DEBUG)
             t0 = time.perf_counter() if debug else 0.0
+            token = watchdog.begin(g, op, seq)
+            _last_op[0] = (op, where)
             try:
                 result = run()
             except OpError:
                 raise
             except _mpi.mpi().Exception as exc:
                 raise HpccommError(f"hpccomm {op} ({where}): MPI failed: {exc}") from exc
+            finally:
+                watchdog.end(token)
             if debug:
                 log.debug("%s (%s): %.1f us", op, where, (time.perf_counter() - t0) * 1e6)
             return result
@@ -113,7 +119,7 @@ class ProcessGroupHpccomm(ProcessGroupBase):
 
     def abort(self) -> None:
         """Abort every rank of the job: MPI state cannot be recovered."""
-        _mpi.mpi().COMM_WORLD.Abort(1)
+        _mpi.abort(1)
 
     def shutdown(self) -> None:
         """Free this group's MPI communicators (torch's destroy_process_group calls it)."""

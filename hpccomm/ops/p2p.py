@@ -84,7 +84,7 @@ class Pending:
         MPI = _mpi.mpi()
         source = self.source
         if self.is_recv and source is None:
-            source = 0
+            source = self.status.Get_source()
         if self.error is not None:
             exc = self.error
             if exc.Get_error_class() == MPI.ERR_TRUNCATE:
