@@ -11,6 +11,7 @@ or srun::
 from __future__ import annotations
 
 from . import errors
+from ._barrier import monitored_barrier
 from ._init import (
     RankInfo,
     from_mpi4py,
@@ -41,6 +42,7 @@ __all__ = [
     "is_available",
     "local_rank",
     "local_size",
+    "monitored_barrier",
     "node_index",
 ]
 

@@ -34,6 +34,10 @@ class Group:
         self.timeout = timeout
         self.seq = 0
         self.queued = 0  # async ops of this group not yet run by the comm thread
+        self.is_world = False
+        from . import _debug
+
+        self.debug = _debug.enabled()  # compare every collective across ranks first
         self.max_count = config.get("HPCCOMM_MAX_MPI_COUNT")
         self.tag_ub = _mpi.mpi().COMM_WORLD.Get_attr(_mpi.mpi().TAG_UB) or 32767
         self._owns_comm = owns_comm

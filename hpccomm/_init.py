@@ -212,8 +212,12 @@ def _create(opts, backend_options=None) -> ProcessGroupHpccomm:
                 "match the MPI launch; or use init_method='mpi://' (or hpccomm.init_process_group()), which "
                 "takes both from MPI")
         group = _group.Group(comm, range(comm.Get_size()), store=opts.store, timeout=timeout)
+        group.is_world = True
         _state.world = group
         _install_excepthook(comm.Get_rank(), comm.Get_size())
+        from . import _trace
+
+        _trace.start(comm)
         return ProcessGroupHpccomm(group)
     pending, _state.pending_comm = _state.pending_comm, None
     if pending is not None:  # from_mpi4py: the user's communicator, reordered by world rank

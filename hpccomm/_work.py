@@ -13,6 +13,12 @@ error from any of them completes the Work with that error (wrapped in
 future raise: a pending op never dies silently on the progress thread.
 A pending Work completes when its owner calls ``wait()``, or, once someone
 asked for its future, on the progress thread.
+
+A failed op's future must fail where C++ sees it: ``Future.set_exception``
+only stores the exception as the future's *value* (unwrapped in Python), so
+DDP or a functional collective would read it as a successful result.  So a
+pending Work's future is chained, ``raw.then(result_or_raise)``, and the
+callback raises: torch records that as the future's error.
 """
 from __future__ import annotations
 
@@ -36,12 +42,20 @@ class Work(WorkBase):
         self._pending = pending  # holds the MPI request and its buffers until done
         self._describe = describe
         self._source = -1
-        self._future = torch.futures.Future()
         self._error: Optional[BaseException] = None
         self._lock = threading.Lock()  # one thread at a time touches the MPI request
         self._done = pending is None
+        self._raw = torch.futures.Future()
         if self._done:
-            self._future.set_result(outputs)
+            self._raw.set_result(outputs)
+            self._future = self._raw
+        else:  # completes with the outputs, or fails visibly to C++ (see the module docstring)
+            self._future = self._raw.then(self._result_or_raise)
+
+    def _result_or_raise(self, _raw):
+        if self._error is not None:
+            raise self._error
+        return self._outputs
 
     def _complete(self, error: Optional[BaseException] = None) -> None:
         """Run the pending op's finish step; caller holds ``_lock``, request
@@ -60,10 +74,7 @@ class Work(WorkBase):
             error = wrapped
         self._error = error
         self._done = True
-        if self._error is None:
-            self._future.set_result(self._outputs)
-        else:
-            self._future.set_exception(self._error)
+        self._raw.set_result(None)  # runs _result_or_raise, then the callbacks chained on the future
 
     def _poll(self) -> bool:
         """Non-blocking progress from the progress thread; True once done."""

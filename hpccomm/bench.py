@@ -68,6 +68,35 @@ def _mpi_op(op, nbytes, size, comm):
     return lambda: comm.Reduce_scatter_block(a, b, op=MPI.SUM)
 
 
+def overlap(nbytes: int, iters: int, barrier) -> None:
+    """Print (compute alone + comm alone) / (both together) for an async
+    all_reduce of ``nbytes`` running while this thread multiplies matrices."""
+    torch.set_num_threads(1)  # compute on one core; the comm thread has the other
+    t = torch.ones(nbytes // 4)
+    a = torch.randn(256, 256)
+
+    def compute():
+        for _ in range(iters):
+            a @ a
+
+    def comm():
+        dist.all_reduce(t)
+
+    def both():
+        work = dist.all_reduce(t, async_op=True)
+        compute()
+        work.wait()
+
+    t_compute = _time(compute, 5, 1, barrier)
+    t_comm = _time(comm, 5, 1, barrier)
+    t_both = _time(both, 5, 1, barrier)
+    if dist.get_rank() == 0:
+        print(f"# overlap: all_reduce of {nbytes >> 20} MiB async while {iters} 256x256 matmuls run")
+        print(f"compute alone {t_compute * 1e3:.1f} ms, comm alone {t_comm * 1e3:.1f} ms, "
+              f"both {t_both * 1e3:.1f} ms: overlap ratio (compute + comm) / both = "
+              f"{(t_compute + t_comm) / t_both:.2f} (1 = none, 2 = perfect)", flush=True)
+
+
 def main(argv=None) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     p = argparse.ArgumentParser(prog="python -m hpccomm.bench", description=__doc__.splitlines()[0])
@@ -79,6 +108,10 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--no-gloo", action="store_true")
+    p.add_argument("--overlap", type=int, metavar="MIB", default=0,
+                   help="instead of the sweep, measure compute/communication overlap with an async "
+                        "all_reduce of MIB MiB")
+    p.add_argument("--overlap-matmuls", type=int, default=60)
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
 
@@ -86,6 +119,10 @@ def main(argv=None) -> None:
     from mpi4py import MPI
 
     rank, size = dist.get_rank(), dist.get_world_size()
+    if args.overlap:
+        overlap(args.overlap << 20, args.overlap_matmuls, MPI.COMM_WORLD.Barrier)
+        dist.destroy_process_group()
+        return
     gloo = None if args.no_gloo else dist.new_group(backend="gloo")
     raw = MPI.COMM_WORLD.Dup()
     barrier = raw.Barrier

@@ -94,6 +94,13 @@ OPTIONS: dict[str, Option] = {
             "split paths.",
         ),
         Option(
+            "HPCCOMM_DEBUG", _level, "OFF",
+            "DETAIL: before every collective the ranks compare op, dtype, sizes, root and ReduceOp, "
+            "and a mismatch raises on every rank naming both sides (torch's "
+            "TORCH_DISTRIBUTED_DEBUG=DETAIL turns it on too). Costs one allgather per op.",
+            ("OFF", "INFO", "DETAIL"),
+        ),
+        Option(
             "HPCCOMM_ON_TIMEOUT", str, "abort",
             "What a rank does when a collective outlives its group's timeout (given to init or "
             "new_group): 'abort' ends the whole job with MPI_Abort after printing which ranks never "
@@ -105,6 +112,11 @@ OPTIONS: dict[str, Option] = {
             "An uncaught Python exception on one rank of a multi-rank job prints a line naming the "
             "rank and its last op, then ends the whole job with MPI_Abort (the other ranks would "
             "otherwise wait in their next collective until the timeout).",
+        ),
+        Option(
+            "HPCCOMM_TRACE", str, "",
+            "A file name: record every op on every rank and write one merged Chrome/Perfetto trace "
+            "(a process per rank) when the world group is destroyed.",
         ),
         Option(
             "HPCCOMM_STORE_ADDR", str, "",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
-from . import _engine, _mpi, _work
+from . import _debug, _engine, _mpi, _trace, _work
 from .errors import HpccommError, OpError
 from .ops import alltoall as _a2a
 from .ops import gather as _gather
@@ -23,6 +23,17 @@ from ._watchdog import watchdog
 BACKEND_NAME = "hpccomm"
 _last_op = [None]  # (op, where) of the latest collective: named when a rank dies
 log = logging.getLogger("hpccomm")
+
+
+def _nbytes(args) -> int:
+    """Bytes in the tensors among an op's arguments (for the trace)."""
+    total = 0
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            total += _nbytes(a)
+        elif hasattr(a, "element_size") and hasattr(a, "numel"):
+            total += a.numel() * a.element_size()
+    return total
 
 
 class ProcessGroupHpccomm(ProcessGroupBase):
@@ -56,19 +67,21 @@ class ProcessGroupHpccomm(ProcessGroupBase):
             raise
         if isinstance(run, _p2p.Pending):  # point-to-point: already posted, nonblocking
             return _work.Work(args[0], run, f"{op} ({g.where()})")
+        if g.debug:
+            _debug.check(g, op, args)
         asynchronous = opts is not None and getattr(opts, "asyncOp", False)
         if (asynchronous or g.queued) and _engine.engine.usable():
-            job = _engine.Job(g, self._guarded(op, g, run))
+            job = _engine.Job(g, self._guarded(op, g, run, args))
             work = _work.Work(None, job, f"{op} ({g.where()})")
             job.work = work
             _engine.engine.submit(job)
             if not asynchronous:  # queued only to keep this group's issue order
                 work.wait()
             return work
-        return _work.done(self._guarded(op, g, run)())
+        return _work.done(self._guarded(op, g, run, args)())
 
     @staticmethod
-    def _guarded(op: str, g, run):
+    def _guarded(op: str, g, run, args_for_trace=()):
         where, seq = g.where(), g.seq
 
         def guarded():
@@ -76,6 +89,8 @@ class ProcessGroupHpccomm(ProcessGroupBase):
             t0 = time.perf_counter() if debug else 0.0
             token = watchdog.begin(g, op, seq)
             _last_op[0] = (op, where)
+            tracer = _trace.active()
+            start = _trace.now_ns() if tracer else 0
             try:
                 result = run()
             except OpError:
@@ -84,6 +99,8 @@ class ProcessGroupHpccomm(ProcessGroupBase):
                 raise HpccommError(f"hpccomm {op} ({where}): MPI failed: {exc}") from exc
             finally:
                 watchdog.end(token)
+                if tracer:
+                    tracer.record(op, g.name, seq, _nbytes(args_for_trace), start, _trace.now_ns())
             if debug:
                 log.debug("%s (%s): %.1f us", op, where, (time.perf_counter() - t0) * 1e6)
             return result
@@ -123,6 +140,9 @@ class ProcessGroupHpccomm(ProcessGroupBase):
 
     def shutdown(self) -> None:
         """Free this group's MPI communicators (torch's destroy_process_group calls it)."""
+        if self._g.comm is not None and self._g.is_world:
+            _engine.engine.flush(self._g)
+            _trace.finish(self._g.comm)  # every rank destroys the world: gather the trace now
         self._g.free()
 
     # -- collectives ----------------------------------------------------------

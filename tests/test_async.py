@@ -135,3 +135,38 @@ def test_comm_thread_is_used_for_async(world):
     work = dist.all_reduce(t, async_op=True)
     work.get_future().then(lambda f: seen.append(threading.current_thread().name)).wait()
     assert seen and seen[0] in ("hpccomm-comm", threading.main_thread().name)
+
+
+def _train(hook=None, state=None, steps=4):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    if hook is not None:
+        ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_ddp_comm_hooks(world):
+    """The default allreduce, fp16_compress_hook and PowerSGD run on hpccomm
+    (their futures complete on the comm thread) and keep ranks identical."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    plain = _train()
+    fp16 = _train(default_hooks.fp16_compress_hook, None)
+    allreduce = _train(default_hooks.allreduce_hook, None)
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                        min_compression_rate=0.5, use_error_feedback=True, warm_start=True)
+    psgd = _train(powerSGD_hook.powerSGD_hook, state)
+    torch.testing.assert_close(allreduce, plain, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(fp16, plain, rtol=2e-2, atol=2e-3)  # gradients rounded to fp16 once
+    assert torch.isfinite(psgd).all()
+    for flat in (plain, fp16, allreduce, psgd):
+        assert same_on_all_ranks(flat)

@@ -96,3 +96,86 @@ def test_killed_rank_ends_the_job(tmp_path):
     assert proc.returncode != 0
     assert took < 30, took
     assert no_orphans()
+
+
+def test_monitored_barrier_names_every_missing_rank(tmp_path):
+    proc, took = launch(tmp_path, """
+        hpccomm.init_process_group()
+        hpccomm.monitored_barrier(timeout=timedelta(seconds=20))   # everyone arrives
+        if dist.get_rank() in (1, 3):
+            time.sleep(15)
+            sys.exit(0)
+        try:
+            hpccomm.monitored_barrier(timeout=timedelta(seconds=2), wait_all_ranks=True)
+        except hpccomm.HpccommError as exc:
+            print("CAUGHT", dist.get_rank(), exc, flush=True)
+            sys.exit(0)
+        print("NO ERROR", dist.get_rank(), flush=True)
+    """, n=4)
+    caught = [line for line in proc.stdout.splitlines() if line.startswith("CAUGHT")]
+    assert len(caught) == 2 and "NO ERROR" not in proc.stdout, proc.stdout + proc.stderr
+    for line in caught:
+        assert "rank(s) [1, 3] did not arrive within 0:00:02" in line, line
+
+
+def test_trace_is_one_merged_timeline(tmp_path):
+    import json
+
+    trace = tmp_path / "trace.json"
+    proc, _ = launch(tmp_path, """
+        hpccomm.init_process_group()
+        t = torch.ones(1000)
+        for _ in range(3):
+            dist.all_reduce(t)
+        dist.all_reduce(t, async_op=True).wait()
+        dist.barrier()
+        dist.destroy_process_group()
+    """, n=3, env={"HPCCOMM_TRACE": str(trace)})
+    assert proc.returncode == 0, proc.stderr
+    events = json.loads(trace.read_text())["traceEvents"]
+    ops = [e for e in events if e["ph"] == "X"]
+    assert sorted({e["pid"] for e in ops}) == [0, 1, 2]
+    for rank in range(3):
+        mine = [e for e in ops if e["pid"] == rank]
+        assert [e["name"] for e in mine].count("all_reduce") == 4
+        assert [e["name"] for e in mine].count("barrier") == 1
+        assert any(e["tid"] == "hpccomm-comm" for e in mine)  # the async one ran on the comm thread
+        assert all(e["args"]["bytes"] in (4000, 0) for e in mine)
+        seqs = [e["args"]["op"] for e in mine if e["cat"] == mine[0]["cat"]]
+        assert seqs == sorted(seqs)
+
+
+def test_ctrl_c_ends_every_rank(tmp_path):
+    import signal
+
+    script = tmp_path / "job.py"
+    script.write_text(HEADER + textwrap.dedent("""
+        hpccomm.init_process_group()
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        print("READY", dist.get_rank(), flush=True)
+        if dist.get_rank() == 1:
+            time.sleep(300)
+        dist.all_reduce(t)   # the others wait here (inside MPI) when Ctrl-C comes
+    """))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "HPCCOMM_"))}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(["mpirun", "-n", "3", "--oversubscribe", sys.executable, str(script)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    ready = 0
+    deadline = time.monotonic() + 120
+    while ready < 3 and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        ready += line.startswith("READY")
+    assert ready == 3
+    time.sleep(1)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    took = time.monotonic() - t0
+    assert proc.returncode != 0 and took < 15, (proc.returncode, took)
+    assert no_orphans()

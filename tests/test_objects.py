@@ -41,6 +41,19 @@ def same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
+class Problems(list):
+    """Failed checks, collected while the loop over groups goes on and
+    asserted at the end: a rank that stopped at its first failed assert would
+    leave the other ranks blocked in the next group's collective."""
+
+    def expect(self, ok, what) -> None:
+        if not ok:
+            self.append(str(what))
+
+    def verdict(self) -> None:
+        assert not self, "; ".join(self)
+
+
 def test_same_can_fail():
     """The comparison the tests rely on tells different objects apart."""
     assert same(obj_of(1), obj_of(1))
@@ -57,6 +70,7 @@ def roots(g):
 
 
 def test_broadcast_object_list(world, groups):
+    p = Problems()
     for g in groups:
         if not g.member:
             continue
@@ -65,10 +79,12 @@ def test_broadcast_object_list(world, groups):
             objs = [obj_of(src, 1), "a plain string", obj_of(src, 2)["tensor"], None, 12345]
             mine = list(objs) if g.rank == root else [None] * len(objs)
             dist.broadcast_object_list(mine, src=src, group=g.pg)
-            assert same(mine, objs), f"group {g.name}, root {root}"
+            p.expect(same(mine, objs), f"group {g.name}, root {root}")
+    p.verdict()
 
 
 def test_broadcast_object_list_group_src(world, groups):
+    p = Problems()
     for g in groups:
         if not g.member:
             continue
@@ -77,17 +93,20 @@ def test_broadcast_object_list_group_src(world, groups):
         objs = ["s" * size_of_root, {"k": obj_of(g.ranks[root])}]
         mine = list(objs) if g.rank == root else [None, None]
         dist.broadcast_object_list(mine, group_src=root, group=g.pg)
-        assert same(mine, objs), g.name
+        p.expect(same(mine, objs), g.name)
+    p.verdict()
 
 
 def test_all_gather_object(world, groups):
+    p = Problems()
     for g in groups:
         if not g.member:
             continue
         out = [None] * g.size
         dist.all_gather_object(out, obj_of(dist.get_rank(), 3), group=g.pg)
         for k, got in enumerate(out):
-            assert same(got, obj_of(g.ranks[k], 3)), f"group {g.name}: entry {k}"
+            p.expect(same(got, obj_of(g.ranks[k], 3)), f"group {g.name}: entry {k}")
+    p.verdict()
 
 
 def test_all_gather_object_different_types(world):
@@ -102,6 +121,7 @@ def test_all_gather_object_different_types(world):
 
 
 def test_gather_object(world, groups):
+    p = Problems()
     for g in groups:
         if not g.member:
             continue
@@ -111,10 +131,12 @@ def test_gather_object(world, groups):
             dist.gather_object(obj_of(dist.get_rank(), 4), out, dst=dst, group=g.pg)
             if g.rank == root:
                 for k, got in enumerate(out):
-                    assert same(got, obj_of(g.ranks[k], 4)), f"group {g.name} root {root}: entry {k}"
+                    p.expect(same(got, obj_of(g.ranks[k], 4)), f"group {g.name} root {root}: entry {k}")
+    p.verdict()
 
 
 def test_gather_object_group_dst(world, groups):
+    p = Problems()
     for g in groups:
         if not g.member:
             continue
@@ -122,10 +144,12 @@ def test_gather_object_group_dst(world, groups):
         out = [None] * g.size if g.rank == root else None
         dist.gather_object(["x" * (g.rank * 100), g.rank], out, group_dst=root, group=g.pg)
         if g.rank == root:
-            assert out == [["x" * (k * 100), k] for k in range(g.size)], g.name
+            p.expect(out == [["x" * (k * 100), k] for k in range(g.size)], g.name)
+    p.verdict()
 
 
 def test_scatter_object_list(world, groups):
+    p = Problems()
     for g in groups:
         if not g.member:
             continue
@@ -134,10 +158,12 @@ def test_scatter_object_list(world, groups):
             inputs = [obj_of(g.ranks[k], 5 + root) for k in range(g.size)] if g.rank == root else None
             out = [None]
             dist.scatter_object_list(out, inputs, src=src, group=g.pg)
-            assert same(out[0], obj_of(dist.get_rank(), 5 + root)), f"group {g.name} root {root}"
+            p.expect(same(out[0], obj_of(dist.get_rank(), 5 + root)), f"group {g.name} root {root}")
+    p.verdict()
 
 
 def test_scatter_object_list_group_src(world, groups):
+    p = Problems()
     for g in groups:
         if not g.member:
             continue
@@ -145,7 +171,8 @@ def test_scatter_object_list_group_src(world, groups):
         inputs = [{"to": k, "pad": "p" * (k * 777)} for k in range(g.size)] if g.rank == root else None
         out = [None]
         dist.scatter_object_list(out, inputs, group_src=root, group=g.pg)
-        assert out[0] == {"to": g.rank, "pad": "p" * (g.rank * 777)}, g.name
+        p.expect(out[0] == {"to": g.rank, "pad": "p" * (g.rank * 777)}, g.name)
+    p.verdict()
 
 
 @pytest.mark.mpi(min_size=2)
@@ -169,6 +196,7 @@ def test_send_recv_object_list_ring(world, use_batch):
 def test_send_recv_object_list_subgroups(world, groups):
     """In each group of two or more ranks: the last group rank sends to group
     rank 0 (addressed by group rank), which answers (addressed by global rank)."""
+    p = Problems()
     for g in groups:
         if not g.member or g.size < 2:
             continue
@@ -176,14 +204,15 @@ def test_send_recv_object_list_subgroups(world, groups):
         if g.rank == g.size - 1:
             dist.send_object_list([obj_of(last, 7), g.name], group_dst=0, group=g.pg)
             back = [None]
-            assert dist.recv_object_list(back, src=first, group=g.pg) == first
-            assert same(back, [{"reply": first, "t": fill((first + 2,), torch.int8, first)}])
+            p.expect(dist.recv_object_list(back, src=first, group=g.pg) == first, f"{g.name}: reply's sender")
+            p.expect(same(back, [{"reply": first, "t": fill((first + 2,), torch.int8, first)}]), f"{g.name}: reply")
         elif g.rank == 0:
             got = [None, None]
-            assert dist.recv_object_list(got, group_src=g.size - 1, group=g.pg) == last
-            assert same(got, [obj_of(last, 7), g.name]), g.name
+            p.expect(dist.recv_object_list(got, group_src=g.size - 1, group=g.pg) == last, f"{g.name}: sender")
+            p.expect(same(got, [obj_of(last, 7), g.name]), g.name)
             dist.send_object_list([{"reply": first, "t": fill((first + 2,), torch.int8, first)}], dst=last,
                                   group=g.pg)
+    p.verdict()
 
 
 def test_large_object(world):

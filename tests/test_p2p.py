@@ -12,6 +12,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
 
 import hpccomm
 from helpers import MOVE_DTYPES, fill
@@ -720,9 +721,12 @@ def test_recv_into_larger_tensor_fails_on_future(world):
         fut = dist.irecv(got).get_future()  # any source
         done = poll(fut.done)
         raised = raised_by(fut.wait) if done else None
+        # what C++ callers (DDP, functional collectives) see: a failed future, not a successful one
+        seen_by_cpp = _create_work_from_future(fut).exception() if done else None
     assert_channel_clean()
     if r == 1:
         assert done, "the future never completed"
-        assert re.search(r"received 3 elements from rank 0 but the tensor has 5; only its first 3 elements were "
-                         r"written", str(raised)), repr(raised)
+        why = r"received 3 elements from rank 0 but the tensor has 5; only its first 3 elements were written"
+        assert re.search(why, str(raised)), repr(raised)
+        assert seen_by_cpp is not None and re.search(why, str(seen_by_cpp)), "C++ sees the future as successful"
         assert torch.equal(got[3:], torch.full((2,), -7, dtype=torch.int64))

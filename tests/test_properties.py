@@ -19,7 +19,10 @@ itself.  An example communicates first, then gathers the verdict of every
 rank (:func:`agree`): all ranks fail the same example together, instead of one
 stopping while the others wait in the next example's collective.
 
-HPCCOMM_TEST_EXAMPLES sets the examples per test (default 25).
+HPCCOMM_TEST_EXAMPLES sets the examples per test (default 25);
+HPCCOMM_TEST_SEED=<int> draws another sequence of examples (the same on
+every rank) instead of the derandomized one:
+    HPCCOMM_TEST_EXAMPLES=300 HPCCOMM_TEST_SEED=7 bash tests/run.sh tests/test_properties.py
 """
 from __future__ import annotations
 
@@ -30,17 +33,18 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 import helpers
 from helpers import MOVE_DTYPES, REDUCE_DTYPES, assert_close, same_on_all_ranks
-from move_checks import Checks, all_bytes, as_bytes
+from move_checks import Checks
 from test_reduce import OPS, make_op, reference, supported
 
 pytestmark = pytest.mark.mpi
 
 EXAMPLES = int(os.environ.get("HPCCOMM_TEST_EXAMPLES", "25"))
+SEED = os.environ.get("HPCCOMM_TEST_SEED", "")
 
 # Identical on every rank: derandomized, no database, no shrinking, and no
 # timing-dependent health check that could stop one rank's run and not another's.
@@ -54,6 +58,16 @@ SETTINGS = settings(
     report_multiple_bugs=False,
     print_blob=False,
 )
+
+
+def prop(strategy):
+    """``@given(case=strategy)`` under SETTINGS; with HPCCOMM_TEST_SEED, seeded
+    by it (a seed overrides derandomize, and is the same on every rank)."""
+    def wrap(fn):
+        fn = SETTINGS(given(case=strategy)(fn))
+        return seed(int(SEED))(fn) if SEED else fn
+
+    return wrap
 
 #: Layouts of a tensor an op writes into.
 OUT_LAYOUTS = ("contiguous", "permuted", "strided", "offset")
@@ -197,6 +211,29 @@ def agree(check: Checks, what: str, case: dict, g) -> None:
                              f"{bad}; rank {bad[0]}: {first}"[:2000])
 
 
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements' bytes in row-major order, for any shape and strides
+    (0-dim, empty with odd strides: cases move_checks.as_bytes cannot view)."""
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t).reshape(-1).view(torch.uint8)
+
+
+def raw_all(ts) -> torch.Tensor:
+    return torch.cat([raw(t) for t in ts]) if ts else torch.empty(0, dtype=torch.uint8)
+
+
+def same(check: Checks, actual, expected, what: str) -> None:
+    """``actual`` has ``expected``'s dtype, shape and bytes (deferred: see Checks)."""
+    if actual.dtype != expected.dtype or actual.shape != expected.shape:
+        check.failures.append(f"{what}: {actual.dtype} {tuple(actual.shape)}, expected {expected.dtype} "
+                              f"{tuple(expected.shape)}")
+        return
+    a, e = raw(actual), raw(expected)
+    if not torch.equal(a, e):
+        bad = (a != e).nonzero().reshape(-1)
+        check.failures.append(f"{what}: {bad.numel()} of {a.numel()} bytes differ, first at byte {bad[0].item()}; "
+                              f"got {a[:24].tolist()}, expected {e[:24].tolist()}")
+
+
 def close(check: Checks, actual, expected, dtype, n_terms: int, what: str) -> None:
     try:
         assert actual.shape == expected.shape, f"shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
@@ -206,7 +243,7 @@ def close(check: Checks, actual, expected, dtype, n_terms: int, what: str) -> No
 
 
 def unchanged(check: Checks, t, before, what: str) -> None:
-    check.true(torch.equal(as_bytes(t), as_bytes(before)), f"{what} changed")
+    check.true(torch.equal(raw(t), raw(before)), f"{what} changed")
 
 
 def redop(case):
@@ -224,8 +261,7 @@ def expected_reduction(case, g, shape, layout_of=lambda k: "contiguous"):
 
 # -- reductions -------------------------------------------------------------------------------
 
-@SETTINGS
-@given(case=reductions(ALL_REDUCE_CASES, shape=shapes))
+@prop(reductions(ALL_REDUCE_CASES, shape=shapes))
 def test_all_reduce(world, groups, case):
     g = groups[case["group"] % len(groups)]
     check, result = Checks(), None
@@ -235,13 +271,12 @@ def test_all_reduce(world, groups, case):
             t = laid_out(inputs[g.rank], case["layouts"][g.rank])
             dist.all_reduce(t, op=redop(case), group=g.pg)
             close(check, t, expected, case["dtype"], g.size, f"rank {g.rank}")
-            result = t
+            result = raw(t)
     check.true(same_on_all_ranks(result, g.ranks), "ranks hold different results")
     agree(check, "all_reduce", case, g)
 
 
-@SETTINGS
-@given(case=reductions(REDUCE_CASES, shape=shapes, root=st.integers(0, 3), read_only=True))
+@prop(reductions(REDUCE_CASES, shape=shapes, root=st.integers(0, 3), read_only=True))
 def test_reduce(world, groups, case):
     """The root gets the reduction; other ranks' tensors (any layout, stride-0
     views included: reduce only reads them) are left as they were."""
@@ -265,9 +300,8 @@ def test_reduce(world, groups, case):
     agree(check, "reduce", case, g)
 
 
-@SETTINGS
-@given(case=reductions(REDUCE_CASES, shape=shapes, form=st.sampled_from(("stack", "cat", "flat")),
-                       out_layouts=per_rank(st.sampled_from(OUT_LAYOUTS)), read_only=True))
+@prop(reductions(REDUCE_CASES, shape=shapes, form=st.sampled_from(("stack", "cat", "flat")),
+                 out_layouts=per_rank(st.sampled_from(OUT_LAYOUTS)), read_only=True))
 def test_reduce_scatter_tensor(world, groups, case):
     """Rank r gets elements [r·m, (r+1)·m) of the reduction of the inputs in
     row-major order (m = output numel), whatever the input's shape and layout."""
@@ -299,10 +333,9 @@ def test_reduce_scatter_tensor(world, groups, case):
 move_dtypes = st.sampled_from(MOVE_DTYPES)
 
 
-@SETTINGS
-@given(case=base(IN_LAYOUTS, dtype=move_dtypes, shapes=per_rank(shapes),
-                 outputs=st.sampled_from(("separate", "flat", "flat-offset", "in-place")),
-                 out_layouts=per_rank(st.sampled_from(OUT_LAYOUTS))))
+@prop(base(IN_LAYOUTS, dtype=move_dtypes, shapes=per_rank(shapes),
+           outputs=st.sampled_from(("separate", "flat", "flat-offset", "in-place")),
+           out_layouts=per_rank(st.sampled_from(OUT_LAYOUTS))))
 def test_all_gather(world, groups, case):
     """List form, each rank's tensor of its own shape (0-dim and empty
     included), into separate tensors of any layout, views of one buffer, or in
@@ -327,17 +360,16 @@ def test_all_gather(world, groups, case):
             before = inp.clone()
             dist.all_gather(outs, inp, group=g.pg)
             for k in range(g.size):
-                check.same(outs[k], expected[k], f"rank {g.rank}, slot {k}")
+                same(check, outs[k], expected[k], f"rank {g.rank}, slot {k}")
             if form != "in-place":
                 unchanged(check, inp, before, "the input")
-            result = all_bytes(outs)
+            result = raw_all(outs)
     check.true(same_on_all_ranks(result, g.ranks), "ranks hold different results")
     agree(check, "all_gather", case, g)
 
 
-@SETTINGS
-@given(case=base(IN_LAYOUTS, dtype=move_dtypes, shape=shapes, form=st.sampled_from(("stack", "cat", "flat")),
-                 in_place=st.booleans(), out_layouts=per_rank(st.sampled_from(OUT_LAYOUTS))))
+@prop(base(IN_LAYOUTS, dtype=move_dtypes, shape=shapes, form=st.sampled_from(("stack", "cat", "flat")),
+           in_place=st.booleans(), out_layouts=per_rank(st.sampled_from(OUT_LAYOUTS))))
 def test_all_gather_into_tensor(world, groups, case):
     """The output, stacked, concatenated on dim 0 or flat and of any layout,
     holds the inputs in rank order (row-major); in place: the input is this
@@ -366,18 +398,17 @@ def test_all_gather_into_tensor(world, groups, case):
                 inp = laid_out(values(case, g.rank, shape, dtype, move=True), case["layouts"][g.rank])
             before = inp.clone()
             dist.all_gather_into_tensor(out, inp, group=g.pg)
-            check.same(out, expected, f"rank {g.rank}")
+            same(check, out, expected, f"rank {g.rank}")
             if not in_place:
                 unchanged(check, inp, before, "the input")
-            result = out
+            result = raw(out)
     check.true(same_on_all_ranks(result, g.ranks), "ranks hold different results")
     agree(check, "all_gather_into_tensor", case, g)
 
 
-@SETTINGS
-@given(case=base(IN_LAYOUTS, dtype=move_dtypes, row=st.lists(st.integers(0, 3), max_size=2).map(tuple),
-                 splits=per_rank(per_rank(st.integers(0, 3))), even=st.sampled_from((None, 0, 1, 2)),
-                 pass_splits=st.booleans(), out_layouts=per_rank(st.sampled_from(OUT_LAYOUTS))))
+@prop(base(IN_LAYOUTS, dtype=move_dtypes, row=st.lists(st.integers(0, 3), max_size=2).map(tuple),
+           splits=per_rank(per_rank(st.integers(0, 3))), even=st.sampled_from((None, 0, 1, 2)),
+           pass_splits=st.booleans(), out_layouts=per_rank(st.sampled_from(OUT_LAYOUTS))))
 def test_all_to_all_single(world, groups, case):
     """Rank i sends rows [offset, offset + splits[i][j]) of its input to rank j,
     who stores them after those of ranks < i.  ``even`` (rows per rank): equal
@@ -400,13 +431,12 @@ def test_all_to_all_single(world, groups, case):
             dist.all_to_all_single(out, inp,
                                    output_split_sizes=[splits[i][r] for i in range(n)] if explicit else None,
                                    input_split_sizes=splits[r] if explicit else None, group=g.pg)
-            check.same(out, expected, f"rank {r}")
+            same(check, out, expected, f"rank {r}")
             unchanged(check, inp, before, "the input")
     agree(check, "all_to_all_single", case, g)
 
 
-@SETTINGS
-@given(case=base(OUT_LAYOUTS, dtype=move_dtypes, shape=shapes, root=st.integers(0, 3)))
+@prop(base(OUT_LAYOUTS, dtype=move_dtypes, shape=shapes, root=st.integers(0, 3)))
 def test_broadcast(world, groups, case):
     g = groups[case["group"] % len(groups)]
     check, result = Checks(), None
@@ -417,16 +447,15 @@ def test_broadcast(world, groups, case):
             # Other ranks start from data of their own, which must be overwritten.
             t = laid_out(values(case, g.rank, case["shape"], case["dtype"], move=True), case["layouts"][g.rank])
             dist.broadcast(t, src=g.ranks[root], group=g.pg)
-            check.same(t, expected, f"rank {g.rank} (root {root})")
-            result = t
+            same(check, t, expected, f"rank {g.rank} (root {root})")
+            result = raw(t)
     check.true(same_on_all_ranks(result, g.ranks), "ranks hold different results")
     agree(check, "broadcast", case, g)
 
 
-@SETTINGS
-@given(case=base(IN_LAYOUTS, dtype=move_dtypes, shape=shapes, root=st.integers(0, 3),
-                 pieces=st.sampled_from(("separate", "flat", "flat-offset")),
-                 out_layouts=per_rank(st.sampled_from(OUT_LAYOUTS))))
+@prop(base(IN_LAYOUTS, dtype=move_dtypes, shape=shapes, root=st.integers(0, 3),
+           pieces=st.sampled_from(("separate", "flat", "flat-offset")),
+           out_layouts=per_rank(st.sampled_from(OUT_LAYOUTS))))
 def test_scatter(world, groups, case):
     """Rank j gets the root's piece j; the root's scatter_list is separate
     tensors of any layout (``layouts``) or views of one buffer."""
@@ -451,17 +480,16 @@ def test_scatter(world, groups, case):
                 pieces = [logical(p, case["layouts"][j]) for j, p in enumerate(pieces)]
             out = blank(shape, dtype, case["out_layouts"][g.rank])
             dist.scatter(out, scatter_list, src=g.ranks[root], group=g.pg)
-            check.same(out, pieces[g.rank], f"rank {g.rank} (root {root})")
+            same(check, out, pieces[g.rank], f"rank {g.rank} (root {root})")
             if scatter_list is not None:
                 for j, (t, b) in enumerate(zip(scatter_list, before)):
                     unchanged(check, t, b, f"scatter_list[{j}]")
     agree(check, "scatter", case, g)
 
 
-@SETTINGS
-@given(case=base(IN_LAYOUTS, dtype=move_dtypes, shape=shapes, root=st.integers(0, 3),
-                 outputs=st.sampled_from(("separate", "flat", "flat-offset")),
-                 out_layouts=per_rank(st.sampled_from(OUT_LAYOUTS))))
+@prop(base(IN_LAYOUTS, dtype=move_dtypes, shape=shapes, root=st.integers(0, 3),
+           outputs=st.sampled_from(("separate", "flat", "flat-offset")),
+           out_layouts=per_rank(st.sampled_from(OUT_LAYOUTS))))
 def test_gather(world, groups, case):
     """The root's gather_list (separate tensors of any layout, or views of one
     buffer) gets every rank's input in rank order; inputs are left unchanged."""
@@ -483,6 +511,6 @@ def test_gather(world, groups, case):
             if gather_list is not None:
                 for k in range(g.size):
                     expected = logical(values(case, k, shape, dtype, move=True), case["layouts"][k])
-                    check.same(gather_list[k], expected, f"root {root}, slot {k}")
+                    same(check, gather_list[k], expected, f"root {root}, slot {k}")
             unchanged(check, inp, before, f"rank {g.rank}'s input")
     agree(check, "gather", case, g)
