@@ -12,8 +12,7 @@ import time
 from datetime import timedelta
 from typing import Optional
 
-import torch.distributed as dist
-
+from ._compat import world_group
 from .errors import HpccommError
 
 
@@ -30,7 +29,7 @@ def monitored_barrier(group=None, timeout: Optional[timedelta] = None, wait_all_
 
         hpccomm.monitored_barrier(timeout=timedelta(seconds=30), wait_all_ranks=True)
     """
-    pg = group if group is not None else dist.group.WORLD
+    pg = group if group is not None else world_group()
     g = getattr(pg, "_g", None)
     if g is None:
         raise HpccommError("hpccomm.monitored_barrier: the group is not an hpccomm process group")

@@ -53,6 +53,11 @@ def register_backend(name: str, creator, devices) -> None:
     dist.Backend.register_backend(name, creator, extended_api=True, devices=devices)
 
 
+def world_group():
+    """torch's default (world) process group."""
+    return dist.group.WORLD
+
+
 def default_group_or_none():
     from torch.distributed import distributed_c10d as c10d
 

@@ -16,7 +16,8 @@ from .errors import HpccommError
 
 
 def enabled() -> bool:
-    return config.get("HPCCOMM_DEBUG") == "DETAIL" or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
+    torch_level = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "")  # torch's own switch, honoured too
+    return config.get("HPCCOMM_DEBUG") == "DETAIL" or torch_level.upper() == "DETAIL"
 
 
 def _t(t) -> str:

@@ -33,6 +33,7 @@ class Job:
     """A queued op: the function that communicates, and where its result goes."""
 
     __slots__ = ("group", "run", "done", "result", "error", "work")
+    engine_completes = True  # the comm thread completes the Work (hpccomm._work)
 
     def __init__(self, group, run) -> None:
         self.group = group
@@ -75,6 +76,10 @@ class Engine:
                             "and complete before returning (no overlap)", level)
         return self._usable
 
+    def on_comm_thread(self) -> bool:
+        """Whether the caller is the comm thread (a callback of a completed op)."""
+        return threading.current_thread() is self._thread
+
     def submit(self, job: Job) -> Job:
         with self._cv:
             job.group.queued += 1
@@ -102,11 +107,14 @@ class Engine:
                 job.result = job.run()
             except BaseException as exc:  # noqa: BLE001 - handed to the job's waiter
                 job.error = exc
-            with self._cv:
-                job.group.queued -= 1
             job.done.set()
             if job.work is not None:
-                job.work._poll()  # completes the future here, unless a waiter is finishing it
+                # Complete here, callbacks included, before the group counts as idle:
+                # ops that callbacks issue (DDP hooks) run now, in the same place of
+                # the op sequence on every rank.
+                job.work._complete_on_engine()
+            with self._cv:
+                job.group.queued -= 1
 
 
 engine = Engine()

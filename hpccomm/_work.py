@@ -12,7 +12,9 @@ error from any of them completes the Work with that error (wrapped in
 :class:`hpccomm.errors.HpccommError` naming the op), which ``wait()`` and the
 future raise: a pending op never dies silently on the progress thread.
 A pending Work completes when its owner calls ``wait()``, or, once someone
-asked for its future, on the progress thread.
+asked for its future, on the progress thread, which then runs the callbacks
+chained on that future (a callback asking for another pending op's future
+gets it completed in place).
 
 A failed op's future must fail where C++ sees it: ``Future.set_exception``
 only stores the exception as the future's *value* (unwrapped in Python), so
@@ -45,6 +47,11 @@ class Work(WorkBase):
         self._error: Optional[BaseException] = None
         self._lock = threading.Lock()  # one thread at a time touches the MPI request
         self._done = pending is None
+        self._completed = threading.Event()  # set once the Work is complete, by whichever thread
+        # Ops queued on the comm thread are always completed there, right after they
+        # run, so callbacks chained on their futures (DDP hooks that issue more ops)
+        # run at the same point of the op sequence on every rank.
+        self._engine_completes = getattr(pending, "engine_completes", False)
         self._raw = torch.futures.Future()
         if self._done:
             self._raw.set_result(outputs)
@@ -75,11 +82,20 @@ class Work(WorkBase):
         self._error = error
         self._done = True
         self._raw.set_result(None)  # runs _result_or_raise, then the callbacks chained on the future
+        self._completed.set()  # after the callbacks: ops they issued come before the waiter's next op
+
+    def _complete_on_engine(self) -> None:
+        """The comm thread completes a Work whose op it just ran."""
+        with self._lock:
+            if not self._done:
+                self._complete()
 
     def _poll(self) -> bool:
         """Non-blocking progress from the progress thread; True once done."""
         if self._done:
             return True
+        if self._engine_completes:
+            return False  # the comm thread completes it (see __init__)
         if not self._lock.acquire(blocking=False):
             return False  # a waiter holds it and will finish the op
         try:
@@ -101,23 +117,41 @@ class Work(WorkBase):
             seconds = None
             if timeout is not None and timeout != timedelta(0):
                 seconds = timeout.total_seconds()
-            with self._lock:
-                if not self._done:
-                    try:
-                        finished = self._pending.wait(seconds)
-                    except Exception as exc:  # noqa: BLE001 - the op failed
-                        self._complete(exc)
-                    else:
-                        if not finished:
-                            raise TimeoutError(f"hpccomm {self._describe}: not complete after {seconds:g} s")
-                        self._complete()
+            if self._engine_completes:
+                finished = self._completed.wait(seconds)
+            else:
+                finished = self._wait_pending(seconds)
+            if not finished:
+                raise TimeoutError(f"hpccomm {self._describe}: not complete after {seconds:g} s")
         if self._error is not None:
             raise self._error
         return True
 
+    def _wait_pending(self, seconds) -> bool:
+        with self._lock:
+            if self._done:
+                return True
+            try:
+                finished = self._pending.wait(seconds)
+            except Exception as exc:  # noqa: BLE001 - the op failed
+                self._complete(exc)
+                return True
+            if finished:
+                self._complete()
+            return finished
+
     def get_future(self) -> torch.futures.Future:
         if not self._done:
-            _progress.watch(self)
+            if _progress.is_current():
+                # Asked by a callback that the progress thread is running: that
+                # thread cannot complete this op while it runs the callback, so
+                # complete it here (an error goes to the future).
+                try:
+                    self.wait()
+                except Exception:  # noqa: BLE001 - the future carries it
+                    pass
+            else:
+                _progress.watch(self)
         return self._future
 
     def is_completed(self) -> bool:
@@ -153,6 +187,10 @@ class _Progress:
         self._works: list[Work] = []
         self._cv = threading.Condition()
         self._thread: Optional[threading.Thread] = None
+
+    def is_current(self) -> bool:
+        """Whether the calling thread is the progress thread (running a future's callback)."""
+        return self._thread is not None and threading.current_thread() is self._thread
 
     def watch(self, work: Work) -> None:
         with self._cv:

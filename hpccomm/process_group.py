@@ -70,7 +70,10 @@ class ProcessGroupHpccomm(ProcessGroupBase):
         if g.debug:
             _debug.check(g, op, args)
         asynchronous = opts is not None and getattr(opts, "asyncOp", False)
-        if (asynchronous or g.queued) and _engine.engine.usable():
+        engine = _engine.engine
+        # On the comm thread (a callback of a finished op, such as a DDP hook) an op
+        # runs at once: queuing it behind the thread's own work would deadlock.
+        if (asynchronous or g.queued) and engine.usable() and not engine.on_comm_thread():
             job = _engine.Job(g, self._guarded(op, g, run, args))
             work = _work.Work(None, job, f"{op} ({g.where()})")
             job.work = work

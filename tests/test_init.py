@@ -226,7 +226,7 @@ def test_info_log_names_mpi_library_and_thread_level(main_job):
     for r, rep in job.reports.items():
         pattern = (rf"^\[\d+,{r}\]<stderr>: \[hpccomm rank {r}\] INFO MPI {re.escape(rep['library'])}\x00?, "
                    rf"thread level {levels[rep['thread_level']]}, world {n} ranks on 1 node\(s\), "
-                   rf"local rank {r}/{n}$")
+                   rf"local rank {rep['local_rank']}/{n}$")
         assert re.search(pattern, job.stderr, re.MULTILINE), f"rank {r}: no line matching {pattern}\n" \
                                                               + job.describe()
 

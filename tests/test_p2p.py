@@ -563,6 +563,26 @@ def test_future_completes_without_wait(world):
         assert poll(chained.done) and chained.value() == int(fill((1000,), torch.int64, 0).sum())
 
 
+def test_callback_waits_on_another_future(world):
+    """A callback run by the progress thread may wait on another pending
+    op's future (as DDP comm hooks do) without deadlocking that thread."""
+    r, n = world
+    prev, nxt = neighbours()
+    first, second = blank((4,), torch.int64), blank((4,), torch.int64)
+    w1 = dist.irecv(first, src=prev, tag=1)
+    w2 = dist.irecv(second, src=prev, tag=2)
+    chained = w1.get_future().then(lambda f: int(f.value()[0].sum()) + int(w2.get_future().wait()[0].sum()))
+    dist.barrier()  # both receives and the callback are in place before anything is sent
+    sends = [dist.isend(fill((4,), torch.int64, r, 1), dst=nxt, tag=1),
+             dist.isend(fill((4,), torch.int64, r, 2), dst=nxt, tag=2)]
+    done = poll(chained.done, 30)
+    for w in sends:
+        w.wait(LIMIT)
+    w2.wait(LIMIT)  # (only matters if the callback hung)
+    assert done, "the callback waiting on another future never finished"
+    assert chained.value() == int(fill((4,), torch.int64, prev, 1).sum() + fill((4,), torch.int64, prev, 2).sum())
+
+
 @pytest.mark.mpi(min_size=2)
 def test_many_futures_complete_in_any_order(world):
     r, n = world

@@ -69,6 +69,7 @@ def prop(strategy):
 
     return wrap
 
+
 #: Layouts of a tensor an op writes into.
 OUT_LAYOUTS = ("contiguous", "permuted", "strided", "offset")
 #: Layouts of a tensor an op only reads: also a broadcast (stride-0) view.
@@ -83,7 +84,8 @@ FACTORS = (0.5, 0.25, 2.0, -1.5, 0.75, 3.0, 1.0)
 
 # -- strategies (drawn inside the test, after the world is up) ------------------------
 
-shapes = st.lists(st.integers(0, 4), max_size=3).map(tuple)
+#: 0 to 3 dims of 0 to 4 (the number of dims drawn first: a list strategy would mostly draw 0-dim).
+shapes = st.integers(0, 3).flatmap(lambda ndim: st.tuples(*[st.integers(0, 4)] * ndim))
 
 
 @st.composite
@@ -113,7 +115,9 @@ def reductions(draw, cases, read_only=False, **fields):
     case = draw(base(IN_LAYOUTS if read_only else OUT_LAYOUTS, **fields))
     case.update(dtype=dtype, op=opname, small=draw(st.booleans()))
     if opname == "PREMUL_SUM":
-        case.update(factor=draw(st.sampled_from(FACTORS)), factor_form=draw(st.sampled_from(("float", "0-dim", "1-elem"))))
+        # The factor as a number, or as a 0-dim or 1-element tensor (the NCCL form).
+        case.update(factor=draw(st.sampled_from(FACTORS)),
+                    factor_form=draw(st.sampled_from(("float", "0-dim", "1-elem"))))
     return case
 
 
@@ -207,8 +211,8 @@ def agree(check: Checks, what: str, case: dict, g) -> None:
     if bad:
         shown = {k: (str(v)[6:] if isinstance(v, torch.dtype) else v) for k, v in case.items()}
         first = " | ".join(everyone[bad[0]][:3])
-        raise AssertionError(f"{what} on group {g.name} (ranks {g.ranks}) with {shown}: failed on rank(s) "
-                             f"{bad}; rank {bad[0]}: {first}"[:2000])
+        raise AssertionError(f"{what} on group {g.name} (ranks {g.ranks}) with {shown}: failed on world rank(s) "
+                             f"{bad}; world rank {bad[0]}: {first}"[:2000])
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:
@@ -263,6 +267,8 @@ def expected_reduction(case, g, shape, layout_of=lambda k: "contiguous"):
 
 @prop(reductions(ALL_REDUCE_CASES, shape=shapes))
 def test_all_reduce(world, groups, case):
+    """Every rank of the group gets the reduction, in its own tensor of any
+    layout, bit-identical across the group."""
     g = groups[case["group"] % len(groups)]
     check, result = Checks(), None
     if g.member:
@@ -270,7 +276,7 @@ def test_all_reduce(world, groups, case):
             inputs, expected = expected_reduction(case, g, case["shape"])
             t = laid_out(inputs[g.rank], case["layouts"][g.rank])
             dist.all_reduce(t, op=redop(case), group=g.pg)
-            close(check, t, expected, case["dtype"], g.size, f"rank {g.rank}")
+            close(check, t, expected, case["dtype"], g.size, f"group rank {g.rank}")
             result = raw(t)
     check.true(same_on_all_ranks(result, g.ranks), "ranks hold different results")
     agree(check, "all_reduce", case, g)
@@ -294,17 +300,18 @@ def test_reduce(world, groups, case):
             before = t.clone()
             dist.reduce(t, dst=g.ranks[root], op=redop(case), group=g.pg)
             if g.rank == root:
-                close(check, t, expected, case["dtype"], g.size, f"root {root}")
+                close(check, t, expected, case["dtype"], g.size, f"group root {root}")
             else:
-                unchanged(check, t, before, f"rank {g.rank}'s tensor (not the root)")
+                unchanged(check, t, before, f"group rank {g.rank}'s tensor (not the root)")
     agree(check, "reduce", case, g)
 
 
-@prop(reductions(REDUCE_CASES, shape=shapes, form=st.sampled_from(("stack", "cat", "flat")),
+@prop(reductions(REDUCE_CASES, shape=shapes, form=st.sampled_from(("stack", "cat", "flat")), in_place=st.booleans(),
                  out_layouts=per_rank(st.sampled_from(OUT_LAYOUTS)), read_only=True))
 def test_reduce_scatter_tensor(world, groups, case):
     """Rank r gets elements [r·m, (r+1)·m) of the reduction of the inputs in
-    row-major order (m = output numel), whatever the input's shape and layout."""
+    row-major order (m = output numel), whatever the input's shape and layout;
+    in place: the output is this rank's slot of a contiguous input."""
     g = groups[case["group"] % len(groups)]
     check = Checks()
     if g.member:
@@ -316,15 +323,21 @@ def test_reduce_scatter_tensor(world, groups, case):
                 in_shape = (g.size * math.prod(shape),)
             else:
                 in_shape = (g.size, *shape)
-            inputs, full = expected_reduction(case, g, in_shape, lambda k: case["layouts"][k])
+            in_place = case["in_place"]
+            layout_of = (lambda k: "contiguous") if in_place else (lambda k: case["layouts"][k])
+            inputs, full = expected_reduction(case, g, in_shape, layout_of)
             m = math.prod(shape)
             expected = full.reshape(-1)[g.rank * m:(g.rank + 1) * m].reshape(shape)
-            inp = laid_out(values(case, g.rank, in_shape, case["dtype"]), case["layouts"][g.rank])
+            inp = laid_out(values(case, g.rank, in_shape, case["dtype"]), layout_of(g.rank))
             before = inp.clone()
-            out = blank(shape, case["dtype"], case["out_layouts"][g.rank])
+            if in_place:
+                out = inp.view(-1)[g.rank * m:(g.rank + 1) * m].view(shape)
+            else:
+                out = blank(shape, case["dtype"], case["out_layouts"][g.rank])
             dist.reduce_scatter_tensor(out, inp, op=redop(case), group=g.pg)
-            close(check, out, expected, case["dtype"], g.size, f"rank {g.rank}")
-            unchanged(check, inp, before, "the input")
+            close(check, out, expected, case["dtype"], g.size, f"group rank {g.rank}")
+            if not in_place:
+                unchanged(check, inp, before, "the input")
     agree(check, "reduce_scatter_tensor", case, g)
 
 
@@ -360,7 +373,7 @@ def test_all_gather(world, groups, case):
             before = inp.clone()
             dist.all_gather(outs, inp, group=g.pg)
             for k in range(g.size):
-                same(check, outs[k], expected[k], f"rank {g.rank}, slot {k}")
+                same(check, outs[k], expected[k], f"group rank {g.rank}, slot {k}")
             if form != "in-place":
                 unchanged(check, inp, before, "the input")
             result = raw_all(outs)
@@ -398,7 +411,7 @@ def test_all_gather_into_tensor(world, groups, case):
                 inp = laid_out(values(case, g.rank, shape, dtype, move=True), case["layouts"][g.rank])
             before = inp.clone()
             dist.all_gather_into_tensor(out, inp, group=g.pg)
-            same(check, out, expected, f"rank {g.rank}")
+            same(check, out, expected, f"group rank {g.rank}")
             if not in_place:
                 unchanged(check, inp, before, "the input")
             result = raw(out)
@@ -431,13 +444,14 @@ def test_all_to_all_single(world, groups, case):
             dist.all_to_all_single(out, inp,
                                    output_split_sizes=[splits[i][r] for i in range(n)] if explicit else None,
                                    input_split_sizes=splits[r] if explicit else None, group=g.pg)
-            same(check, out, expected, f"rank {r}")
+            same(check, out, expected, f"group rank {r}")
             unchanged(check, inp, before, "the input")
     agree(check, "all_to_all_single", case, g)
 
 
 @prop(base(OUT_LAYOUTS, dtype=move_dtypes, shape=shapes, root=st.integers(0, 3)))
 def test_broadcast(world, groups, case):
+    """Every rank's tensor, of any layout, ends up holding the root's bytes."""
     g = groups[case["group"] % len(groups)]
     check, result = Checks(), None
     if g.member:
@@ -447,18 +461,19 @@ def test_broadcast(world, groups, case):
             # Other ranks start from data of their own, which must be overwritten.
             t = laid_out(values(case, g.rank, case["shape"], case["dtype"], move=True), case["layouts"][g.rank])
             dist.broadcast(t, src=g.ranks[root], group=g.pg)
-            same(check, t, expected, f"rank {g.rank} (root {root})")
+            same(check, t, expected, f"group rank {g.rank} (root {root})")
             result = raw(t)
     check.true(same_on_all_ranks(result, g.ranks), "ranks hold different results")
     agree(check, "broadcast", case, g)
 
 
 @prop(base(IN_LAYOUTS, dtype=move_dtypes, shape=shapes, root=st.integers(0, 3),
-           pieces=st.sampled_from(("separate", "flat", "flat-offset")),
+           pieces=st.sampled_from(("separate", "flat", "flat-offset", "in-place")),
            out_layouts=per_rank(st.sampled_from(OUT_LAYOUTS))))
 def test_scatter(world, groups, case):
     """Rank j gets the root's piece j; the root's scatter_list is separate
-    tensors of any layout (``layouts``) or views of one buffer."""
+    tensors of any layout (``layouts``) or views of one buffer, its output
+    then its own piece of that buffer (in place) or a tensor of its own."""
     g = groups[case["group"] % len(groups)]
     check = Checks()
     if g.member:
@@ -478,9 +493,12 @@ def test_scatter(world, groups, case):
                 before = [t.clone() for t in scatter_list]
             elif case["pieces"] == "separate":  # the root's layouts decide what it sends
                 pieces = [logical(p, case["layouts"][j]) for j, p in enumerate(pieces)]
-            out = blank(shape, dtype, case["out_layouts"][g.rank])
+            if g.rank == root and case["pieces"] == "in-place":
+                out = scatter_list[root]
+            else:
+                out = blank(shape, dtype, case["out_layouts"][g.rank])
             dist.scatter(out, scatter_list, src=g.ranks[root], group=g.pg)
-            same(check, out, pieces[g.rank], f"rank {g.rank} (root {root})")
+            same(check, out, pieces[g.rank], f"group rank {g.rank} (root {root})")
             if scatter_list is not None:
                 for j, (t, b) in enumerate(zip(scatter_list, before)):
                     unchanged(check, t, b, f"scatter_list[{j}]")
@@ -488,29 +506,38 @@ def test_scatter(world, groups, case):
 
 
 @prop(base(IN_LAYOUTS, dtype=move_dtypes, shape=shapes, root=st.integers(0, 3),
-           outputs=st.sampled_from(("separate", "flat", "flat-offset")),
+           outputs=st.sampled_from(("separate", "flat", "flat-offset", "in-place")),
            out_layouts=per_rank(st.sampled_from(OUT_LAYOUTS))))
 def test_gather(world, groups, case):
     """The root's gather_list (separate tensors of any layout, or views of one
-    buffer) gets every rank's input in rank order; inputs are left unchanged."""
+    buffer) gets every rank's input in rank order; inputs are left unchanged.
+    In place: the root's input is its own slot of that buffer."""
     g = groups[case["group"] % len(groups)]
     check = Checks()
     if g.member:
         with captured(check):
             dtype, shape = case["dtype"], case["shape"]
             root = case["root"] % g.size
-            inp = laid_out(values(case, g.rank, shape, dtype, move=True), case["layouts"][g.rank])
-            before = inp.clone()
+            in_place = case["outputs"] == "in-place"
+
+            def layout_of(k):
+                return "contiguous" if in_place and k == root else case["layouts"][k]
+
+            inp = laid_out(values(case, g.rank, shape, dtype, move=True), layout_of(g.rank))
             gather_list = None
             if g.rank == root:
                 if case["outputs"] == "separate":
                     gather_list = [blank(shape, dtype, case["out_layouts"][k]) for k in range(g.size)]
                 else:
                     gather_list = flat_pieces([shape] * g.size, dtype, 1 if case["outputs"] == "flat-offset" else 0)
+                if in_place:
+                    gather_list[root].copy_(inp)
+                    inp = gather_list[root]
+            before = inp.clone()
             dist.gather(inp, gather_list, dst=g.ranks[root], group=g.pg)
             if gather_list is not None:
                 for k in range(g.size):
-                    expected = logical(values(case, k, shape, dtype, move=True), case["layouts"][k])
-                    same(check, gather_list[k], expected, f"root {root}, slot {k}")
-            unchanged(check, inp, before, f"rank {g.rank}'s input")
+                    expected = logical(values(case, k, shape, dtype, move=True), layout_of(k))
+                    same(check, gather_list[k], expected, f"group root {root}, slot {k}")
+            unchanged(check, inp, before, f"group rank {g.rank}'s input")
     agree(check, "gather", case, g)
