@@ -110,7 +110,7 @@ def fill(shape, dtype, value_of_rank: int, salt: int = 0) -> torch.Tensor:
 def same_on_all_ranks(t: torch.Tensor, ranks=None) -> bool:
     """Whether every rank in ``ranks`` (default all) holds bit-identical ``t``.
     Collective over COMM_WORLD: every rank calls it (non-members pass None)."""
-    data = None if t is None else t.contiguous().view(torch.uint8).numpy().tobytes()
+    data = None if t is None else t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     everything = verdict_comm().allgather(data)
     if ranks is not None:
         everything = [everything[r] for r in ranks]

@@ -103,9 +103,11 @@ def reduce_op(group, op: str, dtype: torch.dtype, redop):
 
 def premultiplied(t: torch.Tensor, factor, inplace: bool) -> torch.Tensor:
     """``t * factor`` for PREMUL_SUM, in ``t`` when allowed, else in a new tensor."""
-    if isinstance(factor, torch.Tensor):
-        factor = factor.to(device=t.device, dtype=t.dtype)
-    return t.mul_(factor) if inplace else t * factor
+    if isinstance(factor, torch.Tensor):  # NCCL's form is a 1-element tensor: make it a scalar
+        factor = factor.to(device=t.device, dtype=t.dtype).reshape(())
+    if inplace:
+        return t.mul_(factor)
+    return torch.mul(t, factor, out=torch.empty(t.shape, dtype=t.dtype))  # contiguous, whatever t's strides
 
 
 def finish_average(t: torch.Tensor, n: int) -> None:
