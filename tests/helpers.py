@@ -146,3 +146,25 @@ def assert_close(actual, expected, dtype, n_terms=1):
 
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "") not in ("", "0")
+
+
+class Problems(list):
+    """Failed checks, collected while communication goes on and asserted at
+    the end (``verdict``): a rank that stopped at its first failed assert
+    would leave the other ranks blocked in the next collective."""
+
+    def expect(self, ok, what) -> None:
+        if not ok:
+            self.append(str(what))
+
+    def verdict(self) -> None:
+        assert not self, "; ".join(self)
+
+
+def raised_by(call):
+    """The exception ``call()`` raised, or None."""
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - checked by the caller
+        return exc
+    return None

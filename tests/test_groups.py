@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import hpccomm
-from helpers import R, fill
+from helpers import Problems, R, fill, raised_by
 
 pytestmark = pytest.mark.mpi
 
@@ -23,28 +23,6 @@ NON_MEMBER = dist.GroupMember.NON_GROUP_MEMBER
 def first_and_last(n):
     """Global ranks n-1 and 0, in that (reverse) order: non-consecutive when n > 2."""
     return [n - 1, 0] if n > 1 else [0]
-
-
-class Problems(list):
-    """Failed checks, collected while communication goes on and asserted at
-    the end (``verdict``): a rank that stopped at its first failed assert
-    would leave the other ranks blocked in the next collective."""
-
-    def expect(self, ok, what) -> None:
-        if not ok:
-            self.append(str(what))
-
-    def verdict(self) -> None:
-        assert not self, "; ".join(self)
-
-
-def raised_by(call):
-    """The exception ``call()`` raised, or None."""
-    try:
-        call()
-    except Exception as exc:  # noqa: BLE001 - checked by the caller
-        return exc
-    return None
 
 
 def check_translation(p, pg, ranks):

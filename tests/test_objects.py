@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import fill
+from helpers import Problems, fill
 
 pytestmark = pytest.mark.mpi
 
@@ -39,19 +39,6 @@ def same(a, b) -> bool:
     if isinstance(a, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     return type(a) is type(b) and a == b
-
-
-class Problems(list):
-    """Failed checks, collected while the loop over groups goes on and
-    asserted at the end: a rank that stopped at its first failed assert would
-    leave the other ranks blocked in the next group's collective."""
-
-    def expect(self, ok, what) -> None:
-        if not ok:
-            self.append(str(what))
-
-    def verdict(self) -> None:
-        assert not self, "; ".join(self)
 
 
 def test_same_can_fail():

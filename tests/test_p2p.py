@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
 import hpccomm
-from helpers import MOVE_DTYPES, fill
+from helpers import MOVE_DTYPES, Problems, fill, raised_by
 
 pytestmark = pytest.mark.mpi
 
@@ -42,19 +42,6 @@ def poll(predicate, seconds: float = 60.0) -> bool:
             return False
         time.sleep(1e-4)
     return True
-
-
-class Problems(list):
-    """Failed checks, collected while communication goes on and asserted at
-    the end: a rank that stopped at its first failed assert would leave its
-    peers blocked in the exchanges that follow."""
-
-    def expect(self, ok, what: str) -> None:
-        if not ok:
-            self.append(what)
-
-    def verdict(self) -> None:
-        assert not self, "; ".join(self)
 
 
 @pytest.fixture(autouse=True)
@@ -611,15 +598,6 @@ def test_any_source_work_source_rank(world):
 
 
 # -- errors --------------------------------------------------------------------------------------
-
-def raised_by(call):
-    """The exception ``call()`` raised, or None."""
-    try:
-        call()
-    except Exception as exc:  # noqa: BLE001 - checked by the caller
-        return exc
-    return None
-
 
 def _where(r, n):
     return rf"\(op #\d+ on group '[^']+', rank {r}/{n}\)"
