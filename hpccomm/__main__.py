@@ -1,45 +1,31 @@
-"""The ``hpccomm`` command: ``hpccomm info`` prints what hpccomm sees."""
+"""The ``hpccomm`` command.
+
+Each subcommand lives in its own module, which defines ``add_arguments(parser)``
+and ``run(args) -> int``; this file only dispatches.  Nothing in hpccomm
+imports the command-line modules.
+"""
 from __future__ import annotations
 
 import argparse
-import json
+import importlib
 import sys
 
-
-def info() -> dict:
-    import torch
-
-    from . import __version__, _mpi, config
-
-    MPI = _mpi.mpi()
-    return {
-        "hpccomm": __version__,
-        "torch": torch.__version__,
-        "mpi4py": __import__("mpi4py").__version__,
-        "mpi_library": _mpi.library_version(),
-        "mpi_standard": "%d.%d" % MPI.Get_version(),
-        "thread_level": _mpi.thread_level(),
-        "rank": MPI.COMM_WORLD.Get_rank(),
-        "size": MPI.COMM_WORLD.Get_size(),
-        "processor": MPI.Get_processor_name(),
-        "options": {name: opt.get() for name, opt in config.OPTIONS.items()},
-    }
+# name -> (module, one-line help).  Modules are imported only when used.
+SUBCOMMANDS = {
+    "info": ("hpccomm._cli_info", "print versions, MPI library, thread level and options"),
+    "bench": ("hpccomm.bench", "collective benchmark (run under mpirun)"),
+}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="hpccomm", description="MPI backend for torch.distributed")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_info = sub.add_parser("info", help="print versions, MPI library, thread level and options")
-    p_info.add_argument("--json", action="store_true", help="print JSON")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(p)
     args = parser.parse_args(argv)
-    if args.command == "info":
-        report = info()
-        if args.json:
-            print(json.dumps(report, indent=2))
-        else:
-            for key, value in report.items():
-                print(f"{key:14s} {value}")
-    return 0
+    return importlib.import_module(args._module).run(args) or 0
 
 
 if __name__ == "__main__":

@@ -97,9 +97,7 @@ def overlap(nbytes: int, iters: int, barrier) -> None:
               f"{(t_compute + t_comm) / t_both:.2f} (1 = none, 2 = perfect)", flush=True)
 
 
-def main(argv=None) -> None:
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    p = argparse.ArgumentParser(prog="python -m hpccomm.bench", description=__doc__.splitlines()[0])
+def add_arguments(p) -> None:
     p.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter")
     p.add_argument("--min-bytes", type=int, default=8)
     p.add_argument("--max-bytes", type=int, default=16 << 20)
@@ -112,7 +110,16 @@ def main(argv=None) -> None:
                    help="instead of the sweep, measure compute/communication overlap with an async "
                         "all_reduce of MIB MiB")
     p.add_argument("--overlap-matmuls", type=int, default=60)
-    args = p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hpccomm.bench", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+def run(args) -> int:
+    warnings.filterwarnings("ignore", category=FutureWarning)
     dtype = getattr(torch, args.dtype)
 
     hpccomm.init_process_group()
@@ -122,7 +129,7 @@ def main(argv=None) -> None:
     if args.overlap:
         overlap(args.overlap << 20, args.overlap_matmuls, MPI.COMM_WORLD.Barrier)
         dist.destroy_process_group()
-        return
+        return 0
     gloo = None if args.no_gloo else dist.new_group(backend="gloo")
     raw = MPI.COMM_WORLD.Dup()
     barrier = raw.Barrier
@@ -156,7 +163,8 @@ def main(argv=None) -> None:
             nbytes *= args.factor
     raw.Free()
     dist.destroy_process_group()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

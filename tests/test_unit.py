@@ -685,14 +685,21 @@ _TORCH_DIST_SUBMODULES = {"distributed_c10d", "rendezvous", "c10d_logger", "cons
 #: Tools on top of the library (``python -m hpccomm.X``): nothing imports them.
 #: Like any user they may import torch.distributed, and mpi4py inside a
 #: function (after hpccomm started MPI; a raw-MPI baseline in the benchmark).
-TOOLS = ("hpccomm.__main__", "hpccomm.cli", "hpccomm.bench", "hpccomm.demo")
+#: ``hpccomm._cli_*`` are the ``hpccomm`` subcommands; ``hpccomm.examples`` the example programs.
+TOOLS = ("hpccomm.__main__", "hpccomm._cli", "hpccomm.bench", "hpccomm.demo", "hpccomm.jobs",
+         "hpccomm.examples")
+
+
+def _is_tool(module: str) -> bool:
+    return any(module == t or module.startswith(t + ".") or (t == "hpccomm._cli" and module.startswith(t))
+               for t in TOOLS)
 
 
 def layering_violations(imports) -> list:
     """The rules, over ``(module, where, imported name, at module level)``."""
     bad = []
     for module, where, name, top in imports:
-        tool = module in TOOLS
+        tool = _is_tool(module)
         if _is(name, "mpi4py") and module != "hpccomm._mpi" and (top or not tool):
             bad.append(f"{where}: {module} imports {name}; only hpccomm._mpi may import mpi4py"
                        + (" (a tool may, inside a function)" if tool else ""))
@@ -705,7 +712,7 @@ def layering_violations(imports) -> list:
         if _is(module, "hpccomm.ops") and any(_is(name, up) for up in (
                 "hpccomm.process_group", "hpccomm._init", "hpccomm._work", *TOOLS)):
             bad.append(f"{where}: {module} imports {name}; op modules must not import the layers above them")
-        if any(_is(name, t) for t in TOOLS) and not tool:
+        if _is_tool(name) and not tool:
             bad.append(f"{where}: {module} imports the tool {name}; nothing in the library may")
         if module in _BELOW and _is(name, "hpccomm") and name != "hpccomm" \
                 and not any(_is(name, low) for low in _BELOW[module]):
