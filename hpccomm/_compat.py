@@ -67,3 +67,23 @@ def default_group_or_none():
 
 
 TCPStore = _c10d.TCPStore
+
+
+def hide_from_compiler(cls, names):
+    """Run the methods ``names`` of ``cls`` with TorchDynamo off.
+
+    torch's C++ layer calls a Python process group's methods (and its Works')
+    from inside code that ``torch.compile`` is running, for example DDP's
+    ``reducer._rebuild_buckets()`` broadcasting from a compiled forward.
+    Dynamo then tries to compile the method's frame, where ``self`` is a
+    ``ProcessGroup``, an opaque object to it since torch 2.13, and reading any
+    attribute of ours is a hard error ("Attempted to access unregistered member
+    on an OpaqueObject"), not a graph break.  torch's own lazy
+    ``_disable_dynamo`` wrapper lives in a file Dynamo never traces and imports
+    Dynamo only on the first call (about 1 s once per process); each call then
+    costs about 1 us.
+    """
+    from torch._compile import _disable_dynamo
+
+    for name in names:
+        setattr(cls, name, _disable_dynamo(cls.__dict__[name]))

@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from ._compat import WorkBase
+from ._compat import WorkBase, hide_from_compiler
 from .errors import HpccommError
 
 
@@ -172,6 +172,11 @@ class Work(WorkBase):
 
     def _source_rank(self) -> int:
         return self._source
+
+
+# What torch's C++ layer calls on a Work (and the future's callback): kept out of torch.compile.
+hide_from_compiler(Work, ["wait", "get_future", "is_completed", "is_success", "exception", "result",
+                          "source_rank", "_source_rank", "_result_or_raise"])
 
 
 def done(outputs) -> Work:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
-from . import _debug, _engine, _mpi, _trace, _work
+from . import _compat, _debug, _engine, _mpi, _trace, _work
 from .errors import HpccommError, OpError
 from .ops import alltoall as _a2a
 from .ops import gather as _gather
@@ -220,3 +220,9 @@ class ProcessGroupHpccomm(ProcessGroupBase):
 
     def recv_anysource(self, tensors, tag: int = 0):
         return self._run("recv", _p2p.recv, tensors, None, tag)
+
+
+# Methods torch's C++ layer calls (and their aliases): kept out of torch.compile.
+_compat.hide_from_compiler(ProcessGroupHpccomm, [
+    name for name, value in vars(ProcessGroupHpccomm).items()
+    if callable(value) and not name.startswith("__") and name not in ("_run", "_guarded", "_redop")])
