@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from helpers import Problems, same_on_all_ranks
-from test_mesh import mesh_shapes
+from test_mesh import mesh_shapes, shards
 
 pytestmark = pytest.mark.mpi
 
@@ -173,7 +173,7 @@ def _check_tp(p, tp_mesh, what):
     s, k = tp_mesh.size(), tp_mesh.get_local_rank()
     p.expect(isinstance(block.up.weight, DTensor) and block.up.weight.placements == (Shard(0),),
              f"{what}: up.weight is {type(block.up.weight).__name__}")
-    p.expect(torch.equal(block.up.weight.to_local(), torch.chunk(ref.up.weight.detach(), s, 0)[k]),
+    p.expect(torch.equal(block.up.weight.to_local(), shards(ref.up.weight.detach(), s, 0)[k]),
              f"{what}: up.weight shard {k}")
     p.expect(block.down.weight.placements == (Shard(1),), f"{what}: down.weight {block.down.weight.placements}")
     x = torch.randn(5, 8, generator=torch.Generator().manual_seed(7))  # the same input on every rank
@@ -265,7 +265,7 @@ def test_checkpoint_sharded_state_roundtrip(world):
             p.expect(torch.equal(got.to_local(), value.to_local()), f"{key}: local shard differs after load")
             p.expect(torch.equal(got.full_tensor(), value.full_tensor()), f"{key}: full tensor differs after load")
         p.expect(torch.equal(loaded["extra"].full_tensor(), t), "resharded DTensor differs after load")
-        p.expect(torch.equal(loaded["extra"].to_local(), torch.chunk(t, b, 1)[me % b]), "resharded local shard")
+        p.expect(torch.equal(loaded["extra"].to_local(), shards(t, b, 1)[me % b]), "resharded local shard")
         files = sorted(os.listdir(path))
         p.expect(".metadata" in files and sum(f.endswith(".distcp") for f in files) == n, f"files: {files}")
     finally:

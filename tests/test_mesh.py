@@ -37,6 +37,13 @@ def dim_ranks(shape, dim):
     return [k * b + j for k in range(a)] if dim == 0 else [i * b + k for k in range(b)]
 
 
+def shards(x, s, dim):
+    """The ``s`` pieces DTensor's Shard(dim) gives ``x`` (torch.chunk's, then
+    empty ones where torch.chunk returns fewer than ``s``)."""
+    pieces = list(torch.chunk(x, s, dim=dim))
+    return pieces + [x.narrow(dim, 0, 0)] * (s - len(pieces))
+
+
 def make_mesh(shape):
     return init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
 
@@ -177,23 +184,22 @@ def _check_dtensor(p, mesh, what):
     me = dist.get_rank()
     s, k = mesh.size(), mesh.get_local_rank()
     t = torch.arange((2 * s + 1) * 3, dtype=torch.float32).reshape(2 * s + 1, 3)
-    chunk = lambda x, dim: list(torch.chunk(x, s, dim=dim)) + [x.narrow(dim, 0, 0)] * s  # noqa: E731
     d = distribute_tensor(t, mesh, [Shard(0)])
-    p.expect(torch.equal(d.to_local(), chunk(t, 0)[k]), f"{what}: Shard(0) local {d.to_local().tolist()}")
+    p.expect(torch.equal(d.to_local(), shards(t, s, 0)[k]), f"{what}: Shard(0) local {d.to_local().tolist()}")
     p.expect(torch.equal(d.full_tensor(), t), f"{what}: Shard(0).full_tensor()")
     r = d.redistribute(mesh, [Replicate()])
     p.expect(torch.equal(r.to_local(), t), f"{what}: Shard(0) -> Replicate")
     s1 = r.redistribute(mesh, [Shard(1)])
-    p.expect(torch.equal(s1.to_local(), chunk(t, 1)[k]), f"{what}: Replicate -> Shard(1) {s1.to_local().tolist()}")
+    p.expect(torch.equal(s1.to_local(), shards(t, s, 1)[k]), f"{what}: Replicate -> Shard(1) {s1.to_local().tolist()}")
     s0 = s1.redistribute(mesh, [Shard(0)])  # torch does Shard -> Shard on CPU as all_gather + chunk
-    p.expect(torch.equal(s0.to_local(), chunk(t, 0)[k]), f"{what}: Shard(1) -> Shard(0) {s0.to_local().tolist()}")
+    p.expect(torch.equal(s0.to_local(), shards(t, s, 0)[k]), f"{what}: Shard(1) -> Shard(0) {s0.to_local().tolist()}")
     # Partial: each member holds (its mesh index + 1) * t; the sum is t * s(s+1)/2.
     part = DTensor.from_local(t * (k + 1), mesh, [Partial()])
     total = t * (s * (s + 1) // 2)
     p.expect(torch.equal(part.full_tensor(), total), f"{what}: Partial.full_tensor()")
     p.expect(torch.equal(part.redistribute(mesh, [Replicate()]).to_local(), total), f"{what}: Partial -> Replicate")
     ps = part.redistribute(mesh, [Shard(0)])
-    p.expect(torch.equal(ps.to_local(), chunk(total, 0)[k]), f"{what}: Partial -> Shard(0) {ps.to_local().tolist()}")
+    p.expect(torch.equal(ps.to_local(), shards(total, s, 0)[k]), f"{what}: Partial -> Shard(0) {ps.to_local().tolist()}")
     # DTensor arithmetic: a sharded matmul against a replicated matrix, then a sum.
     w = distribute_tensor(torch.eye(3) * 2, mesh, [Replicate()])
     out = (d @ w).sum()
@@ -227,7 +233,7 @@ def test_dtensor_on_a_2d_mesh(world):
         p.expect(torch.equal(d.to_local(), t[2 * i:2 * i + 2, 3 * j:3 * j + 3]), f"{shape}: S0xS1 local")
         p.expect(torch.equal(d.full_tensor(), t), f"{shape}: S0xS1 full")
         r = d.redistribute(mesh, [Replicate(), Shard(0)])
-        p.expect(torch.equal(r.to_local(), torch.chunk(t, b, 0)[j]), f"{shape}: R x S0 local {r.to_local().shape}")
+        p.expect(torch.equal(r.to_local(), shards(t, b, 0)[j]), f"{shape}: R x S0 local {r.to_local().shape}")
         part = DTensor.from_local(torch.chunk(t, b, 1)[j] * (i + 1), mesh, [Partial(), Shard(1)])
         full = part.full_tensor()
         p.expect(torch.equal(full, t * (a * (a + 1) // 2)), f"{shape}: P x S1 full")
