@@ -111,13 +111,17 @@ def _check_funcol(p, group, ranks, what):
     out = done(funcol.all_reduce(x, "max", group))
     p.expect(torch.equal(out, x - 10 * me + 10 * max(ranks)), f"{what}: all_reduce max {out.tolist()}")
     for dim in (0, 1):
-        out = done(funcol.all_gather_tensor(x, dim, group))
         want = torch.cat([x - 10 * me + 10 * g for g in ranks], dim=dim)
+        out = done(funcol.all_gather_tensor(x, dim, group))
         p.expect(torch.equal(out, want), f"{what}: all_gather_tensor dim {dim} {out.tolist()}")
+        out = done(funcol.all_gather_single(x, dim, group))  # torch 2.13's new name
+        p.expect(torch.equal(out, want), f"{what}: all_gather_single dim {dim} {out.tolist()}")
     y = torch.arange(2 * s * 3, dtype=torch.float64).reshape(2 * s, 3) + me
     out = done(funcol.reduce_scatter_tensor(y, "sum", 0, group))
     want = s * (torch.arange(2 * s * 3, dtype=torch.float64).reshape(2 * s, 3)[2 * k:2 * k + 2]) + sum(ranks)
     p.expect(torch.equal(out, want), f"{what}: reduce_scatter_tensor {out.tolist()} != {want.tolist()}")
+    out = done(funcol.reduce_scatter_single(y, "sum", 0, group))
+    p.expect(torch.equal(out, want), f"{what}: reduce_scatter_single {out.tolist()} != {want.tolist()}")
     # all_to_all_single, even splits: block d of each input goes to member d.
     z = torch.stack([torch.full((2,), 100.0 * me + d) for d in range(s)]).reshape(-1)
     out = done(funcol.all_to_all_single(z, None, None, group))
@@ -131,7 +135,8 @@ def _check_funcol(p, group, ranks, what):
 
 
 def test_functional_collectives(world):
-    """all_reduce, all_gather_tensor, reduce_scatter_tensor and all_to_all_single
+    """all_reduce, all_gather_tensor/all_gather_single,
+    reduce_scatter_tensor/reduce_scatter_single and all_to_all_single
     on the world group, on hpccomm subgroups, on each dimension of every mesh
     (as ``(mesh, dim)``) and on a 1-D sub-mesh."""
     me, n = world
