@@ -69,8 +69,12 @@ def default_group_or_none():
 TCPStore = _c10d.TCPStore
 
 
+_hidden = []  # (class, method names) waiting for Dynamo to be imported
+
+
 def hide_from_compiler(cls, names):
-    """Run the methods ``names`` of ``cls`` with TorchDynamo off.
+    """Run the methods ``names`` of ``cls`` with TorchDynamo off, from the
+    moment Dynamo is imported (at once if it already is).
 
     torch's C++ layer calls a Python process group's methods (and its Works')
     from inside code that ``torch.compile`` is running, for example DDP's
@@ -78,12 +82,50 @@ def hide_from_compiler(cls, names):
     Dynamo then tries to compile the method's frame, where ``self`` is a
     ``ProcessGroup``, an opaque object to it since torch 2.13, and reading any
     attribute of ours is a hard error ("Attempted to access unregistered member
-    on an OpaqueObject"), not a graph break.  torch's own lazy
-    ``_disable_dynamo`` wrapper lives in a file Dynamo never traces and imports
-    Dynamo only on the first call (about 1 s once per process); each call then
-    costs about 1 us.
+    on an OpaqueObject"), not a graph break.  ``torch._dynamo.disable``'s
+    wrapper lives in a file Dynamo never traces; it costs about 1 us a call.
+    Importing Dynamo costs about 1 s, so it is not imported for this: a
+    process that never compiles keeps plain methods; ``torch.compile`` imports
+    Dynamo before it can run anything, and the import hook below wraps the
+    methods then.
     """
-    from torch._compile import _disable_dynamo
+    import sys
 
-    for name in names:
-        setattr(cls, name, _disable_dynamo(cls.__dict__[name]))
+    _hidden.append((cls, list(names)))
+    if "torch._dynamo" in sys.modules and hasattr(sys.modules["torch._dynamo"], "disable"):
+        _wrap_hidden()
+    elif not any(isinstance(f, _DynamoImportHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _DynamoImportHook())
+
+
+def _wrap_hidden() -> None:
+    import torch._dynamo
+
+    while _hidden:
+        cls, names = _hidden.pop()
+        for name in names:
+            setattr(cls, name, torch._dynamo.disable(cls.__dict__[name], recursive=True))
+
+
+class _DynamoImportHook:
+    """A one-shot ``sys.meta_path`` finder: lets ``torch._dynamo`` load as
+    usual, then calls :func:`_wrap_hidden`, and removes itself."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch._dynamo":
+            return None
+        import importlib.machinery
+        import sys
+
+        sys.meta_path[:] = [f for f in sys.meta_path if f is not self]
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader_exec = spec.loader.exec_module
+
+        def exec_module(module):
+            loader_exec(module)
+            _wrap_hidden()
+
+        spec.loader.exec_module = exec_module
+        return spec
