@@ -215,7 +215,9 @@ def _create(opts, backend_options=None) -> ProcessGroupHpccomm:
         group.is_world = True
         _state.world = group
         _install_excepthook(comm.Get_rank(), comm.Get_size())
-        from . import _trace
+        from . import _signals, _trace
+
+        _signals.install(comm, opts.store)
 
         _trace.start(comm)
         return ProcessGroupHpccomm(group)
@@ -266,6 +268,9 @@ def _install_excepthook(rank: int, size: int) -> None:
         print(f"hpccomm: rank {rank} of {size} raised an uncaught {kind.__name__} ({where}); aborting the job "
               "so the other ranks do not wait for it (HPCCOMM_ABORT_ON_EXCEPTION=0 turns this off)",
               file=out, flush=True)
+        from . import _signals
+
+        _signals.record_failure(f"raised an uncaught {kind.__name__} ({where})")
         _mpi.abort(1)
 
     sys.excepthook = hook

@@ -114,6 +114,12 @@ OPTIONS: dict[str, Option] = {
             "otherwise wait in their next collective until the timeout).",
         ),
         Option(
+            "HPCCOMM_SIGNAL_REPORT", _bool, True,
+            "When the launcher ends a rank with SIGTERM (because another rank died), print one line "
+            "saying which op this rank was in and which rank failed, then exit with status 143. "
+            "Installed at init only if the program has no SIGTERM handler of its own.",
+        ),
+        Option(
             "HPCCOMM_TRACE", str, "",
             "A file name: record every op on every rank and write one merged Chrome/Perfetto trace "
             "(a process per rank) when the world group is destroyed.",

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import ast
 import pickle
+import os
 import re
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -769,3 +771,62 @@ def test_layering_rules_catch(module, source):
 def test_layering_rules_allow(module, source):
     found = imports_of(source, module)
     assert layering_violations((module, "planted", name, top) for _, name, top in found) == []
+
+
+def test_dead_local_peers_finds_gone_and_zombie_processes():
+    import socket
+    import subprocess
+
+    from hpccomm import _signals
+
+    me = socket.gethostname()
+    live = subprocess.Popen(["sleep", "30"])
+    zombie = subprocess.Popen(["true"])
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # reaped: its pid no longer exists
+    deadline = time.monotonic() + 5
+    while _signals._alive(zombie.pid) and time.monotonic() < deadline:  # exited, not reaped yet
+        time.sleep(0.05)
+    try:
+        peers = [(me, os.getpid()), (me, live.pid), (me, zombie.pid), (me, gone.pid), ("elsewhere", gone.pid)]
+        assert _signals.dead_local_peers(peers) == [(2, me, zombie.pid), (3, me, gone.pid)]
+    finally:
+        live.kill()
+        live.wait()
+        zombie.wait()
+
+
+def test_report_line_names_the_running_op_and_the_recorded_failure(monkeypatch):
+    from hpccomm import _signals, _watchdog
+
+    class Group:
+        name, timeout = "WORLD", 60
+
+    class Store:
+        def __init__(self):
+            self.kv = {}
+
+        def set(self, k, v):
+            self.kv[k] = v.encode()
+
+        def check(self, keys):
+            return all(k in self.kv for k in keys)
+
+        def get(self, k):
+            return self.kv[k]
+
+    store = Store()
+    monkeypatch.setattr(_signals, "_store", store)
+    monkeypatch.setattr(_signals, "_rank", 1)
+    monkeypatch.setattr(_signals, "_size", 4)
+    monkeypatch.setattr(_signals, "_peers", [])
+    wd = _watchdog.Watchdog()
+    monkeypatch.setattr(_watchdog, "watchdog", wd)
+    assert _signals.report_line() == (
+        "hpccomm: rank 1 of 4 ended by SIGTERM (the launcher ends the job) outside any hpccomm op; no failed "
+        "rank known here (one on another node, or the job was cancelled: the launcher's message names it)")
+    wd._ops[0] = _watchdog._Op(Group(), "all_gather", 7, time.monotonic(), time.monotonic() + 60)
+    _signals.record_failure("raised an uncaught KeyError (last op: barrier (op #6 on group 'WORLD'))")
+    line = _signals.report_line()
+    assert line.startswith("hpccomm: rank 1 of 4 ended by SIGTERM (the launcher ends the job) while in all_gather "
+                           "(op #7 on group 'WORLD', for 0.0 s); rank 1 raised an uncaught KeyError"), line
