@@ -182,9 +182,14 @@ class Srun(Launcher):
     PMI2_FD = "PMI_FD"           # srun --mpi=pmi2
     PMI_RANK = "PMI_RANK"
 
+    #: Step ids at and above this are SLURM's pseudo-steps (batch script,
+    #: extern, interactive), not ``srun`` steps.
+    FIRST_PSEUDO_STEP = 0xFFFFFFF0
+
     @classmethod
     def present(cls, env):
-        return cls.STEP_ID in env and (cls.STEP_SIZE in env or cls.SIZE in env)
+        step = _int(env, cls.STEP_ID)
+        return step is not None and step < cls.FIRST_PSEUDO_STEP and (cls.STEP_SIZE in env or cls.SIZE in env)
 
     @classmethod
     def parse(cls, env):
