@@ -220,7 +220,8 @@ def problems(reports: list) -> list:
             groups: dict = {}
             for rank, f in enumerate(flat):
                 groups.setdefault(json.dumps(f.get(key)), []).append(rank)
-            said = "; ".join(f"{json.loads(v)!r} on ranks {_ranks(rs)}" for v, rs in groups.items())
+            said = "; ".join(f"{json.loads(v)!r} on rank{'s' if len(rs) > 1 else ''} {_ranks(rs)}"
+                             for v, rs in groups.items())
             found.append(f"{key} differs between ranks: {said}")
     hosts = {r.get("host", {}).get("name") for r in reports}
     for rank, r in enumerate(reports):
