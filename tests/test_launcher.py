@@ -457,3 +457,20 @@ def test_real_single_process(tmp_path):
     (rep,) = _launch([sys.executable, "SCRIPT"], tmp_path)
     assert rep["launch"] == asdict(L("single", 0, 1, 0, 1, 0, "python")), rep
     assert (rep["rank"], rep["size"], rep["local_rank"], rep["local_size"], rep["node"]) == (0, 1, 0, 1, 0), rep
+
+
+def test_real_init_cross_checks_rank(tmp_path):
+    """A plain process whose (torchrun) variables say rank 1 of 1 while MPI
+    says rank 0 of 1: init refuses, naming both."""
+    script = tmp_path / "who.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMIX_", "PMI_", "PRTE_", "SLURM_", "HPCCOMM_", "MASTER_"))}
+    env.update(PYTHONPATH=str(REPO), TORCHELASTIC_RUN_ID="test", RANK="1", WORLD_SIZE="1", LOCAL_RANK="1",
+               TORCH_CPP_LOG_LEVEL="ERROR")
+    proc = subprocess.run(["timeout", str(TIMEOUT - 15), sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout.split("HPCCOMM-TEST ", 1)[1])
+    assert rep["error"].startswith("hpccomm init: torchrun says this process is rank 1 of 1 (RANK=1, WORLD_SIZE=1) "
+                                   "but MPI says rank 0 of 1: two launchers or two MPI libraries are mixed."), rep
