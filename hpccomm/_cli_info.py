@@ -242,7 +242,7 @@ def problems(reports: list) -> list:
                        "mpirun/mpiexec" + (f" or srun --mpi={plugin}" if plugin else "") + ")"
             found.append(f"rank {rank}: {launch.get('command')} started {lsize} processes "
                          f"({launch.get('size_variable')}={lsize}) but MPI says the world has {size}{hint}")
-        elif launch.get("rank") is not None and launch.get("name") != "single" and launch.get("rank") != mpi.get("rank"):
+        elif launch.get("name") != "single" and launch.get("rank") not in (None, mpi.get("rank")):
             found.append(f"rank {rank}: {launch.get('command')} says rank {launch.get('rank')} "
                          f"({launch.get('rank_variable')}) but MPI says rank {mpi.get('rank')}")
         if host.get("error"):

@@ -118,7 +118,8 @@ SRUN_NONE = _slurm_step(3, 1, 1, "n2")
 #: mpi/pmix plugin: PMIx server variables (as Open MPI's above) with SLURM's namespace.
 SRUN_PMIX = {**SRUN_NONE, "PMIX_RANK": "3", "PMIX_NAMESPACE": "slurm.pmix.42.0", "PMIX_VERSION": "4.2.2",
              "PMIX_SERVER_URI41": "pmix-server.12345;tcp4://127.0.0.1:34567", "PMIX_SECURITY_MODE": "munge,native",
-             "PMIX_GDS_MODULE": "ds21,ds12,hash", "PMIX_HOSTNAME": "n2", "PMIX_SERVER_TMPDIR": "/tmp/slurm/spmix_appdir_0_42.0",
+             "PMIX_GDS_MODULE": "ds21,ds12,hash", "PMIX_HOSTNAME": "n2",
+             "PMIX_SERVER_TMPDIR": "/tmp/slurm/spmix_appdir_0_42.0",
              "PMIX_SYSTEM_TMPDIR": "/tmp", "SLURM_PMIXP_ABORT_AGENT_PORT": "41000"}
 #: mpi/pmi2 plugin (slurm's src/plugins/mpi/pmi2: PMI_FD, PMI_JOBID, PMI_RANK, PMI_SIZE).
 SRUN_PMI2 = {**SRUN_NONE, "PMI_FD": "5", "PMI_JOBID": "42.0", "PMI_RANK": "3", "PMI_SIZE": "4"}
