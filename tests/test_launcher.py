@@ -475,3 +475,27 @@ def test_real_init_cross_checks_rank(tmp_path):
     rep = json.loads(proc.stdout.split("HPCCOMM-TEST ", 1)[1])
     assert rep["error"].startswith("hpccomm init: torchrun says this process is rank 1 of 1 (RANK=1, WORLD_SIZE=1) "
                                    "but MPI says rank 0 of 1: two launchers or two MPI libraries are mixed."), rep
+
+
+SUBCOMM = '''
+import json, torch, torch.distributed as dist
+import hpccomm
+from mpi4py import MPI
+w = MPI.COMM_WORLD
+sub = w.Split(w.Get_rank() % 2, w.Get_rank())
+hpccomm.init_process_group(comm=sub)
+t = torch.ones(1)
+dist.all_reduce(t)
+print("HPCCOMM-TEST " + json.dumps({"launch": {"rank": w.Get_rank()}, "rank": dist.get_rank(),
+                                    "size": dist.get_world_size(), "sum": t.item()}), flush=True)
+dist.destroy_process_group()
+'''
+
+
+def test_real_init_on_a_subcommunicator_of_one(tmp_path):
+    """mpirun -n 3, init_process_group(comm=...) with rank 1 alone in its
+    communicator: the launch checks look at MPI_COMM_WORLD (which matches
+    mpirun), so a communicator of one is not taken for the silent-singleton trap."""
+    (tmp_path / "sub.py").write_text(SUBCOMM)
+    reports = _launch(["mpirun", "-n", "3", "--oversubscribe", sys.executable, str(tmp_path / "sub.py")], tmp_path)
+    assert [(r["rank"], r["size"], r["sum"]) for r in reports] == [(0, 2, 2.0), (0, 1, 1.0), (1, 2, 2.0)], reports
