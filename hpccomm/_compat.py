@@ -67,3 +67,19 @@ def default_group_or_none():
 
 
 TCPStore = _c10d.TCPStore
+
+
+def nccl_available() -> bool:
+    """True when torch was built with NCCL or cupy has NCCL (either can carry
+    GPU tensors); False on a CPU-only build.  Imports cupy only if installed."""
+    if dist.is_nccl_available():
+        return True
+    import importlib.util
+
+    if importlib.util.find_spec("cupy") is None:
+        return False
+    try:
+        from cupy.cuda import nccl
+    except Exception:  # noqa: BLE001 - a cupy without a usable CUDA/NCCL raises various errors
+        return False
+    return bool(getattr(nccl, "available", True))

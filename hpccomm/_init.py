@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from . import _compat, _group, _mpi, config
+from . import _compat, _group, _mpi, config, launcher
 from .errors import InitError
 from .process_group import BACKEND_NAME, ProcessGroupHpccomm
 
@@ -65,13 +65,12 @@ def rank_info(comm=None) -> RankInfo:
     MPI = _mpi.mpi()
     comm = MPI.COMM_WORLD if comm is None else comm
     # Number local ranks as the launcher does (it binds cores and picks devices
-    # by that number); without a launcher's word, in world-rank order.
+    # by that number); without a launcher's word, in world-rank order.  A
+    # launcher's local ranks describe its world, so only when ``comm`` is as big.
     key = comm.Get_rank()
-    for var in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "PMI_LOCAL_RANK"):
-        value = os.environ.get(var, "")
-        if value.isdigit() and comm.Get_size() == _launcher_size():
-            key = int(value)
-            break
+    launch = launcher.detect()
+    if launch.local_rank is not None and launch.size == comm.Get_size():
+        key = launch.local_rank
     node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=key)
     try:
         local_rank, local_size = node_comm.Get_rank(), node_comm.Get_size()
@@ -85,16 +84,6 @@ def rank_info(comm=None) -> RankInfo:
     finally:
         node_comm.Free()
     return RankInfo(comm.Get_rank(), comm.Get_size(), local_rank, local_size, node, nodes)
-
-
-def _launcher_size() -> int:
-    """The world size the launcher announced, or -1 (its local ranks then
-    describe another world, e.g. a sub-communicator's)."""
-    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
-        value = os.environ.get(var, "")
-        if value.isdigit():
-            return int(value)
-    return -1
 
 
 def _store_host(info: RankInfo) -> str:
@@ -147,7 +136,7 @@ def _bootstrap(comm=None, timeout: timedelta = DEFAULT_TIMEOUT):
     MPI = _mpi.mpi()
     _configure_logging()
     base = MPI.COMM_WORLD if comm is None else comm
-    _check_launch(base)
+    _check_launch(MPI.COMM_WORLD)  # the launch is about the world, whatever ``comm`` is
     world_comm = base.Dup()
     info = rank_info(world_comm)
     store = make_store(world_comm, info, timeout)
@@ -158,20 +147,55 @@ def _bootstrap(comm=None, timeout: timedelta = DEFAULT_TIMEOUT):
     return store, info
 
 
-def _check_launch(comm) -> None:
-    """Refuse the silent-singleton trap: a launcher that started N processes
-    which each see an MPI world of one."""
-    if comm.Get_size() != 1:
+def _check_launch(comm, env=None, library=None) -> None:
+    """Refuse a launch MPI disagrees with: ``comm`` is COMM_WORLD, ``env`` the
+    environment (default os.environ), ``library`` the MPI library's version
+    text (asked of MPI when needed).
+
+    The silent-singleton trap first: a launcher that started N processes
+    which each see an MPI world of one (srun with the wrong ``--mpi=``
+    plugin, another MPI library's mpirun, torchrun).  Then any other
+    disagreement between the launcher's rank or size and MPI's.
+    """
+    launch = launcher.detect(env)
+    if launch.name == "single" or launch.size is None:
         return
-    for var, launcher, fix in (
-        ("SLURM_NTASKS", "srun", "srun --mpi=pmix (Open MPI) or srun --mpi=pmi2 (MPICH)"),
-        ("OMPI_COMM_WORLD_SIZE", "mpirun", "the mpirun of the MPI library mpi4py was built with"),
-        ("PMI_SIZE", "mpiexec", "the mpiexec of the MPI library mpi4py was built with"),
-    ):
-        value = os.environ.get(var, "")
-        if value.isdigit() and int(value) > 1 and (var != "SLURM_NTASKS" or "SLURM_STEP_ID" in os.environ):
-            raise InitError(f"hpccomm init: {launcher} started {value} processes ({var}={value}) but MPI sees "
-                            f"a world of 1: every rank would run alone. Launch with {fix}")
+    size = comm.Get_size()
+    if size == 1 and launch.size > 1:
+        raise InitError(_singleton_message(launch, _mpi.library_version() if library is None else library))
+    rank = comm.Get_rank() if launch.rank is not None else None
+    if launch.size != size or launch.rank != rank:
+        env = os.environ if env is None else env
+        said = ", ".join(f"{v}={env.get(v)}" for v in (launch.rank_variable, launch.size_variable)
+                         if v and v in env)
+        raise InitError(f"hpccomm init: {launch.command} says this process is rank {launch.rank} of {launch.size} "
+                        f"({said}) but MPI says rank {rank} of {size}: two launchers or two MPI libraries "
+                        f"are mixed. Start the job with one launcher, the one of the MPI library in use "
+                        f"({_mpi.library_version() if library is None else library})")
+
+
+def _singleton_message(launch, library: str) -> str:
+    plugin = launcher.srun_mpi_plugin(library)
+    head = (f"hpccomm init: {launch.command} started {launch.size} processes ({launch.size_variable}={launch.size}) "
+            "but MPI sees a world of 1: every rank would run alone. ")
+    if launch.name == "srun":
+        given = f"--mpi={launch.pmi}" if launch.pmi else "--mpi=none (no PMI)"
+        if plugin:
+            fix = (f"Launch with srun --mpi={plugin}: the MPI library in use is {library}, and this step was "
+                   f"given {given} (`srun --mpi=list` shows the plugins this SLURM has; MpiDefault in "
+                   "slurm.conf sets the default)")
+        else:
+            fix = (f"Launch with srun --mpi=pmix (Open MPI) or srun --mpi=pmi2 (MPICH, Intel MPI), whichever "
+                   f"fits the MPI library in use ({library}); this step was given {given}")
+    elif launch.name == "torchrun":
+        fix = ("torchrun does not start MPI, so hpccomm cannot join its processes into one MPI world. "
+               f"Launch with mpirun -n {launch.size} (or srun"
+               + (f" --mpi={plugin}" if plugin else "") + ") instead: hpccomm needs no MASTER_ADDR, "
+               "RANK or WORLD_SIZE")
+    else:
+        fix = (f"Launch with the mpirun/mpiexec of the MPI library mpi4py uses ({library}), not another "
+               "library's")
+    return head + fix
 
 
 def _mpi_rendezvous(url: str, timeout: timedelta = DEFAULT_TIMEOUT, **kwargs):

@@ -11,6 +11,7 @@ A few tests need MPI datatypes; they start MPI as a singleton in this process
 from __future__ import annotations
 
 import ast
+import os
 import pickle
 import os
 import re
@@ -533,8 +534,12 @@ class _Comm:
     def Get_size(self):
         return self.size
 
+    def Get_rank(self):
+        return 0
 
-_LAUNCH_VARS = ("SLURM_NTASKS", "SLURM_STEP_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+#: Every launcher's variables go (the test may itself run under one).
+_LAUNCH_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "HYDI_", "I_MPI_", "TORCHELASTIC_")
 
 
 @pytest.mark.parametrize("env,size,fragment", [
@@ -548,8 +553,8 @@ _LAUNCH_VARS = ("SLURM_NTASKS", "SLURM_STEP_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SI
     ({"PMI_SIZE": "junk"}, 1, None),
 ])
 def test_check_launch(monkeypatch, env, size, fragment):
-    for var in _LAUNCH_VARS:
-        monkeypatch.delenv(var, raising=False)
+    for var in [v for v in os.environ if v.startswith(_LAUNCH_PREFIXES)]:
+        monkeypatch.delenv(var)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     if fragment is None:
