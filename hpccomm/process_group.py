@@ -12,6 +12,7 @@ import time
 
 from . import _debug, _engine, _mpi, _trace, _work
 from .errors import HpccommError, OpError
+from .gpu import dispatch as _gpu
 from .ops import alltoall as _a2a
 from .ops import gather as _gather
 from .ops import p2p as _p2p
@@ -61,6 +62,13 @@ class ProcessGroupHpccomm(ProcessGroupBase):
             raise HpccommError(f"hpccomm {op} (group '{g.name}'): the process group was destroyed")
         g.next_seq()
         try:
+            device = _gpu.cuda_device(g, op, args)  # a call with CUDA tensors goes to a GPU transport
+            if device is not None:
+                transport = _gpu.transport(g, op, device)
+                work = _gpu.delegated(transport, g, op, args, opts)
+                if work is not None:  # NCCL took the whole op
+                    return work
+                prepare = transport.wrap(op, prepare)
             run = prepare(g, *args)  # raises OpError before any communication
         except OpError:
             g.seq -= 1  # refused ops are not counted: op numbers stay equal on every rank
@@ -146,6 +154,7 @@ class ProcessGroupHpccomm(ProcessGroupBase):
         if self._g.comm is not None and self._g.is_world:
             _engine.engine.flush(self._g)
             _trace.finish(self._g.comm)  # every rank destroys the world: gather the trace now
+        _gpu.release(self._g)
         self._g.free()
 
     # -- collectives ----------------------------------------------------------
