@@ -589,6 +589,10 @@ class FakeCudaTensor(torch.Tensor):
     def device(self):
         return torch.device("cuda", 0)
 
+    @property
+    def is_cuda(self):
+        return True
+
 
 @pytest.fixture
 def no_gpu_transport():
@@ -604,19 +608,23 @@ def no_gpu_transport():
     dispatch._caps[0] = saved
 
 
-@pytest.mark.parametrize("op", ["all_reduce", "broadcast"])
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather_into_tensor"])
 def test_cuda_tensor_without_gpu_transport(world, no_gpu_transport, monkeypatch, op):
     """With no GPU transport (HPCCOMM_GPU_TRANSPORT=auto), a CUDA tensor is
-    refused on every rank before any communication, naming the variable."""
+    refused on every rank before any communication, naming the variable.
+    (Not broadcast: torch's own broadcast asks the fake tensor's GPU for its
+    compute capability.)"""
+    n, _ = _nr()
     monkeypatch.delenv("HPCCOMM_GPU_TRANSPORT", raising=False)
     t = torch.arange(3.0).as_subclass(FakeCudaTensor)
+    out = torch.zeros(3 * n).as_subclass(FakeCudaTensor)
     assert t.device.type == "cuda"
     with refused(hpccomm.OpTypeError, op, r"CUDA tensors cannot be sent: no GPU transport: CUDA-aware MPI: no "
-                 r"\(injected: not CUDA-aware\); NCCL through torch: no .*Set HPCCOMM_GPU_TRANSPORT=staged", t):
+                 r"\(injected: not CUDA-aware\); NCCL through torch: no .*Set HPCCOMM_GPU_TRANSPORT=staged", t, out):
         if op == "all_reduce":
             dist.all_reduce(t)
         else:
-            dist.broadcast(t, src=0)
+            dist.all_gather_into_tensor(out, t)
 
 
 def test_mixed_devices_refused(world):

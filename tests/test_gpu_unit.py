@@ -918,6 +918,9 @@ class FakeCudaTensor(torch.Tensor):
     @property
     def device(self):
         return torch.device("cuda", 0)
+    @property
+    def is_cuda(self):
+        return True
 dispatch._caps[0] = select.Capabilities(probe.Finding(False, "no"), probe.Finding(False, "no"),
                                         probe.Finding(False, "no"))
 try:

@@ -26,6 +26,7 @@ from .nccl_torch import TorchNCCL
 from .staged import Staged
 
 log = logging.getLogger("hpccomm")
+_Tensor = torch.Tensor
 
 _lock = threading.Lock()
 _transports: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Group -> {device: transport}
@@ -39,21 +40,32 @@ _binding: dict = {"device": None, "how": "not bound yet (no world group made)"}
 # the devices of a call
 # --------------------------------------------------------------------------
 
+def _any_cuda(items) -> bool:
+    for a in items:
+        if isinstance(a, _Tensor):
+            if a.is_cuda:
+                return True
+        elif isinstance(a, (list, tuple)) and _any_cuda(a):
+            return True
+    return False
+
+
 def cuda_device(group, op: str, args):
     """The CUDA device of the call's tensors, or None if it has none.
 
     Raises OpValueError when the call mixes devices (a CPU input and a CUDA
-    output, or two GPUs): checked before any communication.
+    output, or two GPUs): checked before any communication.  Asked for every
+    op, so the CPU case is one attribute test per tensor.
     """
+    if not _any_cuda(args):
+        return None  # no CUDA tensor: the CPU path (whose checks refuse other devices)
     devices = {t.device for t in tensors_in(args)}
     if len(devices) == 1:
         (device,) = devices
-        return device if device.type == "cuda" else None
-    if any(d.type == "cuda" for d in devices):
-        listed = ", ".join(sorted(str(d) for d in devices))
-        raise OpValueError(op, group.where(), f"the call mixes devices ({listed})",
-                           "Put every input and output of one call on the same device, with .to(device)")
-    return None  # no tensor, or CPU with another non-CUDA device: the CPU path's checks refuse it
+        return device
+    listed = ", ".join(sorted(str(d) for d in devices))
+    raise OpValueError(op, group.where(), f"the call mixes devices ({listed})",
+                       "Put every input and output of one call on the same device, with .to(device)")
 
 
 # --------------------------------------------------------------------------
