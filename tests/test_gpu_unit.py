@@ -408,6 +408,25 @@ def test_transport_chosen_once_per_group_and_device(injected, monkeypatch, caplo
     assert dispatch.transports_of(g) == {}
 
 
+def test_p2p_chooses_locally_then_a_collective_confirms(injected, monkeypatch):
+    """send/recv involve two members: no agreement (a collective would hang
+    the others); the group's first collective agrees and keeps that instance."""
+    monkeypatch.setenv("HPCCOMM_GPU_TRANSPORT", "staged")
+    g = fake_group()
+    first = dispatch.transport(g, "send", CUDA0)
+    assert dispatch.transport(g, "recv", CUDA0) is first
+    assert injected == [] and dispatch.transports_of(g) == {}
+    assert dispatch.transport(g, "all_reduce", CUDA0) is first
+    assert injected == [("staged", None)] and dispatch.transports_of(g)["cuda:0"][0] == "staged"
+    assert dispatch.transport(g, "send", CUDA0) is first
+    monkeypatch.setenv("HPCCOMM_GPU_TRANSPORT", "mpi")  # not CUDA-aware (injected): refused, locally
+    h = fake_group()
+    with pytest.raises(hpccomm.OpTypeError, match=r"^hpccomm recv \(op #3 on group 'fake', rank 1/4\): CUDA "
+                       r"tensors cannot be sent: HPCCOMM_GPU_TRANSPORT=mpi but the MPI library is not CUDA-aware"):
+        dispatch.transport(h, "recv", CUDA0)
+    dispatch.release(g)
+
+
 def test_transport_failure_is_not_cached(injected, monkeypatch):
     monkeypatch.delenv("HPCCOMM_GPU_TRANSPORT", raising=False)
     g = fake_group()
@@ -818,6 +837,13 @@ def test_cupy_calls_and_refusals():
         ("recv", ([inp], None, 0), r"NCCL cannot receive from any source"),
     ]:
         exc = raised_by(lambda: made.delegate(g, op, args, None))
+        problems.expect(isinstance(exc, hpccomm.OpError) and re.search(msg, str(exc)), (op, msg, exc))
+    fresh = nccl_cupy.CupyNCCL(CUDA0, "test", nccl=FakeCupyNccl(), bcast=lambda g, o: (0,), stream=lambda d: 5)
+    for op, args, msg in [
+        ("send", ([inp], 3, 0), r"CuPy's NCCL communicator is made by all members of the group together, which a "
+                                r"send or receive cannot do\. Run one collective with CUDA tensors on this group"),
+    ]:
+        exc = raised_by(lambda: fresh.delegate(g, op, args, None))
         problems.expect(isinstance(exc, hpccomm.OpError) and re.search(msg, str(exc)), (op, msg, exc))
     problems.verdict()
     assert len(comm.calls) == 3  # refused before any call

@@ -30,6 +30,7 @@ _Tensor = torch.Tensor
 
 _lock = threading.Lock()
 _transports: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Group -> {device: transport}
+_local: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Group -> {device: transport} (p2p, unconfirmed)
 _maps: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Group -> backend torch's string names for cuda
 _caps = [None]
 _said_staged = [False]
@@ -95,7 +96,8 @@ def _agree(group, mine):
     """Every member's ``(transport or None, error or None)``, over the group's communicator."""
     from .._engine import engine
 
-    engine.flush(group)  # the comm thread must not be in MPI on this communicator meanwhile
+    if not engine.on_comm_thread():  # (on it, nothing else uses the communicator now)
+        engine.flush(group)  # the comm thread must not be in MPI on this communicator meanwhile
     return group.comm.allgather(mine)
 
 
@@ -132,8 +134,19 @@ def decide(group, op: str, caps: select.Capabilities, requested: str, mapped=Non
     return choice
 
 
+#: Ops that only some members of a group call: no agreement (it is collective).
+P2P = frozenset({"send", "recv"})
+
+
 def transport(group, op: str, device):
-    """The group's transport for ``device``, chosen on first use; raises OpTypeError."""
+    """The group's transport for ``device``, chosen on first use; raises OpTypeError.
+
+    A collective chooses with the members' agreement and the choice stays.
+    A point-to-point op involves only two members, so it cannot ask the
+    group: it chooses locally (from the same settings and findings) and its
+    transport is kept apart until the group's first collective on that device
+    confirms it (and then reuses it: an NCCL communicator is made once).
+    """
     per_group = _transports.get(group)
     found = per_group.get(device) if per_group else None
     if found is not None:
@@ -142,9 +155,24 @@ def transport(group, op: str, device):
         per_group = _transports.setdefault(group, {})
         if device in per_group:
             return per_group[device]
-        choice = decide(group, op, capabilities(), config.get("HPCCOMM_GPU_TRANSPORT"), _maps.get(group))
-        made = BUILDERS[choice.transport](device, choice.reason)
-        per_group[device] = made
+        local = _local.setdefault(group, {})
+        requested, mapped = config.get("HPCCOMM_GPU_TRANSPORT"), _maps.get(group)
+        if op in P2P:
+            if device in local:
+                return local[device]
+            try:
+                choice = select.choose(requested, capabilities(), mapped)
+            except select.NoTransport as exc:
+                raise OpTypeError(op, group.where(), f"CUDA tensors cannot be sent: {exc}") from None
+            made = local[device] = BUILDERS[choice.transport](device, choice.reason)
+        else:
+            choice = decide(group, op, capabilities(), requested, mapped)
+            earlier = local.pop(device, None)
+            made = earlier if earlier is not None and earlier.name == choice.transport else \
+                BUILDERS[choice.transport](device, choice.reason)
+            per_group[device] = made
+            if earlier is not None and earlier is not made:
+                _close(group, earlier)
     log.info("hpccomm: group '%s', %s: GPU transport %s (%s)", group.name, device, made.name, choice.reason)
     if made.name == select.STAGED and not _said_staged[0]:
         _said_staged[0] = True
@@ -161,20 +189,24 @@ def delegated(made, group, op: str, args, opts):
     return _work.done(out)  # enqueued on the caller's stream: done from the host's view, as NCCL's own
 
 
+def _close(group, made) -> None:
+    close = getattr(made, "close", None)
+    if close is not None:
+        try:
+            close()
+        except Exception as exc:  # noqa: BLE001 - destroying: report, keep going
+            log.warning("hpccomm: closing the %s transport of group '%s' failed: %s", made.name, group.name, exc)
+
+
 def release(group) -> None:
     """Close the group's transports (its NCCL communicators) when it is destroyed."""
-    for made in (_transports.pop(group, None) or {}).values():
-        close = getattr(made, "close", None)
-        if close is not None:
-            try:
-                close()
-            except Exception as exc:  # noqa: BLE001 - destroying: report, keep going
-                log.warning("hpccomm: closing the %s transport of group '%s' failed: %s", made.name,
-                            group.name, exc)
+    for table in (_transports, _local):
+        for made in (table.pop(group, None) or {}).values():
+            _close(group, made)
 
 
 def transports_of(group) -> dict:
-    """``{device: (transport, reason)}`` chosen so far for ``group``."""
+    """``{device: (transport, reason)}`` chosen so far for ``group`` (by a collective)."""
     return {str(d): (t.name, t.reason) for d, t in (_transports.get(group) or {}).items()}
 
 

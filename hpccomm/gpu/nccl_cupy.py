@@ -91,6 +91,11 @@ class CupyNCCL:
                                "HPCCOMM_GPU_TRANSPORT=mpi (CUDA-aware MPI) or staged")
         if op in ("send", "recv") and args[1] is None:
             raise OpValueError(op, group.where(), "NCCL cannot receive from any source", "Name the source rank")
+        if op in ("send", "recv") and self.comm is None:
+            raise OpValueError(op, group.where(), "CuPy's NCCL communicator is made by all members of the group "
+                               "together, which a send or receive cannot do",
+                               "Run one collective with CUDA tensors on this group first (dist.barrier does not "
+                               "count: use dist.all_reduce on a small CUDA tensor)")
         first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
         dtype = self._dtype(group, op, first)
         second = args[1] if op in ("all_gather_into_tensor", "reduce_scatter_tensor") else None
@@ -123,5 +128,6 @@ class CupyNCCL:
 def _mpi_bcast(group, obj):
     from .._engine import engine
 
-    engine.flush(group)  # the comm thread must not be in MPI on this communicator meanwhile
+    if not engine.on_comm_thread():
+        engine.flush(group)  # the comm thread must not be in MPI on this communicator meanwhile
     return group.comm.bcast(obj, root=0)
