@@ -880,6 +880,17 @@ def test_bind_by_local_rank(monkeypatch, caplog):
     assert cuda.set == [1] and "4 ranks share 2 GPU(s)" in caplog.text
 
 
+def test_future_devices():
+    """A Work's future holding CUDA tensors names their device (torch requires
+    it, and then orders the waiter's stream after the completing thread's)."""
+    assert dispatch.future_devices(CUDA0, FakeCudaModule(2)) == [CUDA0]
+    assert dispatch.future_devices(CUDA0, FakeCudaModule(0)) is None
+    from hpccomm import _work
+
+    w = _work.done([torch.ones(1)], None)
+    assert w.get_future().done() and torch.equal(w.get_future().value()[0], torch.ones(1))
+
+
 def test_bind_none_and_no_gpu(monkeypatch):
     monkeypatch.setenv("HPCCOMM_GPU_BIND", "none")
     cuda = FakeCudaModule(4)

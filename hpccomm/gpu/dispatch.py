@@ -181,12 +181,21 @@ def transport(group, op: str, device):
     return made
 
 
+def future_devices(device, cuda=None):
+    """The devices a Work's future holding tensors of ``device`` must name
+    (torch requires them for CUDA tensors); None where CUDA is not up (fake
+    device tensors in tests hold host memory)."""
+    cuda = torch.cuda if cuda is None else cuda
+    return [device] if cuda.is_available() else None
+
+
 def delegated(made, group, op: str, args, opts):
     """The Work of a transport that takes the whole op (NCCL), or None."""
     out = made.delegate(group, op, args, opts)
     if out is None or isinstance(out, _compat.WorkBase):
         return out
-    return _work.done(out)  # enqueued on the caller's stream: done from the host's view, as NCCL's own
+    # enqueued on the caller's stream: done from the host's view, as NCCL's own
+    return _work.done(out, future_devices(made.device))
 
 
 def _close(group, made) -> None:
