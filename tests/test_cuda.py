@@ -27,6 +27,7 @@ if not torch.cuda.is_available():
     print(f"tests/test_cuda.py skipped: {_why}")
     pytest.skip(_why, allow_module_level=True)
 
+import hpccomm  # noqa: E402
 from hpccomm.gpu import dispatch, select  # noqa: E402
 from helpers import Problems, assert_close, verdict_comm  # noqa: E402
 
@@ -50,6 +51,9 @@ def transport(request, world, groups):
         mine = None
     except select.NoTransport as exc:
         mine = str(exc)
+    if mine is None and name == "nccl" and hpccomm.local_size() > torch.cuda.device_count():
+        mine = (f"{hpccomm.local_size()} ranks share {torch.cuda.device_count()} GPU(s) on a node; NCCL needs "
+                "one GPU per rank")
     everyone = verdict_comm().allgather(mine)
     missing = [m for m in everyone if m]
     if missing:

@@ -558,25 +558,34 @@ def test_cuda_mpi_real_ops_on_self(self_group, monkeypatch, name, fn, args, _):
     assert torch.equal(result.as_subclass(torch.Tensor), torch.arange(4.0)), result
 
 
-def test_cuda_mpi_half_reductions_are_staged(self_group, caplog, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_mpi_half_reductions_are_widened(self_group, caplog, monkeypatch, dtype):
+    """16-bit reductions on the CUDA-aware MPI transport: MPI gets float32
+    device buffers (hpccomm's 16-bit op computes on host memory), no host
+    staging, the result rounded back into the user's tensor; said once."""
     rec = Recorder()
-    monkeypatch.setattr(_mpi, "device_ready", lambda t: rec.log.append(("device_ready", str(t.device))))
-    alloc = CountingAlloc()
-    inner = staged.Staged(CUDA0, "half", streams=rec, alloc=alloc, copy=rec.copy)
-    made = cuda_mpi.CudaAwareMPI(CUDA0, "test", staged=inner, streams=rec)
-    t = fake_cuda(torch.tensor([1.5, 2.25], dtype=torch.bfloat16))
-    with caplog.at_level(logging.WARNING, logger="hpccomm"):
-        made.wrap("all_reduce", reduce.allreduce)(self_group, [t], R.SUM)()
-        made.wrap("all_reduce", reduce.allreduce)(self_group, [t], R.SUM)()
-    assert [e for e in rec.log if e[0] == "copy"] == [("copy", "to-host", (2,)), ("copy", "to-device", (2,))] * 2
-    assert len(alloc.sizes) == 1
-    assert torch.equal(t.as_subclass(torch.Tensor), torch.tensor([1.5, 2.25], dtype=torch.bfloat16))
+    monkeypatch.setattr(_mpi, "device_ready", lambda t: rec.log.append(("device_ready", t.dtype)))
+    made = cuda_mpi.CudaAwareMPI(CUDA0, "test", streams=rec)
+    t = fake_cuda(torch.tensor([1.5, 2.25, -3.0], dtype=dtype))
+    with caplog.at_level(logging.INFO, logger="hpccomm"):
+        out = made.wrap("all_reduce", reduce.allreduce)(self_group, [t], R.AVG)()
+        made.wrap("all_reduce", reduce.allreduce)(self_group, [t], dist._make_nccl_premul_sum(2.0))()
+    assert out[0] is t
+    assert torch.equal(t.as_subclass(torch.Tensor), torch.tensor([3.0, 4.5, -6.0], dtype=dtype))
+    assert {e[1] for e in rec.log if e[0] == "device_ready"} == {torch.float32}
+    assert rec.names().count("record") == 2 and rec.names()[-1] == "synchronize"
     said = [r.getMessage() for r in caplog.records if "float16/bfloat16" in r.getMessage()]
-    assert len(said) == 1, said
-    # a float16 broadcast moves bytes only: not staged
+    assert len(said) == 1 and "computed in float32 on the device" in said[0], said
+    # reduce_scatter_tensor: the output is not read, the input is; the result lands in the 16-bit output
     rec.log.clear()
-    made.wrap("broadcast", scatter.broadcast)(self_group, [fake_cuda(torch.ones(2, dtype=torch.float16))], 0)()
-    assert "copy" not in rec.names()
+    o = fake_cuda(torch.zeros(3, dtype=dtype))
+    i = fake_cuda(torch.tensor([0.5, 1.0, 1.5], dtype=dtype))
+    made.wrap("reduce_scatter_tensor", reduce.reduce_scatter_single)(self_group, o, i, R.SUM)()
+    assert torch.equal(o.as_subclass(torch.Tensor), torch.tensor([0.5, 1.0, 1.5], dtype=dtype))
+    # a 16-bit broadcast moves bytes only: not widened
+    rec.log.clear()
+    made.wrap("broadcast", scatter.broadcast)(self_group, [fake_cuda(torch.ones(2, dtype=dtype))], 0)()
+    assert {e[1] for e in rec.log if e[0] == "device_ready"} == {dtype}
 
 
 # --------------------------------------------------------------------------
