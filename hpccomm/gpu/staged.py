@@ -10,8 +10,7 @@ is never used by two ops at once.  Point-to-point ops stay pending after the
 call returns, so they get buffers of their own instead.
 
 Slow (two copies per tensor, and MPI on host memory): used only when asked
-for (``HPCCOMM_GPU_TRANSPORT=staged``) and for float16/bfloat16 reductions on
-the CUDA-aware MPI transport; said once in the log.
+for (``HPCCOMM_GPU_TRANSPORT=staged``); said once in the log.
 """
 from __future__ import annotations
 
