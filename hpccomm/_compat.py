@@ -95,10 +95,11 @@ def nccl_available() -> bool:
     return bool(dist.is_nccl_available())
 
 
-def make_nccl_backend(store, rank: int, size: int, timeout=None):
+def make_nccl_backend(store, rank: int, size: int, timeout=None, name: str = "", global_ranks=None):
     """torch's ``ProcessGroupNCCL`` over ``store`` (no MASTER_ADDR: the store
-    is hpccomm's own).  NCCL's communicator itself is made by torch at the
-    first collective, through the store."""
+    is hpccomm's own), set up as torch's ``_new_process_group_helper`` sets
+    it up.  NCCL's communicator itself is made by torch at the first
+    collective, through the store."""
     pg_nccl = getattr(dist, "ProcessGroupNCCL", None)
     if pg_nccl is None:
         raise RuntimeError("this torch has no NCCL (torch.distributed.is_nccl_available() is False)")
@@ -106,6 +107,10 @@ def make_nccl_backend(store, rank: int, size: int, timeout=None):
     options.is_high_priority_stream = False
     if timeout is not None:
         options._timeout = timeout
+    if name and hasattr(options, "group_name"):
+        options.group_name = name
+    if global_ranks is not None and hasattr(options, "global_ranks_in_group"):
+        options.global_ranks_in_group = list(global_ranks)
     return pg_nccl(store, rank, size, options)
 
 

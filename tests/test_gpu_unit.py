@@ -730,8 +730,9 @@ def test_nccl_torch_delegation(op, args, method, fields):
     work = made.delegate(g, op, args, opts)
     backend = made.backend
     assert work == f"work:{method}"
-    prefix, rank, size, timeout = backend.made_with
+    prefix, rank, size, timeout, name, ranks = backend.made_with
     assert isinstance(prefix, dist.PrefixStore) and (rank, size, timeout) == (1, 4, timedelta(seconds=42))
+    assert (name, ranks) == ("hpccomm-nccl:fake", [0, 1, 2, 3])
     name, call = backend.calls[0]
     assert name == method
     if fields is None:  # send/recv: (tensors, peer, tag)

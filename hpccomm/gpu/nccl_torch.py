@@ -97,7 +97,8 @@ class TorchNCCL:
             if group.store is None:
                 raise OpValueError("nccl", group.where(), "this group has no key-value store to build NCCL on")
             store = _compat.PrefixStore("hpccomm-nccl/", group.store)
-            self.backend = self._make(store, group.rank, group.size, group.timeout)
+            self.backend = self._make(store, group.rank, group.size, group.timeout, f"hpccomm-nccl:{group.name}",
+                                      group.global_ranks)
             log.info("hpccomm: group '%s': NCCL process group made on hpccomm's store (%d ranks)",
                      group.name, group.size)
         return self.backend
