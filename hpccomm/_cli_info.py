@@ -160,7 +160,7 @@ def collect() -> dict:
     """This rank's view, as plain JSON-able data."""
     import torch
 
-    from . import __version__, _compat, launcher
+    from . import __version__, _compat, gpu, launcher
 
     mpi = mpi_info()
     try:
@@ -176,7 +176,8 @@ def collect() -> dict:
         "interfaces": interfaces(),
         "store": store_info(),
         "options": options(),
-        "gpu": {"cuda": cuda, "devices": devices, "nccl": _compat.nccl_available()},
+        "gpu": {"cuda": cuda, "devices": devices, "nccl": _compat.nccl_available(),
+                **(gpu.info() if mpi["available"] else {})},
         "pid": os.getpid(),
     }
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from . import _compat, _group, _mpi, config, launcher
 from .errors import InitError
+from .gpu import dispatch as _gpu
 from .process_group import BACKEND_NAME, ProcessGroupHpccomm
 
 log = logging.getLogger("hpccomm")
@@ -238,6 +239,8 @@ def _create(opts, backend_options=None) -> ProcessGroupHpccomm:
         group = _group.Group(comm, range(comm.Get_size()), store=opts.store, timeout=timeout)
         group.is_world = True
         _state.world = group
+        _gpu.note_backend_map(group, _compat.requested_device_backends())
+        _gpu.bind(_state.info.local_rank, _state.info.local_size)
         _install_excepthook(comm.Get_rank(), comm.Get_size())
         from . import _signals, _trace
 
@@ -248,6 +251,7 @@ def _create(opts, backend_options=None) -> ProcessGroupHpccomm:
     pending, _state.pending_comm = _state.pending_comm, None
     if pending is not None:  # from_mpi4py: the user's communicator, reordered by world rank
         group = _group.Group(pending, ranks, store=opts.store, timeout=timeout)
+        _gpu.note_backend_map(group, _compat.requested_device_backends())
         return ProcessGroupHpccomm(group)
     world = _state.world
     if world is None or world.freed:
@@ -258,6 +262,7 @@ def _create(opts, backend_options=None) -> ProcessGroupHpccomm:
     group = base.subgroup(ranks, _tag(ranks), store=opts.store, timeout=timeout)
     if base is not world:
         base.free()
+    _gpu.note_backend_map(group, _compat.requested_device_backends())
     return ProcessGroupHpccomm(group)
 
 
@@ -302,7 +307,7 @@ def _install_excepthook(rank: int, size: int) -> None:
 
 def register() -> None:
     """Make ``backend="hpccomm"`` and ``init_method="mpi://"`` known to torch."""
-    _compat.register_backend(BACKEND_NAME, _create, devices=["cpu"])
+    _compat.register_backend(BACKEND_NAME, _create, devices=["cpu", "cuda"])
     _compat.register_rendezvous_handler("mpi", _mpi_rendezvous)
 
 

@@ -277,11 +277,24 @@ def buffer(t: torch.Tensor, offset: int = 0, count: int | None = None):
     The caller keeps ``t`` alive until MPI is done with the memory.
     """
     MPI = mpi()
+    if t.is_cuda:  # device memory (CUDA-aware MPI): MPI must not read it before queued kernels finish
+        device_ready(t)
     size = t.element_size()
     if count is None:
         count = t.numel() - offset
     mem = MPI.buffer.fromaddress(t.data_ptr() + offset * size, count * size)
     return [mem, count, getattr(MPI, DTYPES[t.dtype].move)]
+
+
+def _synchronize_current_stream(t: torch.Tensor) -> None:
+    torch.cuda.current_stream(t.device).synchronize()
+
+
+#: Called with every device tensor handed to MPI, before the call: MPI is not
+#: stream-aware, so the kernels this thread queued that write ``t`` (a
+#: contiguous copy, a premultiplication) must be finished first.  Replaceable
+#: for tests (hpccomm.gpu.cuda_mpi injects a recording fake).
+device_ready = _synchronize_current_stream
 
 
 def in_place():

@@ -38,7 +38,7 @@ from .errors import HpccommError
 class Work(WorkBase):
     """A finished or pending hpccomm operation (see the module docstring)."""
 
-    def __init__(self, outputs, pending=None, describe: str = "") -> None:
+    def __init__(self, outputs, pending=None, describe: str = "", devices=None) -> None:
         super().__init__()
         self._outputs = outputs  # the future's value; also keeps the tensors alive
         self._pending = pending  # holds the MPI request and its buffers until done
@@ -52,7 +52,9 @@ class Work(WorkBase):
         # run, so callbacks chained on their futures (DDP hooks that issue more ops)
         # run at the same point of the op sequence on every rank.
         self._engine_completes = getattr(pending, "engine_completes", False)
-        self._raw = torch.futures.Future()
+        # A future holding CUDA tensors must name their devices: torch then orders
+        # the waiter's stream after the completing thread's (hpccomm.gpu).
+        self._raw = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
         if self._done:
             self._raw.set_result(outputs)
             self._future = self._raw
@@ -174,9 +176,9 @@ class Work(WorkBase):
         return self._source
 
 
-def done(outputs) -> Work:
+def done(outputs, devices=None) -> Work:
     """A Work for an op that already completed (the blocking path)."""
-    return Work(outputs)
+    return Work(outputs, devices=devices)
 
 
 class _Progress:

@@ -12,6 +12,7 @@ import time
 
 from . import _debug, _engine, _mpi, _trace, _work
 from .errors import HpccommError, OpError
+from .gpu import dispatch as _gpu
 from .ops import alltoall as _a2a
 from .ops import gather as _gather
 from .ops import p2p as _p2p
@@ -60,13 +61,22 @@ class ProcessGroupHpccomm(ProcessGroupBase):
         if g.comm is None:
             raise HpccommError(f"hpccomm {op} (group '{g.name}'): the process group was destroyed")
         g.next_seq()
+        devices = None
         try:
+            device = _gpu.cuda_device(g, op, args)  # a call with CUDA tensors goes to a GPU transport
+            if device is not None:
+                devices = _gpu.future_devices(device)
+                transport = _gpu.transport(g, op, device)
+                work = _gpu.delegated(transport, g, op, args, opts)
+                if work is not None:  # NCCL took the whole op
+                    return work
+                prepare = transport.wrap(op, prepare)
             run = prepare(g, *args)  # raises OpError before any communication
         except OpError:
             g.seq -= 1  # refused ops are not counted: op numbers stay equal on every rank
             raise
         if isinstance(run, _p2p.Pending):  # point-to-point: already posted, nonblocking
-            return _work.Work(args[0], run, f"{op} ({g.where()})")
+            return _work.Work(args[0], run, f"{op} ({g.where()})", devices)
         if g.debug:
             _debug.check(g, op, args)
         asynchronous = opts is not None and getattr(opts, "asyncOp", False)
@@ -75,13 +85,13 @@ class ProcessGroupHpccomm(ProcessGroupBase):
         # runs at once: queuing it behind the thread's own work would deadlock.
         if (asynchronous or g.queued) and engine.usable() and not engine.on_comm_thread():
             job = _engine.Job(g, self._guarded(op, g, run, args))
-            work = _work.Work(None, job, f"{op} ({g.where()})")
+            work = _work.Work(None, job, f"{op} ({g.where()})", devices)
             job.work = work
             _engine.engine.submit(job)
             if not asynchronous:  # queued only to keep this group's issue order
                 work.wait()
             return work
-        return _work.done(self._guarded(op, g, run, args)())
+        return _work.done(self._guarded(op, g, run, args)(), devices)
 
     @staticmethod
     def _guarded(op: str, g, run, args_for_trace=()):
@@ -146,6 +156,7 @@ class ProcessGroupHpccomm(ProcessGroupBase):
         if self._g.comm is not None and self._g.is_world:
             _engine.engine.flush(self._g)
             _trace.finish(self._g.comm)  # every rank destroys the world: gather the trace now
+        _gpu.release(self._g)
         self._g.free()
 
     # -- collectives ----------------------------------------------------------

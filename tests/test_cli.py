@@ -93,8 +93,12 @@ def test_info_json_alone():
     assert rank["launcher"]["name"] == "single" and rank["store"]["free_port"] == "ok"
     assert rank["host"]["name"] == socket.gethostname() and rank["host"]["addresses"], rank["host"]
     assert "lo" in rank["interfaces"] and "127.0.0.1" in rank["interfaces"]["lo"], rank["interfaces"]
-    assert rank["gpu"] == {"cuda": torch.cuda.is_available(), "devices": torch.cuda.device_count(),
-                           "nccl": hpccomm.is_nccl_available()}
+    gpu = {k: rank["gpu"][k] for k in ("cuda", "devices", "nccl")}
+    assert gpu == {"cuda": torch.cuda.is_available(), "devices": torch.cuda.device_count(),
+                   "nccl": hpccomm.is_nccl_available()}
+    # the GPU transport report (hpccomm.gpu.info): on this MPI, how CUDA-awareness was decided
+    assert rank["gpu"]["mpi_cuda_aware"] in ("yes", "no", "unknown") and rank["gpu"]["mpi_cuda_aware_how"]
+    assert rank["gpu"]["cpu_transport"] == "mpi (host memory)"
     assert rank["options"]["HPCCOMM_LOG"] == "WARNING"
     # the synthetic views below have the same fields as a real one
     fake = _view(0, 1)

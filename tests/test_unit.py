@@ -693,7 +693,7 @@ _TORCH_DIST_SUBMODULES = {"distributed_c10d", "rendezvous", "c10d_logger", "cons
 #: Like any user they may import torch.distributed, and mpi4py inside a
 #: function (after hpccomm started MPI; a raw-MPI baseline in the benchmark).
 #: ``hpccomm._cli_*`` are the ``hpccomm`` subcommands; ``hpccomm.examples`` the example programs.
-TOOLS = ("hpccomm.__main__", "hpccomm._cli", "hpccomm.bench", "hpccomm.demo", "hpccomm.jobs",
+TOOLS = ("hpccomm.__main__", "hpccomm._cli", "hpccomm.bench", "hpccomm.bench_gpu", "hpccomm.demo", "hpccomm.jobs",
          "hpccomm.examples")
 
 
