@@ -1,0 +1,81 @@
+"""Sphinx extension for the hpccomm docs.
+
+- ``{hpccomm-options}``: the table of every ``HPCCOMM_*`` variable, made from
+  :data:`hpccomm.config.OPTIONS` at build time (name, type, default, choices,
+  documentation), so the docs cannot drift from the code.
+- Planned pages: a toctree line in ``index.md`` naming a page listed in
+  ``hpccomm_planned_pages`` whose file does not exist yet is dropped before
+  parsing (see conf.py); every other missing page stays an error.
+"""
+from __future__ import annotations
+
+import os
+
+from docutils import nodes
+from docutils.statemachine import StringList
+from sphinx.util import logging
+from sphinx.util.docutils import SphinxDirective
+
+log = logging.getLogger(__name__)
+
+
+def _cell(text: str) -> str:
+    return " ".join(str(text).split()) or " "
+
+
+def options_rows():
+    """(name, type, default, choices, doc) for every HPCCOMM_* option."""
+    from hpccomm import config
+
+    rows = []
+    for name, opt in config.OPTIONS.items():
+        default = opt.default
+        if default == "":
+            default_text = "(empty)"
+        elif isinstance(default, int) and not isinstance(default, bool) and default > 10**6:
+            default_text = f"{default} (2**{default.bit_length()} - 1)" if (default + 1) & default == 0 else str(default)
+        else:
+            default_text = str(default)
+        choices = ", ".join(map(str, opt.choices)) if opt.choices else ""
+        kind = getattr(opt.parse, "__name__", "str")
+        rows.append((name, kind, default_text, choices, opt.doc))
+    return rows
+
+
+class OptionsTable(SphinxDirective):
+    """``{hpccomm-options}``: a list-table of hpccomm.config.OPTIONS."""
+
+    has_content = False
+
+    def run(self):
+        lines = [".. list-table:: ``HPCCOMM_*`` environment variables (from ``hpccomm.config.OPTIONS``)",
+                 "   :header-rows: 1", "   :widths: 22 12 12 14 40", "",
+                 "   * - variable", "     - type", "     - default", "     - values", "     - what it does"]
+        for name, kind, default, choices, doc in options_rows():
+            lines += [f"   * - ``{name}``", f"     - {_cell(kind)}", f"     - ``{_cell(default)}``",
+                      f"     - {_cell(choices)}", f"     - {_cell(doc)}"]
+            self.env.note_dependency(os.path.join(os.path.dirname(__file__), "..", "..", "hpccomm", "config.py"))
+        container = nodes.container()
+        self.state.nested_parse(StringList(lines, source="hpccomm.config.OPTIONS"), self.content_offset, container)
+        return container.children
+
+
+def _drop_unwritten_pages(app, docname, source):
+    if docname != app.config.root_doc:
+        return
+    planned = set(app.config.hpccomm_planned_pages)
+    kept = []
+    for line in source[0].splitlines(keepends=True):
+        name = line.strip()
+        if name in planned and not any(os.path.exists(os.path.join(app.srcdir, name + ext)) for ext in (".md", ".rst")):
+            log.info(f"hpccomm_docs: planned page {name!r} not written yet; left out of the toctree")
+            continue
+        kept.append(line)
+    source[0] = "".join(kept)
+
+
+def setup(app):
+    app.add_config_value("hpccomm_planned_pages", (), "env")
+    app.add_directive("hpccomm-options", OptionsTable)
+    app.connect("source-read", _drop_unwritten_pages)
+    return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}
