@@ -202,3 +202,27 @@ def test_planned_pages_are_left_out_only_while_missing(tmp_path):
     other = ["unwritten\n"]
     hpccomm_docs._drop_unwritten_pages(App, "api", other)
     assert other == ["unwritten\n"]
+
+
+def test_links_to_repository_files_become_downloads(tmp_path):
+    """A Markdown link from a page to a repository file outside docs/ becomes
+    a download link (MyST's path: form); links inside code, to pages, to
+    URLs and to missing files are left as they are."""
+    sys.path.insert(0, str(DOCS / "_ext"))
+    try:
+        import hpccomm_docs
+    finally:
+        sys.path.remove(str(DOCS / "_ext"))
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "jobs" / "cpu.sbatch").write_text("#!/bin/bash\n")
+    (tmp_path / "docs" / "design.md").write_text("# d\n")
+
+    class App:
+        srcdir = str(tmp_path / "docs")
+
+    source = ["[t](../jobs/cpu.sbatch) [d](design.md#x) [u](https://a.org/b) [m](../jobs/none.sh) [a](#x)\n"
+              "```bash\n[t](../jobs/cpu.sbatch)\n```\n"]
+    hpccomm_docs._link_repo_files(App, "guide", source)
+    assert source[0] == ("[t](path:../jobs/cpu.sbatch) [d](design.md#x) [u](https://a.org/b) [m](../jobs/none.sh) [a](#x)\n"
+                         "```bash\n[t](../jobs/cpu.sbatch)\n```\n")

@@ -6,10 +6,16 @@
 - Planned pages: a toctree line in ``index.md`` naming a page listed in
   ``hpccomm_planned_pages`` whose file does not exist yet is dropped before
   parsing (see conf.py); every other missing page stays an error.
+- Links to repository files outside docs/ (``[the template](../jobs/cpu.sbatch)``,
+  ``[README](../README.md)``), which MyST would report as missing
+  cross-references, become download links (MyST's ``path:`` form): the file
+  is copied into the site.  A link to a file that does not exist stays an
+  error.
 """
 from __future__ import annotations
 
 import os
+import re
 
 from docutils import nodes
 from docutils.statemachine import StringList
@@ -74,8 +80,39 @@ def _drop_unwritten_pages(app, docname, source):
     source[0] = "".join(kept)
 
 
+# ](target) of a Markdown link whose target has no scheme and is not an anchor
+_LINK = re.compile(r"\]\((?![a-zA-Z][a-zA-Z0-9+.-]*:|#)([^()\s]+)\)")
+
+
+def _link_repo_files(app, docname, source):
+    """Rewrite links to existing files outside the source directory into
+    download links; fenced code blocks are left alone."""
+    srcdir = os.path.abspath(app.srcdir)
+    docdir = os.path.dirname(os.path.join(srcdir, docname))
+
+    def fix(m):
+        target = m.group(1).split("#", 1)[0]
+        path = os.path.normpath(os.path.join(docdir, target))
+        if target and os.path.isfile(path) and not path.startswith(srcdir + os.sep):
+            return f"](path:{target})"
+        return m.group(0)
+
+    out, fence = [], None
+    for line in source[0].splitlines(keepends=True):
+        stripped = line.lstrip()
+        if fence is None and (stripped.startswith("```") or stripped.startswith("~~~")):
+            fence = stripped[:3]
+        elif fence is not None and stripped.startswith(fence):
+            fence = None
+        elif fence is None:
+            line = _LINK.sub(fix, line)
+        out.append(line)
+    source[0] = "".join(out)
+
+
 def setup(app):
     app.add_config_value("hpccomm_planned_pages", (), "env")
     app.add_directive("hpccomm-options", OptionsTable)
     app.connect("source-read", _drop_unwritten_pages)
+    app.connect("source-read", _link_repo_files)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}
