@@ -57,6 +57,8 @@ if os.environ.get("HPCCOMM_DOCS_INTERSPHINX") == "1":
 # page that is not in this tuple and does not exist is still an error.
 hpccomm_planned_pages = ("training", "mesh", "gpu", "launchers", "slurm", "benchmarks")
 
+smartquotes = False  # quoted messages stay byte-exact (copy-paste into grep)
+
 html_theme = "furo"
 html_title = f"hpccomm {release}"
 html_static_path: list = []

@@ -18,7 +18,6 @@ import os
 import re
 
 from docutils import nodes
-from docutils.statemachine import StringList
 from sphinx.util import logging
 from sphinx.util.docutils import SphinxDirective
 
@@ -49,21 +48,41 @@ def options_rows():
 
 
 class OptionsTable(SphinxDirective):
-    """``{hpccomm-options}``: a list-table of hpccomm.config.OPTIONS."""
+    """``{hpccomm-options}``: a table of hpccomm.config.OPTIONS, built as
+    docutils nodes (so it renders the same from Markdown and from reST)."""
 
     has_content = False
+    HEADER = ("variable", "type", "default", "values", "what it does")
+    WIDTHS = (22, 12, 14, 14, 38)
 
     def run(self):
-        lines = [".. list-table:: ``HPCCOMM_*`` environment variables (from ``hpccomm.config.OPTIONS``)",
-                 "   :header-rows: 1", "   :widths: 22 12 12 14 40", "",
-                 "   * - variable", "     - type", "     - default", "     - values", "     - what it does"]
-        for name, kind, default, choices, doc in options_rows():
-            lines += [f"   * - ``{name}``", f"     - {_cell(kind)}", f"     - ``{_cell(default)}``",
-                      f"     - {_cell(choices)}", f"     - {_cell(doc)}"]
-            self.env.note_dependency(os.path.join(os.path.dirname(__file__), "..", "..", "hpccomm", "config.py"))
-        container = nodes.container()
-        self.state.nested_parse(StringList(lines, source="hpccomm.config.OPTIONS"), self.content_offset, container)
-        return container.children
+        self.env.note_dependency(os.path.join(os.path.dirname(__file__), "..", "..", "hpccomm", "config.py"))
+        table = nodes.table(classes=["hpccomm-options"])
+        table += nodes.title(text="HPCCOMM_* environment variables (from hpccomm.config.OPTIONS)")
+        group = nodes.tgroup(cols=len(self.HEADER))
+        table += group
+        for width in self.WIDTHS:
+            group += nodes.colspec(colwidth=width)
+        head = nodes.thead()
+        head += self._row(self.HEADER, literal=())
+        group += head
+        body = nodes.tbody()
+        for row in options_rows():
+            body += self._row(row, literal=(0, 2))
+        group += body
+        return [table]
+
+    @staticmethod
+    def _row(cells, literal):
+        row = nodes.row()
+        for i, text in enumerate(cells):
+            entry = nodes.entry()
+            para = nodes.paragraph()
+            text = _cell(text)
+            para += nodes.literal(text=text) if i in literal and text.strip() else nodes.Text(text)
+            entry += para
+            row += entry
+        return row
 
 
 def _drop_unwritten_pages(app, docname, source):
