@@ -54,7 +54,16 @@ __all__ = [
 
 
 def is_available() -> bool:
-    """True when mpi4py can be imported (without starting MPI)."""
+    """Whether hpccomm can run here: True when mpi4py can be imported.
+
+    Checks only that the module is installed; it neither imports mpi4py nor
+    starts MPI, so it is safe to call anywhere (for example on a login node).
+    Never raises.
+
+    Example::
+
+        backend = "hpccomm" if hpccomm.is_available() else "gloo"
+    """
     import importlib.util
 
     return importlib.util.find_spec("mpi4py") is not None

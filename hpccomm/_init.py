@@ -28,7 +28,23 @@ DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for CPU backends
 
 @dataclass(frozen=True)
 class RankInfo:
-    """Where this process sits in the job (from MPI, not the launcher)."""
+    """Where this process sits in the job, computed from MPI (not from the launcher).
+
+    :param rank: rank in the world, 0..size-1.
+    :param size: number of ranks in the world.
+    :param local_rank: rank among the ranks on this node (sharing memory), in the
+        launcher's local numbering when it gives one.
+    :param local_size: number of ranks on this node.
+    :param node: this node's index, 0..nodes-1, in order of each node's lowest rank.
+    :param nodes: number of nodes.
+
+    The same values are returned by :func:`hpccomm.local_rank`,
+    :func:`hpccomm.local_size` and :func:`hpccomm.node_index` after init.
+
+    Example::
+
+        RankInfo(rank=5, size=8, local_rank=1, local_size=4, node=1, nodes=2)
+    """
 
     rank: int
     size: int
@@ -317,11 +333,21 @@ def init_process_group(backend: str = BACKEND_NAME, timeout: Optional[timedelta]
     Rank and world size come from MPI (from ``comm``, an mpi4py communicator,
     default COMM_WORLD); the key-value store torch needs is opened by rank 0
     and its address broadcast over MPI, so no MASTER_ADDR or port is needed.
-    Other keyword arguments go to :func:`torch.distributed.init_process_group`.
+    Collective: every rank of ``comm`` must call it.
 
-    Raises :class:`hpccomm.errors.InitError` if the launch is inconsistent
-    (for example srun started with the wrong ``--mpi=`` plugin) or the store
-    cannot be opened.
+    :param backend: the torch backend name; ``"hpccomm"`` (the default).
+    :param timeout: a :class:`datetime.timedelta`: how long any collective of the
+        default group may take before the job is ended with a message naming the
+        ranks that never arrived (see ``HPCCOMM_ON_TIMEOUT``); default 30 minutes.
+    :param comm: the mpi4py communicator whose ranks form the world (default
+        ``MPI.COMM_WORLD``); hpccomm works on a private duplicate of it.
+    :param kwargs: passed on to :func:`torch.distributed.init_process_group`.
+    :raises hpccomm.InitError: torch.distributed is already initialised; the
+        launch is inconsistent (a launcher started N processes but each sees an
+        MPI world of 1, as with srun and the wrong ``--mpi=`` plugin); or the
+        key-value store cannot be opened or reached (the message names the
+        address and the ``HPCCOMM_STORE_ADDR``/``HPCCOMM_STORE_PORT`` fix).
+    :raises hpccomm.ConfigError: an ``HPCCOMM_*`` variable has a malformed value.
 
     Example::
 
@@ -354,6 +380,13 @@ def from_mpi4py(comm, timeout: Optional[timedelta] = None):
     on a private duplicate of ``comm``; its ranks follow world-rank order, as
     torch's ``new_group`` does.  Returns what ``dist.new_group`` returns.
 
+    :param comm: an mpi4py intracommunicator whose processes are all in the
+        torch world (for example from ``MPI.COMM_WORLD.Split``).
+    :param timeout: a :class:`datetime.timedelta` for the group's collectives;
+        default: the default group's.
+    :raises hpccomm.InitError: torch.distributed is not initialised yet, or
+        ``comm`` has processes outside the torch world.
+
     Example::
 
         sub = MPI.COMM_WORLD.Split(color=rank % 2, key=rank)
@@ -383,17 +416,44 @@ def from_mpi4py(comm, timeout: Optional[timedelta] = None):
 
 
 def local_rank() -> int:
-    """This process's rank among the ranks on its node (known after init)."""
+    """This process's rank among the ranks on its node, 0..local_size()-1.
+
+    Known after :func:`hpccomm.init_process_group` (or any hpccomm init); it
+    follows the launcher's local numbering when it gives one, so it is the
+    index to pick a GPU or a core set with.
+
+    :raises hpccomm.InitError: hpccomm is not initialised.
+
+    Example::
+
+        hpccomm.init_process_group()
+        device = torch.device("cuda", hpccomm.local_rank())
+    """
     return _require_info().local_rank
 
 
 def local_size() -> int:
-    """How many ranks share this node (known after init)."""
+    """How many ranks share this node (its shared-memory domain).
+
+    :raises hpccomm.InitError: hpccomm is not initialised.
+
+    Example::
+
+        torch.set_num_threads(max(1, os.cpu_count() // hpccomm.local_size()))
+    """
     return _require_info().local_size
 
 
 def node_index() -> int:
-    """This node's index, 0..nodes-1, in order of the lowest rank on each node."""
+    """This node's index, 0..nodes-1, in order of the lowest rank on each node.
+
+    :raises hpccomm.InitError: hpccomm is not initialised.
+
+    Example::
+
+        if hpccomm.local_rank() == 0:
+            print(f"node {hpccomm.node_index()} has {hpccomm.local_size()} ranks")
+    """
     return _require_info().node
 
 

@@ -21,6 +21,8 @@ from .ops import scatter as _scatter
 from ._compat import ProcessGroupBase, ReduceOp
 from ._watchdog import watchdog
 
+#: The backend name registered with torch at ``import hpccomm``:
+#: ``dist.init_process_group(hpccomm.BACKEND_NAME)`` is ``dist.init_process_group("hpccomm")``.
 BACKEND_NAME = "hpccomm"
 _last_op = [None]  # (op, where) of the latest collective: named when a rank dies
 log = logging.getLogger("hpccomm")
@@ -41,7 +43,21 @@ class ProcessGroupHpccomm(ProcessGroupBase):
     """A torch process group over one MPI communicator.
 
     Made by ``dist.init_process_group("hpccomm")``, ``dist.new_group`` and
-    :func:`hpccomm.from_mpi4py`; not usually constructed directly.
+    :func:`hpccomm.from_mpi4py`; not usually constructed directly.  Every
+    ``torch.distributed`` call on the group becomes MPI calls on the group's
+    own communicators.  An op called with arguments it cannot accept raises
+    :class:`hpccomm.OpValueError` or :class:`hpccomm.OpTypeError` before any
+    communication; a failure during communication raises
+    :class:`hpccomm.HpccommError` naming the op.
+
+    :param group: hpccomm's internal description of the group (communicators,
+        ranks, timeout), made by the backend creator.
+
+    Example::
+
+        pg = dist.new_group([0, 1], backend="hpccomm")
+        dist.all_reduce(t, group=pg)
+        pg.mpi_comm.Get_size()        # the group's mpi4py communicator (do not free it)
     """
 
     def __init__(self, group) -> None:
