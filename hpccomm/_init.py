@@ -121,31 +121,53 @@ def _store_host(info: RankInfo) -> str:
 
 def make_store(comm, info: RankInfo, timeout: timedelta):
     """A TCPStore on rank 0 of ``comm`` (a free port unless HPCCOMM_STORE_PORT),
-    its address broadcast over MPI: no MASTER_ADDR, no port to pick."""
-    size = comm.Get_size()
+    its address broadcast over MPI: no MASTER_ADDR, no port to pick.
+
+    Every rank learns of any rank's failure (over MPI) and raises
+    :class:`InitError`: none is left waiting.  Connecting is bounded by
+    ``min(timeout, 60 s)``: rank 0's store is already listening when its
+    address is sent, so a rank that cannot reach it by then never will."""
+    import socket
+
+    size, rank = comm.Get_size(), comm.Get_rank()
     store, failure = None, None
-    if comm.Get_rank() == 0:
+    if rank == 0:
         host = _store_host(info)
         try:
+            socket.getaddrinfo(host, None)
             store = _compat.TCPStore(host, config.get("HPCCOMM_STORE_PORT"), size, is_master=True,
                                      timeout=timeout, wait_for_workers=False)
             addr = (host, store.port)
         except Exception as exc:  # every rank must learn of it, or they would hang
-            failure = f"rank 0 could not open the key-value store on {host}: {exc}"
+            failure = f"rank 0 could not open the key-value store on {host}: {_text(exc)}"
             addr = None
         comm.bcast((addr, failure), root=0)
     else:
         addr, failure = comm.bcast(None, root=0)
     if failure:
         raise InitError(f"hpccomm init: {failure}. Set HPCCOMM_STORE_ADDR / HPCCOMM_STORE_PORT")
+    error = None
     if store is None:
         try:
-            store = _compat.TCPStore(addr[0], addr[1], size, is_master=False, timeout=timeout)
-        except Exception as exc:
-            raise InitError(f"hpccomm init (rank {comm.Get_rank()}/{size}): cannot reach the key-value store "
-                            f"at {addr[0]}:{addr[1]}: {exc}. Check host name resolution, or set "
-                            "HPCCOMM_STORE_ADDR to an address rank 0 has") from None
+            socket.getaddrinfo(addr[0], addr[1])
+            store = _compat.TCPStore(addr[0], addr[1], size, is_master=False,
+                                     timeout=min(timeout, timedelta(seconds=60)))
+            store.set_timeout(timeout)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            error = _text(exc)
+    errors = comm.allgather(error) if size > 1 else [error]
+    failed = [r for r, e in enumerate(errors) if e is not None]
+    if failed:
+        raise InitError(f"hpccomm init (rank {rank}/{size}): rank(s) {failed} cannot reach the key-value store "
+                        f"at {addr[0]}:{addr[1]} (rank {failed[0]}: {errors[failed[0]]}). Check host name "
+                        "resolution, or set HPCCOMM_STORE_ADDR to an address of rank 0's host that every "
+                        "node can reach")
     return store
+
+
+def _text(exc: BaseException) -> str:
+    """An exception as a clause: no trailing period, first line only."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(".")
 
 
 def _bootstrap(comm=None, timeout: timedelta = DEFAULT_TIMEOUT):

@@ -93,8 +93,12 @@ class ProcessGroupHpccomm(ProcessGroupBase):
             raise
         if isinstance(run, _p2p.Pending):  # point-to-point: already posted, nonblocking
             return _work.Work(args[0], run, f"{op} ({g.where()})", devices)
-        if g.debug:
-            _debug.check(g, op, args)
+        if g.debug:  # the fingerprint exchange is itself a collective: the timeout covers it
+            token = watchdog.begin(g, op + " (debug-mode fingerprint check)", g.seq)
+            try:
+                _debug.check(g, op, args)
+            finally:
+                watchdog.end(token)
         asynchronous = opts is not None and getattr(opts, "asyncOp", False)
         engine = _engine.engine
         # On the comm thread (a callback of a finished op, such as a DDP hook) an op

@@ -60,6 +60,22 @@ def test_timeout_names_the_missing_rank_and_aborts(tmp_path):
     assert no_orphans(tmp_path)
 
 
+def test_timeout_is_honoured_in_debug_mode(tmp_path):
+    # The debug-mode fingerprint exchange is a collective too: a rank that never comes is named.
+    proc, took = launch(tmp_path, """
+        hpccomm.init_process_group(timeout=timedelta(seconds=3))
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        if dist.get_rank() == 1:
+            time.sleep(120)
+        dist.all_reduce(t)
+    """, n=2, env={"HPCCOMM_DEBUG": "DETAIL"})
+    assert proc.returncode != 0 and took < 40, (proc.returncode, took, proc.stderr)
+    assert "all_reduce (debug-mode fingerprint check) (op #2 on group" in proc.stderr, proc.stderr
+    assert "rank(s) [1] never arrived" in proc.stderr, proc.stderr
+    assert no_orphans(tmp_path)
+
+
 def test_timeout_warn_mode_keeps_waiting(tmp_path):
     proc, took = launch(tmp_path, """
         hpccomm.init_process_group(timeout=timedelta(seconds=2))
