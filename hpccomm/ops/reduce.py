@@ -22,8 +22,11 @@ _FLATTEN_BYTES = 1 << 18  # coalesced ops below this total go as one message
 
 def _allreduce_flat(group, t: torch.Tensor, mop) -> None:
     """In-place MPI_Allreduce over contiguous ``t``, split past the count limit."""
-    comm, IN_PLACE = group.comm, _mpi.in_place()
-    for off, n in c.chunks(t.numel(), group.max_count):
+    comm, IN_PLACE, count = group.comm, _mpi.in_place(), t.numel()
+    if count <= group.max_count:  # the common case, without the chunk generator
+        comm.Allreduce(IN_PLACE, _mpi.buffer(t, 0, count), op=mop)
+        return
+    for off, n in c.chunks(count, group.max_count):
         comm.Allreduce(IN_PLACE, _mpi.buffer(t, off, n), op=mop)
 
 
