@@ -182,7 +182,7 @@ def _sweep(args, specs, dtypes, size_list, others, rank: int, n: int) -> int:
             "modes": modes, "backends": backend_names, "host": os.uname().nodename,
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
             "check": "every iteration (warm-up included): inputs reset, outputs poisoned, every element compared",
-            "time": "per iteration: max over ranks, after a barrier; the row's time is the median"}
+            "time": "per iteration: max over ranks, after a barrier; backends take turns iteration by iteration; the row's time is the median"}
     if rank == 0 and not args.quiet:
         print(f"# hpccomm bench: hpccomm {meta['hpccomm']}, torch {meta['torch']}, {meta['mpi']}, {n} ranks\n"
               f"# median over {args.iters} iterations (after {args.warmup} warm-up) of the slowest rank's time; "
@@ -200,13 +200,13 @@ def _sweep(args, specs, dtypes, size_list, others, rank: int, n: int) -> int:
         count = count_for(spec, nbytes, item, n)
         for mode in modes:
             for placement in spec.placements:
-                for backend in backend_names:
-                    case = make_case(spec, placement, count, dtype, rank, n, args.redop, args.root, args.corrupt)
-                    row = _measure(case, backend, mode, gloo, comm, args, dtype, rank, n)
+                cases = [make_case(spec, placement, count, dtype, rank, n, args.redop, args.root, args.corrupt)
+                         for _ in backend_names]
+                for row in _measure(cases, backend_names, mode, gloo, comm, args, dtype, rank, n):
                     pending.append(row)
                     rows.append(row)
-                    progress.step(f"{spec.name} {type_name(dtype)} {case.nbytes} B {placement} {mode} {backend}")
-                    del case
+                    progress.step(f"{spec.name} {type_name(dtype)} {row.size} B {placement} {mode} {row.backend}")
+                del cases
     progress.clear()
     _flush(pending, rank, args, others)
     compare = report.compare_rows(rows, others) if others else []
@@ -239,56 +239,65 @@ def _flush(rows: list, rank: int, args, others: list) -> None:
             print(report.compare_table(entries, others), flush=True)
 
 
-def _measure(case, backend: str, mode: str, gloo, comm, args, dtype, rank: int, n: int) -> Row:
-    """Time and check one case on one backend (collective over every rank)."""
-    spec = case.spec
+def _measure(cases, backend_names, mode: str, gloo, comm, args, dtype, rank: int, n: int) -> list:
+    """Time and check one (op, size, placement, mode) on every backend
+    (collective over every rank).  The backends take turns iteration by
+    iteration, so a burst of load on the machine hits them all alike."""
+    spec = cases[0].spec
     root = args.root if spec.rooted else -1
-    row = Row(backend, spec.name, mode, case.placement, case.nbytes, case.param_count, type_name(dtype),
-              args.redop if spec.reduces else "none", root, *([float("nan")] * 6), 0, args.iters)
     asynchronous = mode == "async"
-    try:
-        if backend == "mpi4py":
-            fn = backends.call_mpi(case, comm, asynchronous, args.redop, args.root, dtype)
-        else:
-            fn = backends.call_torch(case, gloo if backend == "gloo" else None, backend, asynchronous,
-                                     args.redop, args.root)
-    except backends.Unsupported as exc:  # decided from the arguments alone: the same on every rank
-        row.note = str(exc)
-        return row
+    rows, runs = [], []  # runs: (row, case, fn, samples) of the backends that can run it
+    for backend, case in zip(backend_names, cases):
+        row = Row(backend, spec.name, mode, case.placement, case.nbytes, case.param_count, type_name(dtype),
+                  args.redop if spec.reduces else "none", root, *([float("nan")] * 6), 0, args.iters)
+        rows.append(row)
+        try:
+            if backend == "mpi4py":
+                fn = backends.call_mpi(case, comm, asynchronous, args.redop, args.root, dtype)
+            else:
+                fn = backends.call_torch(case, gloo if backend == "gloo" else None, backend, asynchronous,
+                                         args.redop, args.root)
+        except backends.Unsupported as exc:  # decided from the arguments alone: the same on every rank
+            row.note = str(exc)
+            continue
+        runs.append((row, case, fn, []))
     barrier = comm.Barrier
-    wrong = 0
+    wrong = [0] * len(runs)
     for _ in range(args.warmup):
-        case.fill()
-        barrier()
-        fn()
-        wrong += case.wrong()
-    samples = []
+        for k, (_row, case, fn, _s) in enumerate(runs):
+            case.fill()
+            barrier()
+            fn()
+            wrong[k] += case.wrong()
     perf = time.perf_counter
     gc_was = gc.isenabled()
     gc.disable()  # a collection inside a timed call is noise, not communication
     try:
         for _ in range(args.iters):
-            case.fill()
-            barrier()
-            t0 = perf()
-            fn()
-            samples.append(perf() - t0)
-            wrong += case.wrong()
+            for k, (_row, case, fn, samples) in enumerate(runs):
+                case.fill()
+                barrier()
+                t0 = perf()
+                fn()
+                samples.append(perf() - t0)
+                wrong[k] += case.wrong()
     finally:
         if gc_was:
             gc.enable()
-    everyone = comm.gather(samples, root=0)
-    row.wrong = comm.allreduce(wrong)
-    if rank == 0:
+    for k, (row, case, _fn, samples) in enumerate(runs):
+        everyone = comm.gather(samples, root=0)
+        row.wrong = comm.allreduce(wrong[k])
+        if rank != 0:
+            continue
         slowest = [max(col) for col in zip(*everyone)]  # an op is done when its last rank is
         if spec.name == "sendrecv":
             slowest = [t / 2 for t in slowest]  # one way: half the round trip
         st = stats(slowest)
-        row.time_us, row.min_us, row.max_us, row.p99_us = (st[k] * 1e6 for k in ("median", "min", "max", "p99"))
+        row.time_us, row.min_us, row.max_us, row.p99_us = (st[q] * 1e6 for q in ("median", "min", "max", "p99"))
         if case.nbytes:
             row.algbw = _algbw(case.nbytes, st["median"])
             row.busbw = _busbw(spec.name, case.nbytes, st["median"], n)
-    return row
+    return rows
 
 
 # -- other measurements ---------------------------------------------------------
@@ -330,12 +339,12 @@ def peak_memory(nbytes: int) -> int:
         if name == "hpccomm":
             t = torch.ones(count)  # torch.ones writes every page: all of it is resident
             dist.all_reduce(t)
-            ok = bool((t == n).all())
         else:
             t = np.ones(count, dtype=np.float32)
             comm.Allreduce(MPI.IN_PLACE, t, op=MPI.SUM)
-            ok = bool((t == n).all())
-        peak = _status_kib("VmHWM")
+        peak = _status_kib("VmHWM")  # before the check, whose temporaries are not the op's
+        step = 1 << 22
+        ok = all(bool((t[i:i + step] == n).all()) for i in range(0, count, step))
         del t
         results[name] = ((peak - base) * 1024, resettable, ok)
     everyone = comm.gather(results, root=0)
