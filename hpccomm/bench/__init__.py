@@ -63,7 +63,7 @@ def add_arguments(p) -> None:
     g.add_argument("--mode", dest="mode", choices=["blocking", "async", "both"], default="blocking",
                    help="blocking (default), async, or both")
     g.add_argument("--compare", default="", metavar="gloo,mpi4py",
-                   help="also run the sweep through these backends, interleaved size by size")
+                   help="also run the sweep through these backends (they take turns iteration by iteration)")
     g.add_argument("--stats", action="store_true", help="print min, max and p99 beside the median")
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="FILE", help="write every row (and the comparison) as JSON")
