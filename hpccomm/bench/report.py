@@ -23,7 +23,7 @@ def _cell(row, stats: bool) -> str:
     """One placement's columns: time [min max p99] algbw busbw #wrong."""
     extra = 3 if stats else 0
     if row is None or row.note:
-        return " " + " ".join([f"{'n/a':>9}"] * (1 + extra) + [f"{'n/a':>7}"] * 2 + [f"{'n/a':>6}"])
+        return "".join(f" {'n/a':>9}" for _ in range(1 + extra)) + f" {'n/a':>7} {'n/a':>7} {'n/a':>6}"
     parts = [_num(row.time_us, 9, 1)]
     if stats:
         parts += [_num(row.min_us, 9, 1), _num(row.max_us, 9, 1), _num(row.p99_us, 9, 1)]
@@ -38,15 +38,15 @@ def table(rows: list, stats: bool = False) -> str:
     if not rows:
         return ""
     r0 = rows[0]
-    time_head = "     time" + ("      min      max      p99" if stats else "")
-    unit_head = "     (us)" + ("     (us)     (us)     (us)" if stats else "")
-    place = f"{'out-of-place':^{len(time_head) + 23}}  {'in-place':^{len(time_head) + 23}}"
+    names = ["time", *(["min", "max", "p99"] if stats else [])]
+    head = "".join(f" {c:>9}" for c in names) + f" {'algbw':>7} {'busbw':>7} {'#wrong':>6}"
+    units = "".join(f" {'(us)':>9}" for _ in names) + f" {'(GB/s)':>7} {'(GB/s)':>7} {'':>6}"
+    left = 1 + 11 + 1 + 12 + 1 + 9 + 1 + 6 + 1 + 5  # the size .. root columns
     lines = [
         f"# {r0.backend}: {r0.op} ({OPS[r0.op].torch_name}), {r0.type}, {r0.mode}",
-        f"#{'':55}{place}",
-        f"#{'size':>11} {'count':>12} {'type':>9} {'redop':>6} {'root':>5} "
-        + (f"{time_head}   algbw   busbw #wrong") * 2,
-        f"#{'(B)':>11} {'(elements)':>12} {'':>9} {'':>6} {'':>5} " + (f"{unit_head}  (GB/s)  (GB/s)       ") * 2,
+        f"#{'':{left - 1}}{OOP:^{len(head)}}{IP:^{len(head)}}".rstrip(),
+        f"#{'size':>11} {'count':>12} {'type':>9} {'redop':>6} {'root':>5}" + head * 2,
+        (f"#{'(B)':>11} {'(elements)':>12} {'':>9} {'':>6} {'':>5}" + units * 2).rstrip(),
     ]
     by_size: dict = {}
     for r in rows:
