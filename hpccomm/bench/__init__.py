@@ -65,6 +65,9 @@ def add_arguments(p) -> None:
     g.add_argument("--compare", default="", metavar="gloo,mpi4py",
                    help="also run the sweep through these backends (they take turns iteration by iteration)")
     g.add_argument("--stats", action="store_true", help="print min, max and p99 beside the median")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads per rank (default: torch's own choice); they run the untimed "
+                        "fill/check kernels and hpccomm's float16/bfloat16 reduction kernels")
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="FILE", help="write every row (and the comparison) as JSON")
     out.add_argument("--csv", metavar="FILE", help="write every row as CSV")
@@ -106,6 +109,8 @@ def run(args) -> int:
         for b in others:
             if b not in ("gloo", "mpi4py"):
                 raise ValueError(f"--compare {b!r}: choose from gloo, mpi4py")
+        if args.threads is not None and args.threads < 1:
+            raise ValueError("--threads must be >= 1")
         if args.iters < 1 or args.warmup < 0:
             raise ValueError("--iters must be >= 1 and --warmup >= 0")
     except ValueError as exc:
@@ -117,6 +122,8 @@ def run(args) -> int:
             return _fail(rank, "--plot needs matplotlib, which is not installed: "
                                "pip install 'hpccomm[plot]' (or pip install matplotlib)")
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     hpccomm.init_process_group()
     from mpi4py import MPI  # a tool may: hpccomm started MPI
 
@@ -179,7 +186,7 @@ def _sweep(args, specs, dtypes, size_list, others, rank: int, n: int) -> int:
     meta = {"hpccomm": hpccomm.__version__, "torch": torch.__version__, "ranks": n,
             "mpi": MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0],
             "iters": args.iters, "warmup": args.warmup, "redop": args.redop, "root": args.root,
-            "modes": modes, "backends": backend_names, "host": os.uname().nodename,
+            "modes": modes, "backends": backend_names, "torch_threads": torch.get_num_threads(), "host": os.uname().nodename,
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
             "check": "every iteration (warm-up included): inputs reset, outputs poisoned, every element compared",
             "time": "per iteration: max over ranks, after a barrier; backends take turns iteration by iteration; the row's time is the median"}
