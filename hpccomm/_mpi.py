@@ -241,8 +241,18 @@ def _make_half_op(dtype: torch.dtype, redop: RedOpType):
     return mpi().Op.Create(combine, commute=True)
 
 
+_ops: dict = {}  # (dtype, redop) -> MPI op: a lookup per call, not attribute chains
+
+
 def mpi_op(dtype: torch.dtype, redop: RedOpType):
     """The MPI op that reduces ``dtype`` for ``redop``; the caller checked ALLOWED_OPS."""
+    op = _ops.get((dtype, redop))
+    if op is None:
+        op = _ops[(dtype, redop)] = _lookup_op(dtype, redop)
+    return op
+
+
+def _lookup_op(dtype: torch.dtype, redop: RedOpType):
     kind = DTYPES[dtype].kind
     if kind == "half":
         key = (dtype, _NATIVE_OP[redop])
@@ -261,6 +271,7 @@ def free_user_ops() -> None:
     MPI = _MPI
     if MPI is None or MPI.Is_finalized():
         return
+    _ops.clear()  # it may hold the user ops freed below
     for op in _half_ops.values():
         op.Free()
     _half_ops.clear()
@@ -276,14 +287,19 @@ def buffer(t: torch.Tensor, offset: int = 0, count: int | None = None):
 
     The caller keeps ``t`` alive until MPI is done with the memory.
     """
-    MPI = mpi()
     if t.is_cuda:  # device memory (CUDA-aware MPI): MPI must not read it before queued kernels finish
         device_ready(t)
     size = t.element_size()
     if count is None:
         count = t.numel() - offset
-    mem = MPI.buffer.fromaddress(t.data_ptr() + offset * size, count * size)
-    return [mem, count, getattr(MPI, DTYPES[t.dtype].move)]
+    dtype = t.dtype
+    mtype = _types.get(dtype)
+    if mtype is None:
+        mtype = _types[dtype] = getattr(mpi(), DTYPES[dtype].move)
+    return [_MPI.buffer.fromaddress(t.data_ptr() + offset * size, count * size), count, mtype]
+
+
+_types: dict = {}  # torch dtype -> MPI datatype, filled on first use
 
 
 def _synchronize_current_stream(t: torch.Tensor) -> None:

@@ -111,34 +111,38 @@ class ProcessGroupHpccomm(ProcessGroupBase):
             if not asynchronous:  # queued only to keep this group's issue order
                 work.wait()
             return work
-        return _work.done(self._guarded(op, g, run, args)(), devices)
+        # The blocking path (latency-bound): call directly, no closure.
+        return _work.done(self._call(op, g, g.seq, g.where(), run, args), devices)
+
+    @classmethod
+    def _guarded(cls, op: str, g, run, args_for_trace=()):
+        """``run`` wrapped for the comm thread, with the op number it has now."""
+        where, seq = g.where(), g.seq
+        return lambda: cls._call(op, g, seq, where, run, args_for_trace)
 
     @staticmethod
-    def _guarded(op: str, g, run, args_for_trace=()):
-        where, seq = g.where(), g.seq
-
-        def guarded():
-            debug = log.isEnabledFor(logging.DEBUG)
-            t0 = time.perf_counter() if debug else 0.0
-            token = watchdog.begin(g, op, seq)
-            _last_op[0] = (op, where)
-            tracer = _trace.active()
-            start = _trace.now_ns() if tracer else 0
-            try:
-                result = run()
-            except OpError:
-                raise
-            except _mpi.mpi().Exception as exc:
-                raise HpccommError(f"hpccomm {op} ({where}): MPI failed: {exc}") from exc
-            finally:
-                watchdog.end(token)
-                if tracer:
-                    tracer.record(op, g.name, seq, _nbytes(args_for_trace), start, _trace.now_ns())
-            if debug:
-                log.debug("%s (%s): %.1f us", op, where, (time.perf_counter() - t0) * 1e6)
-            return result
-
-        return guarded
+    def _call(op: str, g, seq: int, where: str, run, args_for_trace):
+        """Run an op's communication under the watchdog and the tracer; an MPI
+        error becomes an HpccommError naming the op."""
+        debug = log.isEnabledFor(logging.DEBUG)
+        t0 = time.perf_counter() if debug else 0.0
+        token = watchdog.begin(g, op, seq)
+        _last_op[0] = (op, where)
+        tracer = _trace.active()
+        start = _trace.now_ns() if tracer else 0
+        try:
+            result = run()
+        except OpError:
+            raise
+        except _mpi.mpi().Exception as exc:
+            raise HpccommError(f"hpccomm {op} ({where}): MPI failed: {exc}") from exc
+        finally:
+            watchdog.end(token)
+            if tracer:
+                tracer.record(op, g.name, seq, _nbytes(args_for_trace), start, _trace.now_ns())
+        if debug:
+            log.debug("%s (%s): %.1f us", op, where, (time.perf_counter() - t0) * 1e6)
+        return result
 
     @staticmethod
     def _redop(opts):

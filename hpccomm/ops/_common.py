@@ -11,6 +11,7 @@ from ..errors import OpTypeError, OpValueError
 
 _R = RedOpType
 _UNSIGNED_WIDE = (torch.uint16, torch.uint32, torch.uint64)
+_VALID: set = set()  # (dtype, RedOpType) pairs reduce_op accepted: the check is done once
 
 
 def check_tensor(group, op: str, t, what: str = "tensor") -> None:
@@ -78,6 +79,8 @@ def reduce_op(group, op: str, dtype: torch.dtype, redop):
         kind = reduce_op_type(redop)
     except AttributeError:
         raise OpTypeError(op, group.where(), f"{redop!r} is not a torch.distributed.ReduceOp") from None
+    if (dtype, kind) in _VALID:  # checked before (never PREMUL_SUM, whose factor varies)
+        return kind, None
     info = _mpi.DTYPES[dtype]
     if kind not in _mpi.ALLOWED_OPS[info.kind]:
         name = str(kind).split(".")[-1]
@@ -95,7 +98,9 @@ def reduce_op(group, op: str, dtype: torch.dtype, redop):
             why = f"ReduceOp.{name} is not supported for {dtype}"
         raise OpTypeError(op, group.where(), why)
     factor = None
-    if kind == _R.PREMUL_SUM:
+    if kind != _R.PREMUL_SUM:
+        _VALID.add((dtype, kind))
+    else:
         try:
             factor = premul_sum_factor(redop)
         except (AttributeError, TypeError):
