@@ -137,12 +137,15 @@ def _add(a, b):
     return a if b is None else a + b
 
 
-def simulate(make, forward=plain, steps=STEPS, accumulate=1, broadcast_buffers=True, first_micro_grads=None):
+def simulate(make, forward=plain, steps=STEPS, accumulate=1, broadcast_buffers=True, first_micro_grads=None,
+             uneven=False):
     """Every rank's part of the training in this one process, as DDP does it:
     per-rank gradients (accumulated over micro-batches), each scaled by
     1/size and summed in rank order; buffers broadcast from rank 0 before a
     step's first forward (when ``broadcast_buffers``).  Returns the model as
-    this rank must hold it: parameters, and this rank's own buffers."""
+    this rank must hold it: parameters, and this rank's own buffers.
+    ``uneven``: rank r has ``steps + r`` batches and, once out of them, adds
+    zeros (DDP's join()), still scaled by 1/size."""
     rank, size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = make()
@@ -151,11 +154,13 @@ def simulate(make, forward=plain, steps=STEPS, accumulate=1, broadcast_buffers=T
     buffers = [{n: b.detach().clone() for n, b in model.named_buffers()} for _ in range(size)]
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     scale = 1.0 / size
-    for step in range(steps):
+    for step in range(steps + (size - 1 if uneven else 0)):
         if broadcast_buffers:
             buffers = [buffers[0]] + [{n: b.clone() for n, b in buffers[0].items()} for _ in range(size - 1)]
         total = [None] * len(names)
         for r in range(size):
+            if uneven and step >= steps + r:
+                continue  # joined: contributes zeros
             grads = [None] * len(names)
             for micro in range(accumulate):
                 x, y = data(r, step, micro)
@@ -387,6 +392,29 @@ def test_async_overlap_issues_buckets_during_backward(world):
     buckets = n_buckets(ddp)
     assert buckets >= 3, buckets
     assert seen[2:] == [buckets - 1, buckets - 1], (seen, buckets)
+
+
+def test_join_uneven_inputs(world, gloo):
+    """ddp.join() with uneven inputs: rank r has STEPS + r batches.  Ranks
+    that ran out shadow the others' allreduces with zeros (gradients still
+    divided by the initial world size) and at the end every rank takes the
+    last joiner's weights."""
+    def train(pg):
+        rank = dist.get_rank()
+        torch.manual_seed(0)
+        model = mlp()
+        ddp = DDP(model, process_group=pg, bucket_cap_mb=0.0002)
+        opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+        with ddp.join():
+            for step in range(STEPS + rank):
+                opt.zero_grad(set_to_none=True)
+                x, y = data(rank, step)
+                nn.functional.mse_loss(ddp(x), y).backward()
+                opt.step()
+        return model
+
+    model, gmodel = train(None), train(gloo)
+    check_all(model, gmodel, simulate(mlp, uneven=True))
 
 
 SYNC_BN_DDP = "SyncBatchNorm layers only work with GPU modules"
