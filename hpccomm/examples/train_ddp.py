@@ -52,8 +52,8 @@ def parse(argv=None):
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's bucket size (default 25, DDP's)")
     p.add_argument("--progress", choices=("auto", "bar", "lines"), default="auto",
                    help="bar: one line updated in place; lines: a line every --print-every steps; "
-                        "auto (default): bar when rank 0's stdout is a terminal (mpirun gives ranks a "
-                        "pseudo-terminal, so pipe through cat or pass --progress lines for a log)")
+                        "auto (default): bar when rank 0's stdout is a terminal (Open MPI's mpirun gives ranks a "
+                        "pseudo-terminal even when its output is piped: pass --progress lines for a log)")
     p.add_argument("--print-every", type=int, default=0,
                    help="with --progress lines, a line every N steps (default: steps/10)")
     p.add_argument("--rounds", type=int, default=1,
