@@ -173,9 +173,8 @@ def simulate(make, forward=plain, steps=STEPS, accumulate=1, broadcast_buffers=T
                 grads = [_add(a, b) for a, b in zip(grads, g)]
                 if micro == 0 and r == rank and first_micro_grads is not None:
                     first_micro_grads.append([None if t is None else t.clone() for t in grads])
-            total = [_add(t, None if g is None else g * scale) if (t is not None or g is not None) else None
-                     for t, g in zip(total, grads)]
-        # a parameter some rank used: ranks that did not contribute zeros (already so)
+            # a parameter this rank did not use adds nothing (DDP adds zeros: the same sum)
+            total = [_add(t, None if g is None else g * scale) for t, g in zip(total, grads)]
         with torch.no_grad():
             for n, g in zip(names, total):
                 params[n].grad = g
