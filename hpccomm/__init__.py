@@ -10,7 +10,7 @@ or srun::
 """
 from __future__ import annotations
 
-from . import errors
+from . import errors, launcher
 from ._barrier import monitored_barrier
 from ._init import (
     RankInfo,
@@ -22,6 +22,7 @@ from ._init import (
     register as _register,
 )
 from .errors import ConfigError, HpccommError, InitError, OpError, OpTypeError, OpValueError
+from .launcher import Launch, is_torchelastic_launched
 from .process_group import BACKEND_NAME, ProcessGroupHpccomm
 
 __version__ = "0.1.0"
@@ -31,6 +32,7 @@ __all__ = [
     "ConfigError",
     "HpccommError",
     "InitError",
+    "Launch",
     "OpError",
     "OpTypeError",
     "OpValueError",
@@ -40,6 +42,10 @@ __all__ = [
     "from_mpi4py",
     "init_process_group",
     "is_available",
+    "is_mpi_available",
+    "is_nccl_available",
+    "is_torchelastic_launched",
+    "launcher",
     "local_rank",
     "local_size",
     "monitored_barrier",
@@ -48,10 +54,35 @@ __all__ = [
 
 
 def is_available() -> bool:
-    """True when mpi4py can be imported (without starting MPI)."""
+    """Whether hpccomm can run here: True when mpi4py can be imported.
+
+    Checks only that the module is installed; it neither imports mpi4py nor
+    starts MPI, so it is safe to call anywhere (for example on a login node).
+    Never raises.
+
+    Example::
+
+        backend = "hpccomm" if hpccomm.is_available() else "gloo"
+    """
     import importlib.util
 
     return importlib.util.find_spec("mpi4py") is not None
+
+
+def is_mpi_available() -> bool:
+    """True when mpi4py imports and an MPI library it can use loads, checked
+    without initialising MPI (see :func:`hpccomm._mpi.probe`; ``hpccomm info``
+    shows the library found, or why none was)."""
+    from . import _mpi
+
+    return _mpi.probe().available
+
+
+def is_nccl_available() -> bool:
+    """True when torch's NCCL or cupy's NCCL is there; False on a CPU build."""
+    from . import _compat
+
+    return _compat.nccl_available()
 
 
 _register()

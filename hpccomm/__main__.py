@@ -12,7 +12,7 @@ import sys
 
 # name -> (module, one-line help).  Modules are imported only when used.
 SUBCOMMANDS = {
-    "info": ("hpccomm._cli_info", "print versions, MPI library, thread level and options"),
+    "info": ("hpccomm._cli_info", "diagnose: versions, MPI library, thread level, launcher, ranks, network, store port, options"),
     "bench": ("hpccomm.bench", "collective benchmark (run under mpirun)"),
 }
 

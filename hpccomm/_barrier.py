@@ -25,6 +25,13 @@ def monitored_barrier(group=None, timeout: Optional[timedelta] = None, wait_all_
     it reports the first missing rank, with ``True`` all of them, as torch's
     gloo version does.  Every arrived rank raises with the same message.
 
+    :param group: the process group (default: the world group); an hpccomm group.
+    :param timeout: a :class:`datetime.timedelta` (default: the group's timeout).
+    :param wait_all_ranks: name every missing rank, not only the first.
+    :raises hpccomm.HpccommError: a rank did not arrive in time (the message
+        reads ``rank(s) [1, 3] did not arrive within 0:00:02``), group rank 0
+        gave no verdict, or ``group`` is not an hpccomm group.
+
     Example::
 
         hpccomm.monitored_barrier(timeout=timedelta(seconds=30), wait_all_ranks=True)

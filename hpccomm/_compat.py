@@ -69,6 +69,87 @@ def default_group_or_none():
 TCPStore = _c10d.TCPStore
 
 
+def nccl_available() -> bool:
+    """True when torch was built with NCCL or cupy has NCCL (either can carry
+    GPU tensors); False on a CPU-only build.  Imports cupy only if installed."""
+    if dist.is_nccl_available():
+        return True
+    import importlib.util
+
+    if importlib.util.find_spec("cupy") is None:
+        return False
+    try:
+        from cupy.cuda import nccl
+    except Exception:  # noqa: BLE001 - a cupy without a usable CUDA/NCCL raises various errors
+        return False
+    return bool(getattr(nccl, "available", True))
+
+
+# --------------------------------------------------------------------------
+# GPU transports (hpccomm.gpu): torch's NCCL backend and the option objects
+# its methods take.
+# --------------------------------------------------------------------------
+
+PrefixStore = _c10d.PrefixStore
+
+#: torch's option classes, by the name hpccomm.gpu.nccl_torch uses.
+OPTION_CLASSES = {
+    "allreduce": _c10d.AllreduceOptions,
+    "allreduce_coalesced": _c10d.AllreduceCoalescedOptions,
+    "reduce": _c10d.ReduceOptions,
+    "reduce_scatter": _c10d.ReduceScatterOptions,
+    "broadcast": _c10d.BroadcastOptions,
+    "scatter": _c10d.ScatterOptions,
+    "gather": _c10d.GatherOptions,
+    "allgather": _c10d.AllgatherOptions,
+    "alltoall": _c10d.AllToAllOptions,
+}
+
+
+def torch_nccl_available() -> bool:
+    """Whether this torch was built with NCCL (``dist.is_nccl_available()``)."""
+    return bool(dist.is_nccl_available())
+
+
+def make_nccl_backend(store, rank: int, size: int, timeout=None, name: str = "", global_ranks=None):
+    """torch's ``ProcessGroupNCCL`` over ``store`` (no MASTER_ADDR: the store
+    is hpccomm's own), set up as torch's ``_new_process_group_helper`` sets
+    it up.  NCCL's communicator itself is made by torch at the first
+    collective, through the store."""
+    pg_nccl = getattr(dist, "ProcessGroupNCCL", None)
+    if pg_nccl is None:
+        raise RuntimeError("this torch has no NCCL (torch.distributed.is_nccl_available() is False)")
+    options = pg_nccl.Options()
+    options.is_high_priority_stream = False
+    if timeout is not None:
+        options._timeout = timeout
+    if name and hasattr(options, "group_name"):
+        options.group_name = name
+    if global_ranks is not None and hasattr(options, "global_ranks_in_group"):
+        options.global_ranks_in_group = list(global_ranks)
+    return pg_nccl(store, rank, size, options)
+
+
+def requested_device_backends():
+    """The ``{device: backend}`` map torch is creating a group for, such as
+    ``{"cpu": "hpccomm", "cuda": "nccl"}`` for ``backend="cpu:hpccomm,cuda:nccl"``,
+    or None when not called from torch's group creation.
+
+    torch 2.13 stops at the first backend that is a whole ProcessGroup (as
+    hpccomm's is) and never builds the others, so hpccomm reads the map from
+    torch's ``_new_process_group_helper`` frame to honour ``cuda:<backend>``.
+    """
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        config = frame.f_locals.get("backend_config") if frame.f_code.co_name == "_new_process_group_helper" else None
+        if config is not None and hasattr(config, "get_device_backend_map"):
+            return {str(k): str(v) for k, v in config.get_device_backend_map().items()}
+        frame = frame.f_back
+    return None
+
+
 _hidden = []  # (class, method names) waiting for Dynamo to be imported
 
 

@@ -16,8 +16,9 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from . import _compat, _group, _mpi, config
+from . import _compat, _group, _mpi, config, launcher
 from .errors import InitError
+from .gpu import dispatch as _gpu
 from .process_group import BACKEND_NAME, ProcessGroupHpccomm
 
 log = logging.getLogger("hpccomm")
@@ -27,7 +28,23 @@ DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for CPU backends
 
 @dataclass(frozen=True)
 class RankInfo:
-    """Where this process sits in the job (from MPI, not the launcher)."""
+    """Where this process sits in the job, computed from MPI (not from the launcher).
+
+    :param rank: rank in the world, 0..size-1.
+    :param size: number of ranks in the world.
+    :param local_rank: rank among the ranks on this node (sharing memory), in the
+        launcher's local numbering when it gives one.
+    :param local_size: number of ranks on this node.
+    :param node: this node's index, 0..nodes-1, in order of each node's lowest rank.
+    :param nodes: number of nodes.
+
+    The same values are returned by :func:`hpccomm.local_rank`,
+    :func:`hpccomm.local_size` and :func:`hpccomm.node_index` after init.
+
+    Example::
+
+        RankInfo(rank=5, size=8, local_rank=1, local_size=4, node=1, nodes=2)
+    """
 
     rank: int
     size: int
@@ -65,13 +82,12 @@ def rank_info(comm=None) -> RankInfo:
     MPI = _mpi.mpi()
     comm = MPI.COMM_WORLD if comm is None else comm
     # Number local ranks as the launcher does (it binds cores and picks devices
-    # by that number); without a launcher's word, in world-rank order.
+    # by that number); without a launcher's word, in world-rank order.  A
+    # launcher's local ranks describe its world, so only when ``comm`` is as big.
     key = comm.Get_rank()
-    for var in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "PMI_LOCAL_RANK"):
-        value = os.environ.get(var, "")
-        if value.isdigit() and comm.Get_size() == _launcher_size():
-            key = int(value)
-            break
+    launch = launcher.detect()
+    if launch.local_rank is not None and launch.size == comm.Get_size():
+        key = launch.local_rank
     node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=key)
     try:
         local_rank, local_size = node_comm.Get_rank(), node_comm.Get_size()
@@ -85,16 +101,6 @@ def rank_info(comm=None) -> RankInfo:
     finally:
         node_comm.Free()
     return RankInfo(comm.Get_rank(), comm.Get_size(), local_rank, local_size, node, nodes)
-
-
-def _launcher_size() -> int:
-    """The world size the launcher announced, or -1 (its local ranks then
-    describe another world, e.g. a sub-communicator's)."""
-    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
-        value = os.environ.get(var, "")
-        if value.isdigit():
-            return int(value)
-    return -1
 
 
 def _store_host(info: RankInfo) -> str:
@@ -115,31 +121,53 @@ def _store_host(info: RankInfo) -> str:
 
 def make_store(comm, info: RankInfo, timeout: timedelta):
     """A TCPStore on rank 0 of ``comm`` (a free port unless HPCCOMM_STORE_PORT),
-    its address broadcast over MPI: no MASTER_ADDR, no port to pick."""
-    size = comm.Get_size()
+    its address broadcast over MPI: no MASTER_ADDR, no port to pick.
+
+    Every rank learns of any rank's failure (over MPI) and raises
+    :class:`InitError`: none is left waiting.  Connecting is bounded by
+    ``min(timeout, 60 s)``: rank 0's store is already listening when its
+    address is sent, so a rank that cannot reach it by then never will."""
+    import socket
+
+    size, rank = comm.Get_size(), comm.Get_rank()
     store, failure = None, None
-    if comm.Get_rank() == 0:
+    if rank == 0:
         host = _store_host(info)
         try:
+            socket.getaddrinfo(host, None)
             store = _compat.TCPStore(host, config.get("HPCCOMM_STORE_PORT"), size, is_master=True,
                                      timeout=timeout, wait_for_workers=False)
             addr = (host, store.port)
         except Exception as exc:  # every rank must learn of it, or they would hang
-            failure = f"rank 0 could not open the key-value store on {host}: {exc}"
+            failure = f"rank 0 could not open the key-value store on {host}: {_text(exc)}"
             addr = None
         comm.bcast((addr, failure), root=0)
     else:
         addr, failure = comm.bcast(None, root=0)
     if failure:
         raise InitError(f"hpccomm init: {failure}. Set HPCCOMM_STORE_ADDR / HPCCOMM_STORE_PORT")
+    error = None
     if store is None:
         try:
-            store = _compat.TCPStore(addr[0], addr[1], size, is_master=False, timeout=timeout)
-        except Exception as exc:
-            raise InitError(f"hpccomm init (rank {comm.Get_rank()}/{size}): cannot reach the key-value store "
-                            f"at {addr[0]}:{addr[1]}: {exc}. Check host name resolution, or set "
-                            "HPCCOMM_STORE_ADDR to an address rank 0 has") from None
+            socket.getaddrinfo(addr[0], addr[1])
+            store = _compat.TCPStore(addr[0], addr[1], size, is_master=False,
+                                     timeout=min(timeout, timedelta(seconds=60)))
+            store.set_timeout(timeout)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            error = _text(exc)
+    errors = comm.allgather(error) if size > 1 else [error]
+    failed = [r for r, e in enumerate(errors) if e is not None]
+    if failed:
+        raise InitError(f"hpccomm init (rank {rank}/{size}): rank(s) {failed} cannot reach the key-value store "
+                        f"at {addr[0]}:{addr[1]} (rank {failed[0]}: {errors[failed[0]]}). Check host name "
+                        "resolution, or set HPCCOMM_STORE_ADDR to an address of rank 0's host that every "
+                        "node can reach")
     return store
+
+
+def _text(exc: BaseException) -> str:
+    """An exception as a clause: no trailing period, first line only."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(".")
 
 
 def _bootstrap(comm=None, timeout: timedelta = DEFAULT_TIMEOUT):
@@ -147,7 +175,7 @@ def _bootstrap(comm=None, timeout: timedelta = DEFAULT_TIMEOUT):
     MPI = _mpi.mpi()
     _configure_logging()
     base = MPI.COMM_WORLD if comm is None else comm
-    _check_launch(base)
+    _check_launch(MPI.COMM_WORLD)  # the launch is about the world, whatever ``comm`` is
     world_comm = base.Dup()
     info = rank_info(world_comm)
     store = make_store(world_comm, info, timeout)
@@ -158,20 +186,55 @@ def _bootstrap(comm=None, timeout: timedelta = DEFAULT_TIMEOUT):
     return store, info
 
 
-def _check_launch(comm) -> None:
-    """Refuse the silent-singleton trap: a launcher that started N processes
-    which each see an MPI world of one."""
-    if comm.Get_size() != 1:
+def _check_launch(comm, env=None, library=None) -> None:
+    """Refuse a launch MPI disagrees with: ``comm`` is COMM_WORLD, ``env`` the
+    environment (default os.environ), ``library`` the MPI library's version
+    text (asked of MPI when needed).
+
+    The silent-singleton trap first: a launcher that started N processes
+    which each see an MPI world of one (srun with the wrong ``--mpi=``
+    plugin, another MPI library's mpirun, torchrun).  Then any other
+    disagreement between the launcher's rank or size and MPI's.
+    """
+    launch = launcher.detect(env)
+    if launch.name == "single" or launch.size is None:
         return
-    for var, launcher, fix in (
-        ("SLURM_NTASKS", "srun", "srun --mpi=pmix (Open MPI) or srun --mpi=pmi2 (MPICH)"),
-        ("OMPI_COMM_WORLD_SIZE", "mpirun", "the mpirun of the MPI library mpi4py was built with"),
-        ("PMI_SIZE", "mpiexec", "the mpiexec of the MPI library mpi4py was built with"),
-    ):
-        value = os.environ.get(var, "")
-        if value.isdigit() and int(value) > 1 and (var != "SLURM_NTASKS" or "SLURM_STEP_ID" in os.environ):
-            raise InitError(f"hpccomm init: {launcher} started {value} processes ({var}={value}) but MPI sees "
-                            f"a world of 1: every rank would run alone. Launch with {fix}")
+    size = comm.Get_size()
+    if size == 1 and launch.size > 1:
+        raise InitError(_singleton_message(launch, _mpi.library_version() if library is None else library))
+    rank = comm.Get_rank() if launch.rank is not None else None
+    if launch.size != size or launch.rank != rank:
+        env = os.environ if env is None else env
+        said = ", ".join(f"{v}={env.get(v)}" for v in (launch.rank_variable, launch.size_variable)
+                         if v and v in env)
+        raise InitError(f"hpccomm init: {launch.command} says this process is rank {launch.rank} of {launch.size} "
+                        f"({said}) but MPI says rank {rank} of {size}: two launchers or two MPI libraries "
+                        f"are mixed. Start the job with one launcher, the one of the MPI library in use "
+                        f"({_mpi.library_version() if library is None else library})")
+
+
+def _singleton_message(launch, library: str) -> str:
+    plugin = launcher.srun_mpi_plugin(library)
+    head = (f"hpccomm init: {launch.command} started {launch.size} processes ({launch.size_variable}={launch.size}) "
+            "but MPI sees a world of 1: every rank would run alone. ")
+    if launch.name == "srun":
+        given = f"--mpi={launch.pmi}" if launch.pmi else "--mpi=none (no PMI)"
+        if plugin:
+            fix = (f"Launch with srun --mpi={plugin}: the MPI library in use is {library}, and this step was "
+                   f"given {given} (`srun --mpi=list` shows the plugins this SLURM has; MpiDefault in "
+                   "slurm.conf sets the default)")
+        else:
+            fix = (f"Launch with srun --mpi=pmix (Open MPI) or srun --mpi=pmi2 (MPICH, Intel MPI), whichever "
+                   f"fits the MPI library in use ({library}); this step was given {given}")
+    elif launch.name == "torchrun":
+        fix = ("torchrun does not start MPI, so hpccomm cannot join its processes into one MPI world. "
+               f"Launch with mpirun -n {launch.size} (or srun"
+               + (f" --mpi={plugin}" if plugin else "") + ") instead: hpccomm needs no MASTER_ADDR, "
+               "RANK or WORLD_SIZE")
+    else:
+        fix = (f"Launch with the mpirun/mpiexec of the MPI library mpi4py uses ({library}), not another "
+               "library's")
+    return head + fix
 
 
 def _mpi_rendezvous(url: str, timeout: timedelta = DEFAULT_TIMEOUT, **kwargs):
@@ -214,14 +277,19 @@ def _create(opts, backend_options=None) -> ProcessGroupHpccomm:
         group = _group.Group(comm, range(comm.Get_size()), store=opts.store, timeout=timeout)
         group.is_world = True
         _state.world = group
+        _gpu.note_backend_map(group, _compat.requested_device_backends())
+        _gpu.bind(_state.info.local_rank, _state.info.local_size)
         _install_excepthook(comm.Get_rank(), comm.Get_size())
-        from . import _trace
+        from . import _signals, _trace
+
+        _signals.install(comm, opts.store)
 
         _trace.start(comm)
         return ProcessGroupHpccomm(group)
     pending, _state.pending_comm = _state.pending_comm, None
     if pending is not None:  # from_mpi4py: the user's communicator, reordered by world rank
         group = _group.Group(pending, ranks, store=opts.store, timeout=timeout)
+        _gpu.note_backend_map(group, _compat.requested_device_backends())
         return ProcessGroupHpccomm(group)
     world = _state.world
     if world is None or world.freed:
@@ -232,6 +300,7 @@ def _create(opts, backend_options=None) -> ProcessGroupHpccomm:
     group = base.subgroup(ranks, _tag(ranks), store=opts.store, timeout=timeout)
     if base is not world:
         base.free()
+    _gpu.note_backend_map(group, _compat.requested_device_backends())
     return ProcessGroupHpccomm(group)
 
 
@@ -266,6 +335,9 @@ def _install_excepthook(rank: int, size: int) -> None:
         print(f"hpccomm: rank {rank} of {size} raised an uncaught {kind.__name__} ({where}); aborting the job "
               "so the other ranks do not wait for it (HPCCOMM_ABORT_ON_EXCEPTION=0 turns this off)",
               file=out, flush=True)
+        from . import _signals
+
+        _signals.record_failure(f"raised an uncaught {kind.__name__} ({where})")
         _mpi.abort(1)
 
     sys.excepthook = hook
@@ -273,7 +345,7 @@ def _install_excepthook(rank: int, size: int) -> None:
 
 def register() -> None:
     """Make ``backend="hpccomm"`` and ``init_method="mpi://"`` known to torch."""
-    _compat.register_backend(BACKEND_NAME, _create, devices=["cpu"])
+    _compat.register_backend(BACKEND_NAME, _create, devices=["cpu", "cuda"])
     _compat.register_rendezvous_handler("mpi", _mpi_rendezvous)
 
 
@@ -283,11 +355,21 @@ def init_process_group(backend: str = BACKEND_NAME, timeout: Optional[timedelta]
     Rank and world size come from MPI (from ``comm``, an mpi4py communicator,
     default COMM_WORLD); the key-value store torch needs is opened by rank 0
     and its address broadcast over MPI, so no MASTER_ADDR or port is needed.
-    Other keyword arguments go to :func:`torch.distributed.init_process_group`.
+    Collective: every rank of ``comm`` must call it.
 
-    Raises :class:`hpccomm.errors.InitError` if the launch is inconsistent
-    (for example srun started with the wrong ``--mpi=`` plugin) or the store
-    cannot be opened.
+    :param backend: the torch backend name; ``"hpccomm"`` (the default).
+    :param timeout: a :class:`datetime.timedelta`: how long any collective of the
+        default group may take before the job is ended with a message naming the
+        ranks that never arrived (see ``HPCCOMM_ON_TIMEOUT``); default 30 minutes.
+    :param comm: the mpi4py communicator whose ranks form the world (default
+        ``MPI.COMM_WORLD``); hpccomm works on a private duplicate of it.
+    :param kwargs: passed on to :func:`torch.distributed.init_process_group`.
+    :raises hpccomm.InitError: torch.distributed is already initialised; the
+        launch is inconsistent (a launcher started N processes but each sees an
+        MPI world of 1, as with srun and the wrong ``--mpi=`` plugin); or the
+        key-value store cannot be opened or reached (the message names the
+        address and the ``HPCCOMM_STORE_ADDR``/``HPCCOMM_STORE_PORT`` fix).
+    :raises hpccomm.ConfigError: an ``HPCCOMM_*`` variable has a malformed value.
 
     Example::
 
@@ -320,6 +402,13 @@ def from_mpi4py(comm, timeout: Optional[timedelta] = None):
     on a private duplicate of ``comm``; its ranks follow world-rank order, as
     torch's ``new_group`` does.  Returns what ``dist.new_group`` returns.
 
+    :param comm: an mpi4py intracommunicator whose processes are all in the
+        torch world (for example from ``MPI.COMM_WORLD.Split``).
+    :param timeout: a :class:`datetime.timedelta` for the group's collectives;
+        default: the default group's.
+    :raises hpccomm.InitError: torch.distributed is not initialised yet, or
+        ``comm`` has processes outside the torch world.
+
     Example::
 
         sub = MPI.COMM_WORLD.Split(color=rank % 2, key=rank)
@@ -349,17 +438,44 @@ def from_mpi4py(comm, timeout: Optional[timedelta] = None):
 
 
 def local_rank() -> int:
-    """This process's rank among the ranks on its node (known after init)."""
+    """This process's rank among the ranks on its node, 0..local_size()-1.
+
+    Known after :func:`hpccomm.init_process_group` (or any hpccomm init); it
+    follows the launcher's local numbering when it gives one, so it is the
+    index to pick a GPU or a core set with.
+
+    :raises hpccomm.InitError: hpccomm is not initialised.
+
+    Example::
+
+        hpccomm.init_process_group()
+        device = torch.device("cuda", hpccomm.local_rank())
+    """
     return _require_info().local_rank
 
 
 def local_size() -> int:
-    """How many ranks share this node (known after init)."""
+    """How many ranks share this node (its shared-memory domain).
+
+    :raises hpccomm.InitError: hpccomm is not initialised.
+
+    Example::
+
+        torch.set_num_threads(max(1, os.cpu_count() // hpccomm.local_size()))
+    """
     return _require_info().local_size
 
 
 def node_index() -> int:
-    """This node's index, 0..nodes-1, in order of the lowest rank on each node."""
+    """This node's index, 0..nodes-1, in order of the lowest rank on each node.
+
+    :raises hpccomm.InitError: hpccomm is not initialised.
+
+    Example::
+
+        if hpccomm.local_rank() == 0:
+            print(f"node {hpccomm.node_index()} has {hpccomm.local_size()} ranks")
+    """
     return _require_info().node
 
 

@@ -31,7 +31,7 @@ def mpi():
 
                 if "mpi4py.MPI" not in sys.modules:
                     mpi4py.rc.threads = True
-                    mpi4py.rc.thread_level = "multiple"
+                    mpi4py.rc.thread_level = REQUESTED_THREAD_LEVEL.lower()
                 from mpi4py import MPI
 
                 _MPI = MPI
@@ -78,10 +78,69 @@ def library_version() -> str:
 
 
 THREAD_LEVELS = ("SINGLE", "FUNNELED", "SERIALIZED", "MULTIPLE")
+#: What hpccomm asks MPI_Init_thread for (unless mpi4py.MPI was imported first).
+REQUESTED_THREAD_LEVEL = "MULTIPLE"
 
 
 def thread_level() -> str:
     return THREAD_LEVELS[mpi().Query_thread()]
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Whether mpi4py and an MPI library it can use are there, found without
+    initialising MPI.  ``abi``: the MPI family mpi4py picked (``"openmpi"``,
+    ``"mpich"``, ...); ``library``: the first line of MPI_Get_library_version;
+    ``path``: the shared library file; ``reason``: why not, when not."""
+
+    available: bool
+    abi: str = ""
+    library: str = ""
+    path: str = ""
+    reason: str = ""
+
+
+def probe() -> Probe:
+    """Check, without MPI_Init, that mpi4py imports, that an MPI library
+    loads (mpi4py's own search, honouring MPI4PY_LIBMPI), answers
+    MPI_Get_library_version (callable before MPI_Init), and that mpi4py has
+    an extension module for that library's ABI.  Once MPI is started, asks it."""
+    import ctypes
+    import importlib.util
+    import os
+    import sys
+
+    if "mpi4py.MPI" in sys.modules:
+        MPI = sys.modules["mpi4py.MPI"]
+        abi = getattr(getattr(sys.modules.get("mpi4py._mpiabi"), "_get_mpiabi", None), "mpiabi", "")
+        return Probe(True, abi or "", MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0])
+    if importlib.util.find_spec("mpi4py") is None:
+        return Probe(False, reason="mpi4py is not installed (pip install mpi4py)")
+    try:
+        from mpi4py import _mpiabi  # mpi4py >= 4: finds and loads the MPI library at import
+    except ImportError:  # an older mpi4py, linked to one MPI library at build time
+        found = importlib.util.find_spec("mpi4py.MPI") is not None
+        return Probe(found, reason="" if found else "mpi4py has no MPI extension module")
+    try:
+        lib = _mpiabi._dlopen_libmpi(os.environ.get("MPI4PY_LIBMPI"))
+        abi = _mpiabi._get_mpiabi()
+    except (RuntimeError, OSError, AttributeError) as exc:
+        return Probe(False, reason="no MPI library could be loaded: " + str(exc).replace("\n", "; "))
+    text = ""
+    try:
+        buf, length = ctypes.create_string_buffer(8192), ctypes.c_int(0)
+        if lib.MPI_Get_library_version(buf, ctypes.byref(length)) == 0:
+            text = buf.value.decode(errors="replace").strip().splitlines()[0]
+    except (AttributeError, OSError, IndexError):
+        pass
+    path = getattr(lib, "_name", "") or ""
+    try:
+        ext = importlib.util.find_spec("mpi4py.MPI")
+    except Exception as exc:  # noqa: BLE001 - mpi4py's finder warns or fails on an unsupported ABI
+        ext, text = None, f"{text} ({exc})"
+    if ext is None:
+        return Probe(False, abi, text, path, f"mpi4py has no extension module for the {abi!r} MPI ABI of {path}")
+    return Probe(True, abi, text, path)
 
 
 # --------------------------------------------------------------------------
@@ -182,8 +241,18 @@ def _make_half_op(dtype: torch.dtype, redop: RedOpType):
     return mpi().Op.Create(combine, commute=True)
 
 
+_ops: dict = {}  # (dtype, redop) -> MPI op: a lookup per call, not attribute chains
+
+
 def mpi_op(dtype: torch.dtype, redop: RedOpType):
     """The MPI op that reduces ``dtype`` for ``redop``; the caller checked ALLOWED_OPS."""
+    op = _ops.get((dtype, redop))
+    if op is None:
+        op = _ops[(dtype, redop)] = _lookup_op(dtype, redop)
+    return op
+
+
+def _lookup_op(dtype: torch.dtype, redop: RedOpType):
     kind = DTYPES[dtype].kind
     if kind == "half":
         key = (dtype, _NATIVE_OP[redop])
@@ -202,6 +271,7 @@ def free_user_ops() -> None:
     MPI = _MPI
     if MPI is None or MPI.Is_finalized():
         return
+    _ops.clear()  # it may hold the user ops freed below
     for op in _half_ops.values():
         op.Free()
     _half_ops.clear()
@@ -217,12 +287,30 @@ def buffer(t: torch.Tensor, offset: int = 0, count: int | None = None):
 
     The caller keeps ``t`` alive until MPI is done with the memory.
     """
-    MPI = mpi()
+    if t.is_cuda:  # device memory (CUDA-aware MPI): MPI must not read it before queued kernels finish
+        device_ready(t)
     size = t.element_size()
     if count is None:
         count = t.numel() - offset
-    mem = MPI.buffer.fromaddress(t.data_ptr() + offset * size, count * size)
-    return [mem, count, getattr(MPI, DTYPES[t.dtype].move)]
+    dtype = t.dtype
+    mtype = _types.get(dtype)
+    if mtype is None:
+        mtype = _types[dtype] = getattr(mpi(), DTYPES[dtype].move)
+    return [_MPI.buffer.fromaddress(t.data_ptr() + offset * size, count * size), count, mtype]
+
+
+_types: dict = {}  # torch dtype -> MPI datatype, filled on first use
+
+
+def _synchronize_current_stream(t: torch.Tensor) -> None:
+    torch.cuda.current_stream(t.device).synchronize()
+
+
+#: Called with every device tensor handed to MPI, before the call: MPI is not
+#: stream-aware, so the kernels this thread queued that write ``t`` (a
+#: contiguous copy, a premultiplication) must be finished first.  Replaceable
+#: for tests (hpccomm.gpu.cuda_mpi injects a recording fake).
+device_ready = _synchronize_current_stream
 
 
 def in_place():

@@ -60,6 +60,11 @@ class Watchdog:
         if token is not None:
             self._ops.pop(token, None)
 
+    def current(self) -> Optional[_Op]:
+        """The longest-running op on this rank, or None."""
+        ops = list(self._ops.values())
+        return min(ops, key=lambda op: op.start) if ops else None
+
     def _start(self) -> None:
         with self._lock:
             if self._thread is None:
@@ -84,8 +89,9 @@ class Watchdog:
         print(message + ("; aborting the job (HPCCOMM_ON_TIMEOUT=abort)" if action == "abort" else ""),
               file=sys.stderr, flush=True)
         if action == "abort":
-            from . import _mpi
+            from . import _mpi, _signals
 
+            _signals.record_failure(f"timed out in {op.name} (op #{op.seq} on group '{g.name}')")
             _mpi.abort(3)
 
     def _diagnose(self, op: _Op) -> str:

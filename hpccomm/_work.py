@@ -38,26 +38,36 @@ from .errors import HpccommError
 class Work(WorkBase):
     """A finished or pending hpccomm operation (see the module docstring)."""
 
-    def __init__(self, outputs, pending=None, describe: str = "") -> None:
+    def __init__(self, outputs, pending=None, describe: str = "", devices=None) -> None:
         super().__init__()
+        # A future holding CUDA tensors must name their devices: torch then orders
+        # the waiter's stream after the completing thread's (hpccomm.gpu).
+        self._devices = devices
         self._outputs = outputs  # the future's value; also keeps the tensors alive
         self._pending = pending  # holds the MPI request and its buffers until done
         self._describe = describe
         self._source = -1
         self._error: Optional[BaseException] = None
-        self._lock = threading.Lock()  # one thread at a time touches the MPI request
         self._done = pending is None
-        self._completed = threading.Event()  # set once the Work is complete, by whichever thread
+        if self._done:
+            # Born done (the blocking path, which is latency-bound): no lock, event or
+            # future until someone asks; get_future() makes a completed one then.
+            self._engine_completes = False
+            self._future = None
+            return
+        self._lock = threading.Lock()  # one thread at a time touches the MPI request
         # Ops queued on the comm thread are always completed there, right after they
         # run, so callbacks chained on their futures (DDP hooks that issue more ops)
         # run at the same point of the op sequence on every rank.
         self._engine_completes = getattr(pending, "engine_completes", False)
-        self._raw = torch.futures.Future()
-        if self._done:
-            self._raw.set_result(outputs)
-            self._future = self._raw
-        else:  # completes with the outputs, or fails visibly to C++ (see the module docstring)
-            self._future = self._raw.then(self._result_or_raise)
+        # Set once the Work is complete, by whichever thread (waited on by engine ops).
+        self._completed = threading.Event() if self._engine_completes else None
+        self._raw = self._new_future()
+        # completes with the outputs, or fails visibly to C++ (see the module docstring)
+        self._future = self._raw.then(self._result_or_raise)
+
+    def _new_future(self) -> torch.futures.Future:
+        return torch.futures.Future(devices=self._devices) if self._devices else torch.futures.Future()
 
     def _result_or_raise(self, _raw):
         if self._error is not None:
@@ -82,7 +92,8 @@ class Work(WorkBase):
         self._error = error
         self._done = True
         self._raw.set_result(None)  # runs _result_or_raise, then the callbacks chained on the future
-        self._completed.set()  # after the callbacks: ops they issued come before the waiter's next op
+        if self._completed is not None:
+            self._completed.set()  # after the callbacks: ops they issued come before the waiter's next op
 
     def _complete_on_engine(self) -> None:
         """The comm thread completes a Work whose op it just ran."""
@@ -141,6 +152,11 @@ class Work(WorkBase):
             return finished
 
     def get_future(self) -> torch.futures.Future:
+        if self._future is None:  # born done: its future is made on first request
+            future = self._new_future()
+            future.set_result(self._outputs)
+            self._future = future
+            return future
         if not self._done:
             if _progress.is_current():
                 # Asked by a callback that the progress thread is running: that
@@ -179,9 +195,9 @@ hide_from_compiler(Work, ["wait", "get_future", "is_completed", "is_success", "e
                           "source_rank", "_source_rank", "_result_or_raise"])
 
 
-def done(outputs) -> Work:
+def done(outputs, devices=None) -> Work:
     """A Work for an op that already completed (the blocking path)."""
-    return Work(outputs)
+    return Work(outputs, devices=devices)
 
 
 class _Progress:

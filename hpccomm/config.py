@@ -47,6 +47,13 @@ def _level(raw: str) -> str:
 _level.__name__ = "log level"
 
 
+def _lower(raw: str) -> str:
+    return raw.strip().lower()
+
+
+_lower.__name__ = "word"
+
+
 def _positive_int(raw: str) -> int:
     value = int(raw, 0)
     if value <= 0:
@@ -114,6 +121,12 @@ OPTIONS: dict[str, Option] = {
             "otherwise wait in their next collective until the timeout).",
         ),
         Option(
+            "HPCCOMM_SIGNAL_REPORT", _bool, True,
+            "When the launcher ends a rank with SIGTERM (because another rank died), print one line "
+            "saying which op this rank was in and which rank failed, then exit with status 143. "
+            "Installed at init only if the program has no SIGTERM handler of its own.",
+        ),
+        Option(
             "HPCCOMM_TRACE", str, "",
             "A file name: record every op on every rank and write one merged Chrome/Perfetto trace "
             "(a process per rank) when the world group is destroyed.",
@@ -126,6 +139,22 @@ OPTIONS: dict[str, Option] = {
         Option(
             "HPCCOMM_STORE_PORT", _port, 0,
             "Port of the key-value store on rank 0; 0 picks a free port.",
+        ),
+        Option(
+            "HPCCOMM_GPU_TRANSPORT", _lower, "auto",
+            "How CUDA tensors travel (chosen per group and device, the reason logged at INFO): 'mpi' "
+            "hands device memory to a CUDA-aware MPI; 'nccl' delegates to torch's NCCL process group "
+            "(or CuPy's NCCL) built on hpccomm's key-value store; 'staged' copies through reused pinned "
+            "host buffers and runs the CPU op (slow, said once in the log); 'auto' takes CUDA-aware MPI "
+            "if the MPI library says it is, else NCCL, else refuses the op naming this variable.",
+            ("auto", "mpi", "nccl", "staged"),
+        ),
+        Option(
+            "HPCCOMM_GPU_BIND", _lower, "local_rank",
+            "Which GPU each rank uses when the world group is made: 'local_rank' calls "
+            "torch.cuda.set_device(local rank modulo the GPU count); 'none' leaves the current device "
+            "alone (bind it yourself, for example from CUDA_VISIBLE_DEVICES per rank).",
+            ("local_rank", "none"),
         ),
     )
 }

@@ -9,11 +9,38 @@ from __future__ import annotations
 
 
 class HpccommError(RuntimeError):
-    """Base class of every error hpccomm raises."""
+    """Base class of every error hpccomm raises (a :class:`RuntimeError`).
+
+    Raised as itself for failures during communication (an MPI error in an op,
+    an async op that failed, found by ``wait()`` or its future), for a
+    mismatch found by debug mode, and by :func:`hpccomm.monitored_barrier`.
+    Catch it to handle any hpccomm error.
+
+    Example::
+
+        try:
+            hpccomm.monitored_barrier(timeout=timedelta(seconds=30))
+        except hpccomm.HpccommError as exc:
+            print(exc)   # ... rank(s) [3] did not arrive within 0:00:30
+    """
 
 
 class ConfigError(HpccommError, ValueError):
-    """A malformed ``HPCCOMM_*`` environment variable; ``variable`` names it."""
+    """A malformed ``HPCCOMM_*`` environment variable; ``variable`` names it.
+
+    Also a :class:`ValueError`.  Raised when the option is read (at init or at
+    the op that needs it), not at import.
+
+    :param message: what is wrong, e.g. ``HPCCOMM_ON_TIMEOUT='stop' is not one of abort, warn``.
+    :param variable: the variable's name.
+
+    Example::
+
+        try:
+            hpccomm.config.get("HPCCOMM_STORE_PORT")     # with HPCCOMM_STORE_PORT=http
+        except hpccomm.ConfigError as exc:
+            print(exc.variable)                          # HPCCOMM_STORE_PORT
+    """
 
     def __init__(self, message: str, variable: str = "") -> None:
         self.variable = variable
@@ -24,7 +51,21 @@ class ConfigError(HpccommError, ValueError):
 
 
 class InitError(HpccommError):
-    """Initialisation failed or disagrees with the launcher."""
+    """Initialisation failed or disagrees with the launcher.
+
+    Raised by :func:`hpccomm.init_process_group`, by
+    ``dist.init_process_group("hpccomm")`` (for example when ``RANK`` and
+    ``WORLD_SIZE`` disagree with MPI's ranks), by :func:`hpccomm.from_mpi4py`
+    and by the rank queries called before init.  The message says what to
+    change.
+
+    Example::
+
+        try:
+            hpccomm.local_rank()
+        except hpccomm.InitError as exc:
+            print(exc)   # hpccomm: not initialised; call hpccomm.init_process_group() first
+    """
 
 
 def _part(text: str) -> str:
@@ -41,7 +82,12 @@ class OpError(HpccommError):
     message is ``hpccomm <op> (<where>): <what>. <fix>``; the parts are kept
     as attributes ``op``, ``where``, ``what`` and ``fix``.
 
-    Example::
+    :param op: the op's name, e.g. ``"broadcast"``.
+    :param where: op number, group and rank, e.g. ``op #3 on group '0', rank 1/4``.
+    :param what: what is wrong.
+    :param fix: what to do instead (may be empty).
+
+    Example (how hpccomm raises one)::
 
         OpValueError("broadcast", group.where(), "src 5 is not a rank of this group of size 4",
                      "Pass a group rank in 0..size-1")
@@ -62,8 +108,20 @@ class OpError(HpccommError):
 
 
 class OpValueError(OpError, ValueError):
-    """Bad sizes, ranks or list lengths."""
+    """Bad sizes, ranks or list lengths (an :class:`OpError` and a :class:`ValueError`).
+
+    Example::
+
+        out = torch.empty(3)          # all_gather_into_tensor needs world size * 4 elements
+        dist.all_gather_into_tensor(out, torch.ones(4))   # raises OpValueError naming both sizes
+    """
 
 
 class OpTypeError(OpError, TypeError):
-    """Unsupported dtype, ReduceOp, device or tensor layout."""
+    """Unsupported dtype, ReduceOp, device or tensor layout (an :class:`OpError` and a :class:`TypeError`).
+
+    Example::
+
+        t = torch.ones(4)                               # float32
+        dist.all_reduce(t, op=dist.ReduceOp.BAND)       # raises OpTypeError: no bitwise ops on floats
+    """

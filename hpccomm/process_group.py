@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import logging
 import time
+import types
 
 from . import _compat, _debug, _engine, _mpi, _trace, _work
 from .errors import HpccommError, OpError
+from .gpu import dispatch as _gpu
 from .ops import alltoall as _a2a
 from .ops import gather as _gather
 from .ops import p2p as _p2p
@@ -20,6 +22,8 @@ from .ops import scatter as _scatter
 from ._compat import ProcessGroupBase, ReduceOp
 from ._watchdog import watchdog
 
+#: The backend name registered with torch at ``import hpccomm``:
+#: ``dist.init_process_group(hpccomm.BACKEND_NAME)`` is ``dist.init_process_group("hpccomm")``.
 BACKEND_NAME = "hpccomm"
 _last_op = [None]  # (op, where) of the latest collective: named when a rank dies
 log = logging.getLogger("hpccomm")
@@ -40,7 +44,21 @@ class ProcessGroupHpccomm(ProcessGroupBase):
     """A torch process group over one MPI communicator.
 
     Made by ``dist.init_process_group("hpccomm")``, ``dist.new_group`` and
-    :func:`hpccomm.from_mpi4py`; not usually constructed directly.
+    :func:`hpccomm.from_mpi4py`; not usually constructed directly.  Every
+    ``torch.distributed`` call on the group becomes MPI calls on the group's
+    own communicators.  An op called with arguments it cannot accept raises
+    :class:`hpccomm.OpValueError` or :class:`hpccomm.OpTypeError` before any
+    communication; a failure during communication raises
+    :class:`hpccomm.HpccommError` naming the op.
+
+    :param group: hpccomm's internal description of the group (communicators,
+        ranks, timeout), made by the backend creator.
+
+    Example::
+
+        pg = dist.new_group([0, 1], backend="hpccomm")
+        dist.all_reduce(t, group=pg)
+        pg.mpi_comm.Get_size()        # the group's mpi4py communicator (do not free it)
     """
 
     def __init__(self, group) -> None:
@@ -60,55 +78,72 @@ class ProcessGroupHpccomm(ProcessGroupBase):
         if g.comm is None:
             raise HpccommError(f"hpccomm {op} (group '{g.name}'): the process group was destroyed")
         g.next_seq()
+        devices = None
         try:
+            device = _gpu.cuda_device(g, op, args)  # a call with CUDA tensors goes to a GPU transport
+            if device is not None:
+                devices = _gpu.future_devices(device)
+                transport = _gpu.transport(g, op, device)
+                work = _gpu.delegated(transport, g, op, args, opts)
+                if work is not None:  # NCCL took the whole op
+                    return work
+                prepare = transport.wrap(op, prepare)
             run = prepare(g, *args)  # raises OpError before any communication
         except OpError:
             g.seq -= 1  # refused ops are not counted: op numbers stay equal on every rank
             raise
         if isinstance(run, _p2p.Pending):  # point-to-point: already posted, nonblocking
-            return _work.Work(args[0], run, f"{op} ({g.where()})")
-        if g.debug:
-            _debug.check(g, op, args)
+            return _work.Work(args[0], run, f"{op} ({g.where()})", devices)
+        if g.debug:  # the fingerprint exchange is itself a collective: the timeout covers it
+            token = watchdog.begin(g, op + " (debug-mode fingerprint check)", g.seq)
+            try:
+                _debug.check(g, op, args)
+            finally:
+                watchdog.end(token)
         asynchronous = opts is not None and getattr(opts, "asyncOp", False)
         engine = _engine.engine
         # On the comm thread (a callback of a finished op, such as a DDP hook) an op
         # runs at once: queuing it behind the thread's own work would deadlock.
         if (asynchronous or g.queued) and engine.usable() and not engine.on_comm_thread():
             job = _engine.Job(g, self._guarded(op, g, run, args))
-            work = _work.Work(None, job, f"{op} ({g.where()})")
+            work = _work.Work(None, job, f"{op} ({g.where()})", devices)
             job.work = work
             _engine.engine.submit(job)
             if not asynchronous:  # queued only to keep this group's issue order
                 work.wait()
             return work
-        return _work.done(self._guarded(op, g, run, args)())
+        # The blocking path (latency-bound): call directly, no closure.
+        return _work.done(self._call(op, g, g.seq, g.where(), run, args), devices)
+
+    @classmethod
+    def _guarded(cls, op: str, g, run, args_for_trace=()):
+        """``run`` wrapped for the comm thread, with the op number it has now."""
+        where, seq = g.where(), g.seq
+        return lambda: cls._call(op, g, seq, where, run, args_for_trace)
 
     @staticmethod
-    def _guarded(op: str, g, run, args_for_trace=()):
-        where, seq = g.where(), g.seq
-
-        def guarded():
-            debug = log.isEnabledFor(logging.DEBUG)
-            t0 = time.perf_counter() if debug else 0.0
-            token = watchdog.begin(g, op, seq)
-            _last_op[0] = (op, where)
-            tracer = _trace.active()
-            start = _trace.now_ns() if tracer else 0
-            try:
-                result = run()
-            except OpError:
-                raise
-            except _mpi.mpi().Exception as exc:
-                raise HpccommError(f"hpccomm {op} ({where}): MPI failed: {exc}") from exc
-            finally:
-                watchdog.end(token)
-                if tracer:
-                    tracer.record(op, g.name, seq, _nbytes(args_for_trace), start, _trace.now_ns())
-            if debug:
-                log.debug("%s (%s): %.1f us", op, where, (time.perf_counter() - t0) * 1e6)
-            return result
-
-        return guarded
+    def _call(op: str, g, seq: int, where: str, run, args_for_trace):
+        """Run an op's communication under the watchdog and the tracer; an MPI
+        error becomes an HpccommError naming the op."""
+        debug = log.isEnabledFor(logging.DEBUG)
+        t0 = time.perf_counter() if debug else 0.0
+        token = watchdog.begin(g, op, seq)
+        _last_op[0] = (op, where)
+        tracer = _trace.active()
+        start = _trace.now_ns() if tracer else 0
+        try:
+            result = run()
+        except OpError:
+            raise
+        except _mpi.mpi().Exception as exc:
+            raise HpccommError(f"hpccomm {op} ({where}): MPI failed: {exc}") from exc
+        finally:
+            watchdog.end(token)
+            if tracer:
+                tracer.record(op, g.name, seq, _nbytes(args_for_trace), start, _trace.now_ns())
+        if debug:
+            log.debug("%s (%s): %.1f us", op, where, (time.perf_counter() - t0) * 1e6)
+        return result
 
     @staticmethod
     def _redop(opts):
@@ -146,6 +181,7 @@ class ProcessGroupHpccomm(ProcessGroupBase):
         if self._g.comm is not None and self._g.is_world:
             _engine.engine.flush(self._g)
             _trace.finish(self._g.comm)  # every rank destroys the world: gather the trace now
+        _gpu.release(self._g)
         self._g.free()
 
     # -- collectives ----------------------------------------------------------
@@ -222,7 +258,7 @@ class ProcessGroupHpccomm(ProcessGroupBase):
         return self._run("recv", _p2p.recv, tensors, None, tag)
 
 
-# Methods torch's C++ layer calls (and their aliases): kept out of torch.compile.
+# Methods torch's C++ layer calls (the public ones and torch's legacy aliases): kept out of torch.compile.
 _compat.hide_from_compiler(ProcessGroupHpccomm, [
     name for name, value in vars(ProcessGroupHpccomm).items()
-    if callable(value) and not name.startswith("__") and name not in ("_run", "_guarded", "_redop")])
+    if isinstance(value, types.FunctionType) and (not name.startswith("_") or name.endswith("_base"))])

@@ -589,21 +589,52 @@ class FakeCudaTensor(torch.Tensor):
     def device(self):
         return torch.device("cuda", 0)
 
+    @property
+    def is_cuda(self):
+        return True
 
-@pytest.mark.parametrize("op", ["all_reduce", "broadcast", "all_gather_into_tensor"])
-def test_cuda_tensor_refused(world, op):
+
+@pytest.fixture
+def no_gpu_transport():
+    """Probe findings of a machine with no GPU transport (injected: the real
+    probes answer for this machine's libraries, see tests/test_gpu_unit.py)."""
+    from hpccomm.gpu import dispatch, probe, select
+
+    saved = dispatch._caps[0]
+    dispatch._caps[0] = select.Capabilities(probe.Finding(False, "injected: not CUDA-aware"),
+                                            probe.Finding(False, "injected: no NCCL in torch"),
+                                            probe.Finding(False, "injected: no cupy"))
+    yield
+    dispatch._caps[0] = saved
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather_into_tensor"])
+def test_cuda_tensor_without_gpu_transport(world, no_gpu_transport, monkeypatch, op):
+    """With no GPU transport (HPCCOMM_GPU_TRANSPORT=auto), a CUDA tensor is
+    refused on every rank before any communication, naming the variable.
+    (Not broadcast: torch's own broadcast asks the fake tensor's GPU for its
+    compute capability.)"""
     n, _ = _nr()
+    monkeypatch.delenv("HPCCOMM_GPU_TRANSPORT", raising=False)
     t = torch.arange(3.0).as_subclass(FakeCudaTensor)
+    out = torch.zeros(3 * n).as_subclass(FakeCudaTensor)
     assert t.device.type == "cuda"
-    what = "tensor" if op != "all_gather_into_tensor" else "input"
-    with refused(hpccomm.OpTypeError, op, rf"{what} is on device cuda:0; hpccomm moves CPU tensors only in this "
-                 r"release .*Move it to the CPU with \.cpu\(\)", t):
+    with refused(hpccomm.OpTypeError, op, r"CUDA tensors cannot be sent: no GPU transport: CUDA-aware MPI: no "
+                 r"\(injected: not CUDA-aware\); NCCL through torch: no .*Set HPCCOMM_GPU_TRANSPORT=staged", t, out):
         if op == "all_reduce":
             dist.all_reduce(t)
-        elif op == "broadcast":
-            dist.broadcast(t, src=0)
         else:
-            dist.all_gather_into_tensor(torch.zeros(3 * n), t)
+            dist.all_gather_into_tensor(out, t)
+
+
+def test_mixed_devices_refused(world):
+    """A CPU output with a CUDA input: refused before any communication."""
+    n, _ = _nr()
+    t = torch.arange(3.0).as_subclass(FakeCudaTensor)
+    out = torch.zeros(3 * n)
+    with refused(hpccomm.OpValueError, "all_gather_into_tensor", r"the call mixes devices \(cpu, cuda:0\)\. Put "
+                 r"every input and output of one call on the same device", t, out):
+        dist.all_gather_into_tensor(out, t)
 
 
 # --------------------------------------------------------------------------

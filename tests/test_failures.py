@@ -31,9 +31,16 @@ def launch(tmp_path, body: str, n: int = 3, limit: int = 120, env=None):
     return proc, time.monotonic() - t0
 
 
-def no_orphans(script_name: str = "job.py") -> bool:
-    out = subprocess.run(["pgrep", "-f", script_name], capture_output=True, text=True).stdout.split()
-    return not [p for p in out if int(p) != os.getpid()]
+def no_orphans(tmp_path) -> bool:
+    """No process of this test's job is left (matched by the script's unique path)."""
+    script = str(tmp_path / "job.py")
+    deadline = time.monotonic() + 5  # the launcher reaps its children right after it exits
+    while True:
+        out = subprocess.run(["pgrep", "-f", script], capture_output=True, text=True).stdout.split()
+        left = [p for p in out if int(p) != os.getpid()]
+        if not left or time.monotonic() > deadline:
+            return not left
+        time.sleep(0.2)
 
 
 def test_timeout_names_the_missing_rank_and_aborts(tmp_path):
@@ -50,7 +57,23 @@ def test_timeout_names_the_missing_rank_and_aborts(tmp_path):
     assert "all_reduce (op #2 on group" in proc.stderr, proc.stderr
     assert "rank(s) [2] never arrived" in proc.stderr, proc.stderr
     assert "aborting the job" in proc.stderr
-    assert no_orphans()
+    assert no_orphans(tmp_path)
+
+
+def test_timeout_is_honoured_in_debug_mode(tmp_path):
+    # The debug-mode fingerprint exchange is a collective too: a rank that never comes is named.
+    proc, took = launch(tmp_path, """
+        hpccomm.init_process_group(timeout=timedelta(seconds=3))
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        if dist.get_rank() == 1:
+            time.sleep(120)
+        dist.all_reduce(t)
+    """, n=2, env={"HPCCOMM_DEBUG": "DETAIL"})
+    assert proc.returncode != 0 and took < 40, (proc.returncode, took, proc.stderr)
+    assert "all_reduce (debug-mode fingerprint check) (op #2 on group" in proc.stderr, proc.stderr
+    assert "rank(s) [1] never arrived" in proc.stderr, proc.stderr
+    assert no_orphans(tmp_path)
 
 
 def test_timeout_warn_mode_keeps_waiting(tmp_path):
@@ -81,7 +104,12 @@ def test_uncaught_exception_ends_the_job_with_its_rank(tmp_path):
     assert "ValueError: bad data on this rank" in proc.stderr
     assert "hpccomm: rank 1 of 3 raised an uncaught ValueError (last op: all_reduce (op #1" in proc.stderr, \
         proc.stderr
-    assert no_orphans()
+    # Each survivor says why it ended, naming the failed rank (recorded in the store by rank 1).
+    for rank in (0, 2):
+        assert (f"hpccomm: rank {rank} of 3 ended by SIGTERM (the launcher ends the job) while in all_reduce "
+                f"(op #2 on group ") in proc.stderr, proc.stderr
+    assert proc.stderr.count("; rank 1 raised an uncaught ValueError (last op: all_reduce (op #1") == 2, proc.stderr
+    assert no_orphans(tmp_path)
 
 
 def test_killed_rank_ends_the_job(tmp_path):
@@ -95,7 +123,40 @@ def test_killed_rank_ends_the_job(tmp_path):
     """)
     assert proc.returncode != 0
     assert took < 30, took
-    assert no_orphans()
+    # The launcher names the dead rank; each survivor says where it was and who died (same node: by pid).
+    assert "rank 2 with PID" in proc.stderr and "signal 9" in proc.stderr, proc.stderr
+    for rank in (0, 1):
+        line = [x for x in proc.stderr.splitlines() if x.startswith(f"hpccomm: rank {rank} of 3 ended by SIGTERM")]
+        assert len(line) == 1, proc.stderr
+        assert "while in all_reduce (op #2 on group " in line[0], line
+        assert line[0].endswith(")") is False and "rank 2 (pid " in line[0] and ") is dead" in line[0], line
+    assert no_orphans(tmp_path)
+
+
+def test_user_sigterm_handler_is_left_alone(tmp_path):
+    proc, took = launch(tmp_path, """
+        signal.signal(signal.SIGTERM, lambda *a: (print("USER HANDLER", flush=True), os._exit(7)))
+        hpccomm.init_process_group()
+        if dist.get_rank() == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)
+        dist.barrier()
+    """, n=2)
+    assert "USER HANDLER" in proc.stdout, proc.stdout + proc.stderr
+    assert "ended by SIGTERM" not in proc.stderr, proc.stderr
+
+
+def test_sigterm_report_can_be_turned_off(tmp_path):
+    proc, took = launch(tmp_path, """
+        hpccomm.init_process_group()
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        if dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.all_reduce(t)
+    """, n=2, env={"HPCCOMM_SIGNAL_REPORT": "0"})
+    assert proc.returncode != 0 and took < 30, (proc.returncode, took)
+    assert "ended by SIGTERM" not in proc.stderr, proc.stderr
 
 
 def test_monitored_barrier_names_every_missing_rank(tmp_path):
@@ -178,4 +239,4 @@ def test_ctrl_c_ends_every_rank(tmp_path):
             proc.kill()
     took = time.monotonic() - t0
     assert proc.returncode != 0 and took < 15, (proc.returncode, took)
-    assert no_orphans()
+    assert no_orphans(tmp_path)

@@ -536,3 +536,38 @@ def test_import_does_not_start_mpi(tmp_path):
     assert rep["mpi4py_MPI_after_is_available"] is False, rep
     assert rep["threads"] == 1, rep
     assert rep["backend"] == "hpccomm" and rep["rendezvous"] is True and rep["available"] is True, rep
+
+
+# --------------------------------------------------------------------------
+# (g) the key-value store cannot be opened: every rank raises, quickly
+# --------------------------------------------------------------------------
+
+STORE_FAIL = '''
+import time
+import hpccomm
+t0 = time.monotonic()
+try:
+    hpccomm.init_process_group()
+    report(error=None)
+except hpccomm.InitError as exc:
+    report(error="InitError", message=str(exc), took=time.monotonic() - t0)
+'''
+
+
+@pytest.mark.parametrize("case", ["unresolvable", "busy-port"])
+def test_store_failure_raises_on_every_rank(tmp_path, case):
+    env = {"HPCCOMM_STORE_ADDR": "no-such-host.invalid"} if case == "unresolvable" else {}
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        if case == "busy-port":
+            env["HPCCOMM_STORE_PORT"] = busy.getsockname()[1]
+        job = mpirun(2, worker(tmp_path, "store_fail", STORE_FAIL), **env)
+    assert sorted(job.reports) == [0, 1], job.describe()
+    for rep in job.reports.values():
+        assert rep["error"] == "InitError", rep
+        msg = rep["message"]
+        assert msg.startswith("hpccomm init: rank 0 could not open the key-value store on "), msg
+        assert msg.endswith(". Set HPCCOMM_STORE_ADDR / HPCCOMM_STORE_PORT") and ".." not in msg, msg
+        assert ("no-such-host.invalid" in msg) if case == "unresolvable" else ("EADDRINUSE" in msg), msg
+        assert rep["took"] < 30, rep  # not the 30-minute default timeout

@@ -267,3 +267,18 @@ def test_split_past_count_limit(world, op):
             assert torch.equal(out, sum(fill((n * 20,), torch.float32, k) for k in range(n))[r * 20:(r + 1) * 20])
     finally:
         pg._g.max_count = old
+
+
+@pytest.mark.parametrize("dtype,opname", [(torch.float32, "SUM"), (torch.bfloat16, "SUM"), (torch.int32, "AVG"),
+                                          (torch.float64, "MAX")])
+def test_all_reduce_in_pieces_past_the_piece_size(world, monkeypatch, dtype, opname):
+    """all_reduce past _ALLREDUCE_PIECE_BYTES goes in pieces (bounding MPI's
+    scratch memory); the piece size is lowered to 24 bytes to exercise it,
+    with a remainder piece."""
+    from hpccomm.ops import reduce as reduce_ops
+
+    monkeypatch.setattr(reduce_ops, "_ALLREDUCE_PIECE_BYTES", 24)
+    n, r = dist.get_world_size(), dist.get_rank()
+    t = fill((5, 7), dtype, r)
+    dist.all_reduce(t, op=OPS[opname])
+    assert_close(t, reference([fill((5, 7), dtype, k) for k in range(n)], dtype, opname), dtype, n)

@@ -11,8 +11,11 @@ A few tests need MPI datatypes; they start MPI as a singleton in this process
 from __future__ import annotations
 
 import ast
+import os
 import pickle
+import os
 import re
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -531,8 +534,12 @@ class _Comm:
     def Get_size(self):
         return self.size
 
+    def Get_rank(self):
+        return 0
 
-_LAUNCH_VARS = ("SLURM_NTASKS", "SLURM_STEP_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+#: Every launcher's variables go (the test may itself run under one).
+_LAUNCH_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "HYDI_", "I_MPI_", "TORCHELASTIC_")
 
 
 @pytest.mark.parametrize("env,size,fragment", [
@@ -546,8 +553,8 @@ _LAUNCH_VARS = ("SLURM_NTASKS", "SLURM_STEP_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SI
     ({"PMI_SIZE": "junk"}, 1, None),
 ])
 def test_check_launch(monkeypatch, env, size, fragment):
-    for var in _LAUNCH_VARS:
-        monkeypatch.delenv(var, raising=False)
+    for var in [v for v in os.environ if v.startswith(_LAUNCH_PREFIXES)]:
+        monkeypatch.delenv(var)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     if fragment is None:
@@ -686,7 +693,7 @@ _TORCH_DIST_SUBMODULES = {"distributed_c10d", "rendezvous", "c10d_logger", "cons
 #: Like any user they may import torch.distributed, and mpi4py inside a
 #: function (after hpccomm started MPI; a raw-MPI baseline in the benchmark).
 #: ``hpccomm._cli_*`` are the ``hpccomm`` subcommands; ``hpccomm.examples`` the example programs.
-TOOLS = ("hpccomm.__main__", "hpccomm._cli", "hpccomm.bench", "hpccomm.demo", "hpccomm.jobs",
+TOOLS = ("hpccomm.__main__", "hpccomm._cli", "hpccomm.bench", "hpccomm.bench_gpu", "hpccomm.demo", "hpccomm.jobs",
          "hpccomm.examples")
 
 
@@ -769,3 +776,62 @@ def test_layering_rules_catch(module, source):
 def test_layering_rules_allow(module, source):
     found = imports_of(source, module)
     assert layering_violations((module, "planted", name, top) for _, name, top in found) == []
+
+
+def test_dead_local_peers_finds_gone_and_zombie_processes():
+    import socket
+    import subprocess
+
+    from hpccomm import _signals
+
+    me = socket.gethostname()
+    live = subprocess.Popen(["sleep", "30"])
+    zombie = subprocess.Popen(["true"])
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # reaped: its pid no longer exists
+    deadline = time.monotonic() + 5
+    while _signals._alive(zombie.pid) and time.monotonic() < deadline:  # exited, not reaped yet
+        time.sleep(0.05)
+    try:
+        peers = [(me, os.getpid()), (me, live.pid), (me, zombie.pid), (me, gone.pid), ("elsewhere", gone.pid)]
+        assert _signals.dead_local_peers(peers) == [(2, me, zombie.pid), (3, me, gone.pid)]
+    finally:
+        live.kill()
+        live.wait()
+        zombie.wait()
+
+
+def test_report_line_names_the_running_op_and_the_recorded_failure(monkeypatch):
+    from hpccomm import _signals, _watchdog
+
+    class Group:
+        name, timeout = "WORLD", 60
+
+    class Store:
+        def __init__(self):
+            self.kv = {}
+
+        def set(self, k, v):
+            self.kv[k] = v.encode()
+
+        def check(self, keys):
+            return all(k in self.kv for k in keys)
+
+        def get(self, k):
+            return self.kv[k]
+
+    store = Store()
+    monkeypatch.setattr(_signals, "_store", store)
+    monkeypatch.setattr(_signals, "_rank", 1)
+    monkeypatch.setattr(_signals, "_size", 4)
+    monkeypatch.setattr(_signals, "_peers", [])
+    wd = _watchdog.Watchdog()
+    monkeypatch.setattr(_watchdog, "watchdog", wd)
+    assert _signals.report_line() == (
+        "hpccomm: rank 1 of 4 ended by SIGTERM (the launcher ends the job) outside any hpccomm op; no failed "
+        "rank known here (one on another node, or the job was cancelled: the launcher's message names it)")
+    wd._ops[0] = _watchdog._Op(Group(), "all_gather", 7, time.monotonic(), time.monotonic() + 60)
+    _signals.record_failure("raised an uncaught KeyError (last op: barrier (op #6 on group 'WORLD'))")
+    line = _signals.report_line()
+    assert line.startswith("hpccomm: rank 1 of 4 ended by SIGTERM (the launcher ends the job) while in all_gather "
+                           "(op #7 on group 'WORLD', for 0.0 s); rank 1 raised an uncaught KeyError"), line

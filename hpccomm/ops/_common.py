@@ -11,21 +11,25 @@ from ..errors import OpTypeError, OpValueError
 
 _R = RedOpType
 _UNSIGNED_WIDE = (torch.uint16, torch.uint32, torch.uint64)
+_VALID: set = set()  # (dtype, RedOpType) pairs reduce_op accepted: the check is done once
 
 
 def check_tensor(group, op: str, t, what: str = "tensor") -> None:
-    """``t`` is a dense CPU tensor of a dtype hpccomm moves."""
+    """``t`` is a dense tensor of a dtype hpccomm moves, on the CPU or on the
+    device the group serves (``group.device_type``: a GPU transport's view of
+    the group, see :mod:`hpccomm.gpu`)."""
     if not isinstance(t, torch.Tensor):
         raise OpTypeError(op, group.where(), f"{what} is a {type(t).__name__}, not a torch.Tensor")
     if t.layout != torch.strided:
         raise OpTypeError(op, group.where(), f"{what} has layout {t.layout}; only dense (strided) tensors can be sent",
                           "Call .to_dense() first")
     dev = t.device.type
-    if dev != "cpu":
+    if dev != "cpu" and dev != getattr(group, "device_type", "cpu"):
         if dev == "meta":
             raise OpTypeError(op, group.where(), f"{what} is a meta tensor: it has no data to communicate")
-        raise OpTypeError(op, group.where(), f"{what} is on device {t.device}; hpccomm moves CPU tensors only in this "
-                          "release (the GPU transports are not built yet)", "Move it to the CPU with .cpu()")
+        raise OpTypeError(op, group.where(), f"{what} is on device {t.device}; this path moves CPU tensors only",
+                          "CUDA tensors go through torch.distributed calls, which route them to a GPU transport "
+                          "(docs/gpu.md). Move it to the CPU with .cpu()")
     if t.dtype not in _mpi.DTYPES:
         raise OpTypeError(op, group.where(), f"{what} has dtype {t.dtype}, which hpccomm cannot send",
                           f"Supported: {', '.join(str(d).replace('torch.', '') for d in _mpi.DTYPES)}")
@@ -75,6 +79,8 @@ def reduce_op(group, op: str, dtype: torch.dtype, redop):
         kind = reduce_op_type(redop)
     except AttributeError:
         raise OpTypeError(op, group.where(), f"{redop!r} is not a torch.distributed.ReduceOp") from None
+    if (dtype, kind) in _VALID:  # checked before (never PREMUL_SUM, whose factor varies)
+        return kind, None
     info = _mpi.DTYPES[dtype]
     if kind not in _mpi.ALLOWED_OPS[info.kind]:
         name = str(kind).split(".")[-1]
@@ -92,7 +98,9 @@ def reduce_op(group, op: str, dtype: torch.dtype, redop):
             why = f"ReduceOp.{name} is not supported for {dtype}"
         raise OpTypeError(op, group.where(), why)
     factor = None
-    if kind == _R.PREMUL_SUM:
+    if kind != _R.PREMUL_SUM:
+        _VALID.add((dtype, kind))
+    else:
         try:
             factor = premul_sum_factor(redop)
         except (AttributeError, TypeError):
@@ -107,7 +115,8 @@ def premultiplied(t: torch.Tensor, factor, inplace: bool) -> torch.Tensor:
         factor = factor.to(device=t.device, dtype=t.dtype).reshape(())
     if inplace:
         return t.mul_(factor)
-    return torch.mul(t, factor, out=torch.empty(t.shape, dtype=t.dtype))  # contiguous, whatever t's strides
+    # contiguous, whatever t's strides
+    return torch.mul(t, factor, out=torch.empty(t.shape, dtype=t.dtype, device=t.device))
 
 
 def finish_average(t: torch.Tensor, n: int) -> None:
@@ -115,8 +124,11 @@ def finish_average(t: torch.Tensor, n: int) -> None:
     if t.dtype.is_floating_point or t.dtype.is_complex:
         t.div_(n)
     elif t.dtype in _UNSIGNED_WIDE:  # torch has no integer division for these; numpy does
-        a = t.numpy()
+        host = t if t.device.type == "cpu" else t.cpu()  # a device tensor: divide a host copy
+        a = host.numpy()
         a //= n
+        if host is not t:
+            t.copy_(host)
     else:
         t.copy_(torch.div(t, n, rounding_mode="trunc"))
 
@@ -129,7 +141,7 @@ def contiguous(t: torch.Tensor) -> torch.Tensor:
 def out_buffer(t: torch.Tensor) -> torch.Tensor:
     """Where MPI writes a result for ``t``: ``t`` itself, or a fresh contiguous
     tensor whose data :func:`write_back` copies into ``t`` afterwards."""
-    return t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype)
+    return t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
 def write_back(user: torch.Tensor, staged: torch.Tensor) -> None:
@@ -153,7 +165,7 @@ def flat_view(ts: Sequence[torch.Tensor]):
             return None
         ptr += t.numel() * size
     total = sum(t.numel() for t in full)
-    base = torch.empty(0, dtype=first.dtype)
+    base = torch.empty(0, dtype=first.dtype, device=first.device)
     base.set_(first.untyped_storage(), first.storage_offset(), (total,), (1,))
     return base
 

@@ -104,7 +104,7 @@ def alltoall(group, outputs, inputs, op: str = "all_to_all"):
         recv = c.flat_view(outputs)
         direct = recv is not None and not c.overlaps(send, recv)
         if not direct:
-            recv = torch.empty(sum(rcounts), dtype=dtype)
+            recv = torch.empty(sum(rcounts), dtype=dtype, device=send.device)
         _alltoallv(group, send, scounts, recv, rcounts, op)
         if not direct:
             for t, part in zip(outputs, torch.split(recv, rcounts)):

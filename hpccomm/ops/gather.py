@@ -79,7 +79,7 @@ def allgather(group, output_lists, inputs, op: str = "all_gather"):
         if flat is not None and not (c.overlaps(send, flat) and send.data_ptr() != outputs[group.rank].data_ptr()):
             _allgatherv(group, send, flat, counts)  # the outputs are one buffer: zero-copy
             return output_lists
-        recv = torch.empty(sum(counts), dtype=input.dtype)
+        recv = torch.empty(sum(counts), dtype=input.dtype, device=input.device)
         _allgatherv(group, send, recv, counts)
         for t, part in zip(outputs, torch.split(recv, counts)):
             t.copy_(part.view(t.shape))
@@ -151,7 +151,8 @@ def _gather_recv(group, input, root, outputs, output_lists):
     send = c.contiguous(input)
     counts = [t.numel() for t in outputs]
     flat = c.flat_view(outputs)
-    recv = flat if flat is not None and not c.overlaps(send, flat) else torch.empty(sum(counts), dtype=input.dtype)
+    direct = flat is not None and not c.overlaps(send, flat)
+    recv = flat if direct else torch.empty(sum(counts), dtype=input.dtype, device=input.device)
     displs = _displs(counts)
     if sum(counts) > group.max_count:
         recv[displs[root]:displs[root] + counts[root]].copy_(send)

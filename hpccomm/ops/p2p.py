@@ -127,6 +127,8 @@ def _post(t: torch.Tensor, limit: int, start):
     if n <= limit:
         return start(_mpi.buffer(t))
     MPI = _mpi.mpi()
+    if t.is_cuda:
+        _mpi.device_ready(t)
     made: list = []
     try:
         datatype, count = _cover(_mpi.mpi_type(t.dtype), n, limit, t.element_size(), made)

@@ -68,7 +68,8 @@ def _scatter_send(group, output, inputs, root, outputs):
     out = c.out_buffer(output)
     send = c.flat_view(inputs)
     if send is None or c.overlaps(send, out):
-        send = torch.cat([t.reshape(-1) for t in inputs]) if inputs else torch.empty(0, dtype=output.dtype)
+        send = (torch.cat([t.reshape(-1) for t in inputs]) if inputs
+                else torch.empty(0, dtype=output.dtype, device=output.device))
     if _big(group, n):
         out.view(-1).copy_(send[root * n:(root + 1) * n])
         reqs = []

@@ -1,0 +1,430 @@
+"""``hpccomm bench``: an nccl-tests-style sweep of every collective, side by
+side with torch's gloo backend and raw mpi4py.
+
+Run under a launcher::
+
+    mpirun -n 2 hpccomm bench                       # every op, 8 B .. 64 MiB, float32, sum
+    mpirun -n 2 hpccomm bench --ops all_reduce -b 8 -e 1M -f 4 --compare gloo,mpi4py
+    mpirun -n 2 hpccomm bench -d float32,bfloat16 --json out.json --plot out.png
+    mpirun -n 2 hpccomm bench --peak-memory         # peak RSS of a 1 GiB float32 all_reduce
+    mpirun -n 2 python -m hpccomm.bench --overlap 64
+
+Every timed iteration is checked: inputs are reset and outputs poisoned
+before it, and its output is compared element by element with the
+closed-form expected result after it (untimed); ``#wrong`` counts the wrong
+elements over all iterations, warm-up included, on every rank.  The exit
+status is 1 if any result was wrong.  docs/benchmarks.md explains the columns.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import hpccomm
+
+from . import backends, report
+from .ops import DTYPES, OPS, REDOPS, Row, make_case, parse_ops, sizes, stats, type_name
+from .ops import algbw as _algbw
+from .ops import busbw as _busbw
+from .ops import count_for
+
+
+def parse_bytes(text: str) -> int:
+    """``"64M"`` -> 67108864 (K, M, G are powers of 1024; a plain number is bytes)."""
+    s = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
+    try:
+        return int(float(s[:-1] if mult > 1 else s) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 8, 64K, 1M, 1G)") from None
+
+
+def add_arguments(p) -> None:
+    g = p.add_argument_group("sweep (nccl-tests' flags where they exist)")
+    g.add_argument("--ops", default="all", help="comma list or 'all': " + ", ".join(OPS) + " (default all)")
+    g.add_argument("-b", "--min-bytes", type=parse_bytes, default=8, help="smallest size (default 8)")
+    g.add_argument("-e", "--max-bytes", type=parse_bytes, default=64 << 20, help="largest size (default 64M)")
+    g.add_argument("-f", "--factor", type=int, default=2, help="size multiplier between steps (default 2)")
+    g.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size (default 20)")
+    g.add_argument("-w", "--warmup", type=int, default=5, help="untimed iterations first (default 5)")
+    g.add_argument("-d", "--dtype", default="float32",
+                   help="comma list of: " + ", ".join(DTYPES) + " (default float32)")
+    g.add_argument("-o", "--redop", default="sum", choices=list(REDOPS), help="reduction (default sum)")
+    g.add_argument("-r", "--root", type=int, default=0, help="root of broadcast/reduce/gather/scatter")
+    g.add_argument("-a", "--async", dest="mode", action="store_const", const="async", default="blocking",
+                   help="async mode: async_op=True then wait() (raw MPI: nonblocking call then Wait)")
+    g.add_argument("--mode", dest="mode", choices=["blocking", "async", "both"], default="blocking",
+                   help="blocking (default), async, or both")
+    g.add_argument("--compare", default="", metavar="gloo,mpi4py",
+                   help="also run the sweep through these backends (they take turns iteration by iteration)")
+    g.add_argument("--stats", action="store_true", help="print min, max and p99 beside the median")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads per rank (default: torch's own choice); they run the untimed "
+                        "fill/check kernels and hpccomm's float16/bfloat16 reduction kernels")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", metavar="FILE", help="write every row (and the comparison) as JSON")
+    out.add_argument("--csv", metavar="FILE", help="write every row as CSV")
+    out.add_argument("--plot", metavar="FILE.png", help="plot busbw and time against size (needs matplotlib)")
+    out.add_argument("--quiet", action="store_true", help="no tables on stdout (with --json/--csv)")
+    other = p.add_argument_group("other measurements (instead of the sweep)")
+    other.add_argument("--peak-memory", type=int, nargs="?", const=1024, metavar="MIB",
+                       help="peak RSS above baseline of one float32 all_reduce of MIB MiB (default 1024), "
+                            "hpccomm and raw mpi4py")
+    other.add_argument("--overlap", type=int, metavar="MIB", default=0,
+                       help="compute/communication overlap of an async all_reduce of MIB MiB")
+    other.add_argument("--overlap-matmuls", type=int, default=60)
+    other.add_argument("--overlap-compute", choices=("matmul", "sleep"), default="matmul",
+                       help="what runs beside the all_reduce: 256x256 matmuls on this core, or a wait "
+                            "that leaves the CPU free (standing in for GPU kernels or I/O), as long "
+                            "as the all_reduce alone takes")
+    # Self-test of the checker: corrupt one element of every checked result.
+    p.add_argument("--corrupt", action="store_true", help=argparse.SUPPRESS)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hpccomm.bench", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+def _fail(rank: int, message: str) -> int:
+    if rank == 0:
+        print(f"hpccomm bench: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
+def run(args) -> int:
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed")
+    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
+    # Argument errors first, the same on every rank, before any communication.
+    try:
+        specs = parse_ops(args.ops)
+        dtypes = [DTYPES[d.strip()] if d.strip() in DTYPES else _bad_dtype(d) for d in args.dtype.split(",")]
+        size_list = sizes(args.min_bytes, args.max_bytes, args.factor)
+        others = [b.strip() for b in args.compare.split(",") if b.strip()]
+        for b in others:
+            if b not in ("gloo", "mpi4py"):
+                raise ValueError(f"--compare {b!r}: choose from gloo, mpi4py")
+        if args.threads is not None and args.threads < 1:
+            raise ValueError("--threads must be >= 1")
+        if args.iters < 1 or args.warmup < 0:
+            raise ValueError("--iters must be >= 1 and --warmup >= 0")
+    except ValueError as exc:
+        return _fail(rank, str(exc))
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            return _fail(rank, "--plot needs matplotlib, which is not installed: "
+                               "pip install 'hpccomm[plot]' (or pip install matplotlib)")
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    hpccomm.init_process_group()
+    from mpi4py import MPI  # a tool may: hpccomm started MPI
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    try:
+        if args.overlap:
+            overlap(args.overlap << 20, args.overlap_matmuls, MPI.COMM_WORLD.Barrier, args.overlap_compute)
+            return 0
+        if args.peak_memory:
+            return peak_memory(args.peak_memory << 20)
+        if not 0 <= args.root < n:
+            return _fail(rank, f"--root {args.root} is not a rank of this {n}-rank job")
+        return _sweep(args, specs, dtypes, size_list, others, rank, n)
+    finally:
+        dist.destroy_process_group()
+
+
+def _bad_dtype(name: str):
+    raise ValueError(f"unknown dtype {name!r}; choose from {', '.join(DTYPES)}")
+
+
+class _Progress:
+    """``[k/N] op size backend`` on rank 0's stderr, rewritten in place; only on a terminal."""
+
+    def __init__(self, total: int, on: bool) -> None:
+        self.total, self.done, self.on, self.t0 = total, 0, on, time.monotonic()
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        if self.on:
+            elapsed = time.monotonic() - self.t0
+            eta = elapsed / self.done * (self.total - self.done)
+            sys.stderr.write(f"\r\x1b[K[{self.done}/{self.total}] {what}  ({elapsed:.0f} s, ~{eta:.0f} s left)")
+            sys.stderr.flush()
+
+    def clear(self) -> None:
+        if self.on:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
+
+
+def _sweep(args, specs, dtypes, size_list, others, rank: int, n: int) -> int:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD.Dup()  # barriers, result gathering and the raw-MPI baseline
+    gloo = dist.new_group(backend="gloo") if "gloo" in others else None
+    backend_names = ["hpccomm", *others]
+    modes = ["blocking", "async"] if args.mode == "both" else [args.mode]
+    plan = []
+    for dtype in dtypes:
+        for spec in specs:
+            if n < spec.min_ranks:
+                continue
+            for nbytes in (size_list if spec.sweeps else [0]):
+                plan.append((dtype, spec, nbytes))
+    per_step = len(modes) * len(backend_names)
+    progress = _Progress(sum(len(s.placements) for _, s, _ in plan) * per_step,
+                         rank == 0 and sys.stderr.isatty())
+    skipped = [s.name for s in specs if n < s.min_ranks]
+    meta = {"hpccomm": hpccomm.__version__, "torch": torch.__version__, "ranks": n,
+            "mpi": MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0],
+            "iters": args.iters, "warmup": args.warmup, "redop": args.redop, "root": args.root,
+            "modes": modes, "backends": backend_names, "torch_threads": torch.get_num_threads(), "host": os.uname().nodename,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "check": "every iteration (warm-up included): inputs reset, outputs poisoned, every element compared",
+            "time": "per iteration: max over ranks, after a barrier; backends take turns iteration by iteration; the row's time is the median"}
+    if rank == 0 and not args.quiet:
+        print(f"# hpccomm bench: hpccomm {meta['hpccomm']}, torch {meta['torch']}, {meta['mpi']}, {n} ranks\n"
+              f"# median over {args.iters} iterations (after {args.warmup} warm-up) of the slowest rank's time; "
+              f"every iteration's result checked (#wrong = wrong elements)\n"
+              f"# algbw = size / time, busbw = algbw x nccl-tests' factor; GB/s = 1e9 B/s"
+              + (f"\n# skipped (need more ranks): {', '.join(skipped)}" if skipped else ""), flush=True)
+    rows: list = []
+    pending: list = []  # rows of the (dtype, op) being swept, printed when it ends
+    key = None
+    for dtype, spec, nbytes in plan:
+        if key != (dtype, spec.name):
+            _flush(pending, rank, args, others)
+            pending, key = [], (dtype, spec.name)
+        item = torch.empty((), dtype=dtype).element_size()
+        count = count_for(spec, nbytes, item, n)
+        for mode in modes:
+            for placement in spec.placements:
+                cases = [make_case(spec, placement, count, dtype, rank, n, args.redop, args.root, args.corrupt)
+                         for _ in backend_names]
+                for row in _measure(cases, backend_names, mode, gloo, comm, args, dtype, rank, n):
+                    pending.append(row)
+                    rows.append(row)
+                    progress.step(f"{spec.name} {type_name(dtype)} {row.size} B {placement} {mode} {row.backend}")
+                del cases
+    progress.clear()
+    _flush(pending, rank, args, others)
+    compare = report.compare_rows(rows, others) if others else []
+    wrong = sum(r.wrong for r in rows)
+    if rank == 0:
+        if args.json:
+            report.write_json(args.json, meta, rows, compare)
+        if args.csv:
+            report.write_csv(args.csv, rows)
+        if args.plot:
+            report.plot(args.plot, rows, f"hpccomm bench, {n} ranks ({meta['host']}, {meta['date']})")
+        if wrong:
+            print(f"# FAILED: {wrong} wrong result elements", file=sys.stderr, flush=True)
+    comm.Free()
+    return 1 if wrong else 0
+
+
+def _flush(rows: list, rank: int, args, others: list) -> None:
+    """Print the finished (dtype, op)'s tables on rank 0."""
+    if rank != 0 or args.quiet or not rows:
+        return
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r.backend, r.mode), []).append(r)
+    for rs in groups.values():
+        print(report.table(rs, args.stats), flush=True)
+    for mode in dict.fromkeys(r.mode for r in rows):
+        entries = report.compare_rows([r for r in rows if r.mode == mode], others) if others else []
+        if entries:
+            print(report.compare_table(entries, others), flush=True)
+
+
+def _measure(cases, backend_names, mode: str, gloo, comm, args, dtype, rank: int, n: int) -> list:
+    """Time and check one (op, size, placement, mode) on every backend
+    (collective over every rank).  The backends take turns iteration by
+    iteration, so a burst of load on the machine hits them all alike."""
+    spec = cases[0].spec
+    root = args.root if spec.rooted else -1
+    asynchronous = mode == "async"
+    rows, runs = [], []  # runs: (row, case, fn, samples) of the backends that can run it
+    for backend, case in zip(backend_names, cases):
+        row = Row(backend, spec.name, mode, case.placement, case.nbytes, case.param_count, type_name(dtype),
+                  args.redop if spec.reduces else "none", root, *([float("nan")] * 6), 0, args.iters)
+        rows.append(row)
+        try:
+            if backend == "mpi4py":
+                fn = backends.call_mpi(case, comm, asynchronous, args.redop, args.root, dtype)
+            else:
+                fn = backends.call_torch(case, gloo if backend == "gloo" else None, backend, asynchronous,
+                                         args.redop, args.root)
+        except backends.Unsupported as exc:  # decided from the arguments alone: the same on every rank
+            row.note = str(exc)
+            continue
+        runs.append((row, case, fn, []))
+    barrier = comm.Barrier
+    wrong = [0] * len(runs)
+    for _ in range(args.warmup):
+        for k, (_row, case, fn, _s) in enumerate(runs):
+            case.fill()
+            barrier()
+            fn()
+            wrong[k] += case.wrong()
+    perf = time.perf_counter
+    gc_was = gc.isenabled()
+    gc.disable()  # a collection inside a timed call is noise, not communication
+    try:
+        for _ in range(args.iters):
+            for k, (_row, case, fn, samples) in enumerate(runs):
+                case.fill()
+                barrier()
+                t0 = perf()
+                fn()
+                samples.append(perf() - t0)
+                wrong[k] += case.wrong()
+    finally:
+        if gc_was:
+            gc.enable()
+    for k, (row, case, _fn, samples) in enumerate(runs):
+        everyone = comm.gather(samples, root=0)
+        row.wrong = comm.allreduce(wrong[k])
+        if rank != 0:
+            continue
+        slowest = [max(col) for col in zip(*everyone)]  # an op is done when its last rank is
+        if spec.name == "sendrecv":
+            slowest = [t / 2 for t in slowest]  # one way: half the round trip
+        st = stats(slowest)
+        row.time_us, row.min_us, row.max_us, row.p99_us = (st[q] * 1e6 for q in ("median", "min", "max", "p99"))
+        if case.nbytes:
+            row.algbw = _algbw(case.nbytes, st["median"])
+            row.busbw = _busbw(spec.name, case.nbytes, st["median"], n)
+    return rows
+
+
+# -- other measurements ---------------------------------------------------------
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak() -> bool:
+    """Reset VmHWM to the current RSS (Linux: write 5 to clear_refs); False if not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_memory(nbytes: int) -> int:
+    """Print the peak RSS above the baseline of one float32 all_reduce of
+    ``nbytes`` (the tensor's own pages included), through hpccomm and through
+    raw mpi4py on a numpy array; target < 1.25x the tensor (no hidden copies)."""
+    import numpy as np
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, n = comm.Get_rank(), comm.Get_size()
+    count = nbytes // 4
+    results = {}
+    for name in ("hpccomm", "mpi4py"):
+        gc.collect()
+        comm.Barrier()
+        resettable = _reset_peak()
+        base = _status_kib("VmRSS")
+        if name == "hpccomm":
+            t = torch.ones(count)  # torch.ones writes every page: all of it is resident
+            dist.all_reduce(t)
+        else:
+            t = np.ones(count, dtype=np.float32)
+            comm.Allreduce(MPI.IN_PLACE, t, op=MPI.SUM)
+        peak = _status_kib("VmHWM")  # before the check, whose temporaries are not the op's
+        step = 1 << 22
+        ok = all(bool((t[i:i + step] == n).all()) for i in range(0, count, step))
+        del t
+        results[name] = ((peak - base) * 1024, resettable, ok)
+    everyone = comm.gather(results, root=0)
+    bad = 0
+    if rank == 0:
+        print(f"# peak memory: one float32 all_reduce of {nbytes / 2**20:.0f} MiB on {n} ranks; peak RSS "
+              f"(VmHWM) minus the RSS just before allocating the tensor; target < 1.25x the tensor size")
+        print(f"#{'backend':>9} {'rank':>5} {'peak above base (MiB)':>22} {'x tensor':>9} {'result':>7}")
+        for r, res in enumerate(everyone):
+            for name, (extra, resettable, ok) in res.items():
+                ratio = extra / nbytes
+                bad += not ok
+                flag = "" if resettable else "  (VmHWM could not be reset: includes earlier peaks)"
+                print(f" {name:>9} {r:>5} {extra / 2**20:>22.1f} {ratio:>9.3f} {'ok' if ok else 'WRONG':>7}{flag}")
+        worst = max(res["hpccomm"][0] for res in everyone) / nbytes
+        print(f"# hpccomm worst rank: {worst:.3f}x the tensor ({'meets' if worst < 1.25 else 'MISSES'} "
+              f"the < 1.25x target)", flush=True)
+    return 1 if comm.bcast(bad, root=0) else 0
+
+
+def overlap(nbytes: int, iters: int, barrier, kind: str = "matmul") -> None:
+    """Print (compute alone + comm alone) / (both together) for an async
+    all_reduce of ``nbytes`` running while this thread computes.
+
+    ``kind="matmul"``: the thread multiplies matrices on its core; the comm
+    thread needs another core per rank to overlap (with 2 ranks on 2 cores the
+    CPU, not hpccomm, bounds the ratio near 1).  ``kind="sleep"``: the thread
+    waits with the CPU free, as a training loop does while GPU kernels or I/O
+    run; the all_reduce must progress on its own for the ratio to reach 2."""
+    torch.set_num_threads(1)  # compute on one core; the comm thread has the other
+    t = torch.ones(nbytes // 4)
+    a = torch.randn(256, 256)
+    pause = [0.0]
+
+    def compute():
+        if kind == "sleep":
+            time.sleep(pause[0])
+            return
+        for _ in range(iters):
+            a @ a
+
+    def comm():
+        dist.all_reduce(t)
+
+    def both():
+        work = dist.all_reduce(t, async_op=True)
+        compute()
+        work.wait()
+
+    def timed(fn, reps=5):
+        fn()
+        samples = []
+        for _ in range(reps):
+            barrier()
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+        return sorted(samples)[len(samples) // 2]
+
+    t_comm = timed(comm)
+    pause[0] = t_comm
+    t_compute, t_both = timed(compute), timed(both)
+    if dist.get_rank() == 0:
+        what = f"{iters} 256x256 matmuls run" if kind == "matmul" else \
+            f"this thread waits {t_comm * 1e3:.1f} ms with the CPU free"
+        print(f"# overlap: all_reduce of {nbytes >> 20} MiB async while {what}")
+        print(f"compute alone {t_compute * 1e3:.1f} ms, comm alone {t_comm * 1e3:.1f} ms, "
+              f"both {t_both * 1e3:.1f} ms: overlap ratio (compute + comm) / both = "
+              f"{(t_compute + t_comm) / t_both:.2f} (1 = none, 2 = perfect)", flush=True)
+
+
+__all__ = ["add_arguments", "run", "main"]

@@ -1,0 +1,4 @@
+"""``python -m hpccomm.bench``: see hpccomm.bench."""
+from . import main
+
+raise SystemExit(main())

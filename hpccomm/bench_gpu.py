@@ -1,0 +1,183 @@
+"""GPU collective benchmark: ``mpirun -n 2 python -m hpccomm.bench_gpu``.
+
+For each GPU transport this machine has (``mpi``: CUDA-aware MPI, ``nccl``:
+torch's or CuPy's NCCL, ``staged``: pinned host copies, or those named with
+``--transports``), times all_reduce, all_gather_into_tensor,
+reduce_scatter_tensor, broadcast and all_to_all_single on CUDA float32
+tensors through hpccomm, and prints on rank 0 the median time, algorithm
+bandwidth and bus bandwidth (nccl-tests' definitions) per size.  Every
+result is checked against its closed form; a wrong result fails the run.
+
+Each timed call ends with ``torch.cuda.synchronize()``, so a time covers the
+whole op whatever the transport's stream semantics.  ``--device cpu`` runs
+the same loop on CPU tensors (hpccomm's host path), to try the tool where
+there is no GPU; its figures are host figures, labelled so.
+
+Options: ``--sizes 1K,1M,64M`` (bytes per rank's input), ``--iters``,
+``--warmup``, ``--json FILE``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import hpccomm
+
+BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "all_to_all": lambda n: (n - 1) / n,
+}
+OPS = tuple(BUS_FACTOR)
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper()
+    for suffix, factor in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
+        if text.endswith(suffix):
+            return int(float(text[:-1]) * factor)
+    return int(text)
+
+
+def make_op(op: str, nbytes: int, n: int, rank: int, device):
+    """``(run, check, bytes for the bandwidth)`` for one op on ``nbytes`` per rank."""
+    count = max(nbytes // 4, n)
+    count -= count % n
+    if op == "all_reduce":
+        t = torch.empty(count, device=device)
+
+        def run():
+            t.fill_(rank + 1.0)
+            dist.all_reduce(t)
+
+        return run, lambda: bool(torch.all(t == n * (n + 1) / 2)), count * 4
+    if op == "all_gather":
+        inp = torch.full((count // n,), float(rank), device=device)
+        out = torch.empty(count, device=device)
+        expected = torch.arange(n, device=device, dtype=torch.float32).repeat_interleave(count // n)
+        return (lambda: dist.all_gather_into_tensor(out, inp)), (lambda: bool(torch.equal(out, expected))), count * 4
+    if op == "reduce_scatter":
+        inp = torch.ones(count, device=device)
+        out = torch.empty(count // n, device=device)
+        return (lambda: dist.reduce_scatter_tensor(out, inp)), (lambda: bool(torch.all(out == n))), count * 4
+    if op == "broadcast":
+        t = torch.empty(count, device=device)
+
+        def run():
+            t.fill_(float(rank))
+            dist.broadcast(t, src=0)
+
+        return run, lambda: bool(torch.all(t == 0)), count * 4
+    inp = torch.full((count,), float(rank), device=device)
+    out = torch.empty(count, device=device)
+    expected = torch.arange(n, device=device, dtype=torch.float32).repeat_interleave(count // n)
+    return (lambda: dist.all_to_all_single(out, inp)), (lambda: bool(torch.equal(out, expected))), count * 4
+
+
+def time_op(run, sync, iters: int, warmup: int) -> float:
+    for _ in range(warmup):
+        run()
+    sync()
+    samples = []
+    for _ in range(iters):
+        dist.barrier()
+        t0 = time.perf_counter()
+        run()
+        sync()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def available_transports() -> list:
+    from hpccomm.gpu import dispatch, select
+
+    caps = dispatch.capabilities()
+    found = []
+    for name in ("mpi", "nccl", "staged"):
+        try:
+            select.choose(name, caps)
+            found.append(name)
+        except select.NoTransport as exc:
+            if dist.get_rank() == 0:
+                print(f"# transport {name}: not available ({exc})")
+    return found
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hpccomm.bench_gpu", description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="4K,64K,1M,16M,64M")
+    parser.add_argument("--ops", default=",".join(OPS))
+    parser.add_argument("--transports", default="", help="comma-separated (default: every available one)")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--json", default="", help="write the results to this file (rank 0)")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore", message="`torch.distributed.*` is deprecated", category=FutureWarning)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("hpccomm.bench_gpu: no GPU (torch.cuda.is_available() is False); nothing measured. "
+              "Use --device cpu to try the tool on hpccomm's host path", file=sys.stderr)
+        return 2
+    hpccomm.init_process_group()
+    rank, n = dist.get_rank(), dist.get_world_size()
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s]
+    ops = [o for o in args.ops.split(",") if o]
+    unknown = [o for o in ops if o not in OPS]
+    if unknown:
+        parser.error(f"unknown op(s) {unknown}; choose from {', '.join(OPS)}")
+    if args.device == "cpu":
+        transports, device, sync = ["host"], torch.device("cpu"), (lambda: None)
+    else:
+        device = torch.device("cuda", torch.cuda.current_device())
+        sync = torch.cuda.synchronize
+        transports = [t for t in args.transports.split(",") if t] or available_transports()
+    results = []
+    failed = False
+    if rank == 0:
+        print(f"# hpccomm.bench_gpu: {n} ranks, device {device}, transports {', '.join(transports)}")
+        print(f"{'transport':>9} {'op':>15} {'bytes':>12} {'time_us':>11} {'algbw_GB/s':>11} {'busbw_GB/s':>11}")
+    for transport in transports:
+        if transport != "host":
+            from hpccomm.gpu import dispatch, select
+
+            os.environ.update({select.VARIABLE: transport})
+
+            dispatch.release(dist.group.WORLD._g)  # choose again for this transport
+        for op in ops:
+            for nbytes in sizes:
+                run, check, moved = make_op(op, nbytes, n, rank, device)
+                seconds = time_op(run, sync, args.iters, args.warmup)
+                ok = check()
+                flags = torch.tensor([0 if ok else 1])
+                dist.all_reduce(flags)  # a wrong result on any rank fails the run
+                seconds_max = torch.tensor([seconds], dtype=torch.float64)
+                dist.all_reduce(seconds_max, op=dist.ReduceOp.MAX)
+                t = seconds_max.item()
+                algbw = moved / t / 1e9
+                busbw = algbw * BUS_FACTOR[op](n)
+                results.append({"transport": transport, "op": op, "bytes": moved, "time_us": t * 1e6,
+                                "algbw_GBps": algbw, "busbw_GBps": busbw, "correct": int(flags.item()) == 0})
+                if flags.item():
+                    failed = True
+                if rank == 0:
+                    mark = "" if not flags.item() else "  WRONG RESULT"
+                    print(f"{transport:>9} {op:>15} {moved:>12} {t * 1e6:>11.1f} {algbw:>11.3f} {busbw:>11.3f}{mark}")
+    if rank == 0 and args.json:
+        with open(args.json, "w") as f:
+            json.dump({"ranks": n, "device": str(device), "results": results}, f, indent=1)
+    dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

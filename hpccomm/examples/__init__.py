@@ -1,0 +1,13 @@
+"""Example programs, each run as ``mpirun -n N python -m hpccomm.examples.<name>``.
+
+- ``train_ddp``: DistributedDataParallel training on synthetic data, with a
+  progress line, a final check that every rank holds identical weights, and
+  ``--bench`` / ``--backend gloo`` to time hpccomm against torch's gloo.
+- The programs of the torch.distributed tutorial
+  (https://pytorch.org/tutorials/intermediate/dist_tuto.html), for hpccomm:
+  ``p2p_blocking``, ``p2p_nonblocking``, ``allreduce_group``,
+  ``ring_allreduce`` and ``dist_sgd``.
+
+Each checks its own result and exits non-zero, on every rank, if it is
+wrong.  Nothing in the library imports these modules.
+"""

@@ -1,0 +1,284 @@
+"""Which launcher started this process, and what it says about the job.
+
+Pure environment parsing: no MPI, no torch.distributed, nothing started.
+One small class per launcher, registered automatically by subclassing
+:class:`Launcher` (as JAX's ``jax/_src/clusters`` does); the environment
+variable names are class constants.  :func:`detect` asks the classes in
+order of :attr:`Launcher.priority` (highest first) and the first whose
+variables are present describes the launch.
+
+The order matters because launchers nest: ``mpirun`` or Hydra's ``mpiexec``
+inside a SLURM allocation start their ranks through ``srun``, so those ranks
+also carry ``SLURM_*`` variables describing the launcher's daemons, not the
+ranks; ``torchrun`` run by ``srun`` (one task per node) leaves ``SLURM_*``
+describing the torchrun agents.  The launcher closest to the process wins:
+torchrun, then the MPI launchers, then srun, then a plain process.
+
+Example::
+
+    >>> from hpccomm import launcher
+    >>> launcher.detect({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4"})
+    Launch(name='openmpi', rank=1, size=4, local_rank=None, local_size=None, node_index=None, ...)
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass
+from typing import ClassVar, Mapping, Optional
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What the launcher of this process says; None where it does not say.
+
+    ``name``: ``"torchrun"``, ``"openmpi"`` (Open MPI's mpirun/mpiexec),
+    ``"intelmpi"``, ``"mpich"`` (Hydra's mpiexec), ``"srun"`` or ``"single"``.
+    ``command``: what a person typed (``"mpirun"``, ``"mpiexec"``, ...).
+    ``rank``/``size``: this process's rank and the number of processes the
+    launcher started.  ``local_rank``/``local_size``: among the processes on
+    this node.  ``node_index``: this node's index among the launch's nodes.
+    ``rank_variable``/``size_variable``: the variables they were read from.
+    ``pmi``: for srun, the process-management interface the step was given
+    (``"pmix"``, ``"pmi2"`` or ``None`` for ``--mpi=none``).
+    """
+
+    name: str
+    rank: Optional[int]
+    size: Optional[int]
+    local_rank: Optional[int]
+    local_size: Optional[int]
+    node_index: Optional[int]
+    command: str = ""
+    rank_variable: Optional[str] = None
+    size_variable: Optional[str] = None
+    pmi: Optional[str] = None
+
+
+def _int(env: Mapping[str, str], var: str) -> Optional[int]:
+    """``env[var]`` as a non-negative int, None when absent or malformed."""
+    value = env.get(var, "").strip()
+    return int(value) if value.isdigit() else None
+
+
+_REGISTRY: list = []
+
+
+class Launcher:
+    """A launcher: subclasses set ``name``, ``command``, ``priority`` and their
+    variable names, and implement :meth:`present` and :meth:`parse`."""
+
+    name: ClassVar[str] = ""
+    command: ClassVar[str] = ""
+    priority: ClassVar[int] = 0
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _REGISTRY.append(cls)
+        _REGISTRY.sort(key=lambda c: -c.priority)
+
+    @classmethod
+    def present(cls, env: Mapping[str, str]) -> bool:
+        raise NotImplementedError
+
+    @classmethod
+    def parse(cls, env: Mapping[str, str]) -> Launch:
+        raise NotImplementedError
+
+
+class TorchElastic(Launcher):
+    """``torchrun`` / ``python -m torch.distributed.run`` (torchelastic)."""
+
+    name, command, priority = "torchrun", "torchrun", 100
+    RUN_ID = "TORCHELASTIC_RUN_ID"
+    RANK = "RANK"
+    WORLD_SIZE = "WORLD_SIZE"
+    LOCAL_RANK = "LOCAL_RANK"
+    LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+    GROUP_RANK = "GROUP_RANK"  # the agent's (node's) rank among the agents
+
+    @classmethod
+    def present(cls, env):
+        return cls.RUN_ID in env  # exactly torch's is_torchelastic_launched()
+
+    @classmethod
+    def parse(cls, env):
+        return Launch(cls.name, _int(env, cls.RANK), _int(env, cls.WORLD_SIZE), _int(env, cls.LOCAL_RANK),
+                      _int(env, cls.LOCAL_WORLD_SIZE), _int(env, cls.GROUP_RANK), cls.command, cls.RANK,
+                      cls.WORLD_SIZE)
+
+
+class OpenMPI(Launcher):
+    """Open MPI's ``mpirun``/``mpiexec`` (PRRTE).  It sets no node index:
+    ``OMPI_COMM_WORLD_NODE_RANK`` is a rank among the processes on the node,
+    not the node's number."""
+
+    name, command, priority = "openmpi", "mpirun", 90
+    RANK = "OMPI_COMM_WORLD_RANK"
+    SIZE = "OMPI_COMM_WORLD_SIZE"
+    LOCAL_RANK = "OMPI_COMM_WORLD_LOCAL_RANK"
+    LOCAL_SIZE = "OMPI_COMM_WORLD_LOCAL_SIZE"
+
+    @classmethod
+    def present(cls, env):
+        return cls.SIZE in env or cls.RANK in env
+
+    @classmethod
+    def parse(cls, env):
+        return Launch(cls.name, _int(env, cls.RANK), _int(env, cls.SIZE), _int(env, cls.LOCAL_RANK),
+                      _int(env, cls.LOCAL_SIZE), None, cls.command, cls.RANK, cls.SIZE)
+
+
+class Hydra(Launcher):
+    """MPICH's Hydra ``mpiexec``.  ``srun --mpi=pmi2`` also sets PMI_RANK and
+    PMI_SIZE but not Hydra's local-rank variables, which tell them apart."""
+
+    name, command, priority = "mpich", "mpiexec", 80
+    RANK = "PMI_RANK"
+    SIZE = "PMI_SIZE"
+    LOCAL_RANK = "MPI_LOCALRANKID"
+    LOCAL_SIZE = "MPI_LOCALNRANKS"
+    CONTROL_FD = "HYDI_CONTROL_FD"
+
+    @classmethod
+    def present(cls, env):
+        hydra = cls.LOCAL_RANK in env or cls.CONTROL_FD in env
+        return (cls.SIZE in env or cls.RANK in env) and (hydra or not Srun.present(env))
+
+    @classmethod
+    def parse(cls, env):
+        return Launch(cls.name, _int(env, cls.RANK), _int(env, cls.SIZE), _int(env, cls.LOCAL_RANK),
+                      _int(env, cls.LOCAL_SIZE), None, cls.command, cls.RANK, cls.SIZE)
+
+
+class IntelMPI(Hydra):
+    """Intel MPI's ``mpiexec.hydra``: Hydra's variables, in an environment set
+    up by Intel MPI's ``vars.sh`` (``I_MPI_ROOT``) or with ``I_MPI_*`` options."""
+
+    name, command, priority = "intelmpi", "mpiexec", 85
+    PREFIX = "I_MPI_"
+
+    @classmethod
+    def present(cls, env):
+        return super().present(env) and any(k.startswith(cls.PREFIX) for k in env)
+
+
+class Srun(Launcher):
+    """SLURM's ``srun`` (a job step).  A batch script itself is not a step: it
+    has ``SLURM_NTASKS`` (the allocation's) but no ``SLURM_STEP_ID``, and the
+    one Python it runs is a plain single process."""
+
+    name, command, priority = "srun", "srun", 50
+    STEP_ID = "SLURM_STEP_ID"
+    RANK = "SLURM_PROCID"
+    STEP_SIZE = "SLURM_STEP_NUM_TASKS"
+    SIZE = "SLURM_NTASKS"
+    LOCAL_RANK = "SLURM_LOCALID"
+    NODE = "SLURM_NODEID"
+    STEP_TASKS_PER_NODE = "SLURM_STEP_TASKS_PER_NODE"
+    TASKS_PER_NODE = "SLURM_TASKS_PER_NODE"
+    PMIX_RANK = "PMIX_RANK"      # srun --mpi=pmix
+    PMI2_FD = "PMI_FD"           # srun --mpi=pmi2
+    PMI_RANK = "PMI_RANK"
+
+    #: Step ids at and above this are SLURM's pseudo-steps (batch script,
+    #: extern, interactive), not ``srun`` steps.
+    FIRST_PSEUDO_STEP = 0xFFFFFFF0
+
+    @classmethod
+    def present(cls, env):
+        step = _int(env, cls.STEP_ID)
+        return step is not None and step < cls.FIRST_PSEUDO_STEP and (cls.STEP_SIZE in env or cls.SIZE in env)
+
+    @classmethod
+    def parse(cls, env):
+        size_var = cls.STEP_SIZE if _int(env, cls.STEP_SIZE) is not None else cls.SIZE
+        node = _int(env, cls.NODE)
+        per_node = tasks_per_node(env.get(cls.STEP_TASKS_PER_NODE) or env.get(cls.TASKS_PER_NODE, ""))
+        local_size = per_node[node] if per_node and node is not None and node < len(per_node) else None
+        if cls.PMIX_RANK in env:
+            pmi = "pmix"
+        elif cls.PMI2_FD in env or cls.PMI_RANK in env:
+            pmi = "pmi2"
+        else:
+            pmi = None
+        return Launch(cls.name, _int(env, cls.RANK), _int(env, size_var), _int(env, cls.LOCAL_RANK), local_size,
+                      node, cls.command, cls.RANK, size_var, pmi)
+
+
+class Single(Launcher):
+    """No launcher: one process, a world of its own."""
+
+    name, command, priority = "single", "python", -100
+
+    @classmethod
+    def present(cls, env):
+        return True
+
+    @classmethod
+    def parse(cls, env):
+        return Launch(cls.name, 0, 1, 0, 1, 0, cls.command)
+
+
+_TASKS = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
+
+
+def tasks_per_node(spec: str) -> Optional[list]:
+    """SLURM's compressed tasks-per-node list, expanded:
+    ``"2(x3),1"`` -> ``[2, 2, 2, 1]``; None if malformed or empty."""
+    out: list = []
+    for part in spec.strip().split(","):
+        m = _TASKS.match(part.strip())
+        if not m:
+            return None
+        out += [int(m.group(1))] * int(m.group(2) or 1)
+    return out
+
+
+def srun_mpi_plugin(library: str) -> Optional[str]:
+    """The ``srun --mpi=`` plugin that connects ranks of an MPI library, from
+    its MPI_Get_library_version text: ``"pmix"`` for Open MPI, ``"pmi2"`` for
+    the MPICH family (MPICH, Intel MPI, MVAPICH); None if unknown."""
+    text = library.lower()
+    if "open mpi" in text:
+        return "pmix"
+    if any(name in text for name in ("mpich", "intel(r) mpi", "intel mpi", "mvapich")):
+        return "pmi2"
+    return None
+
+
+def launchers() -> list:
+    """The registered launcher classes, in detection order."""
+    return list(_REGISTRY)
+
+
+def detect(env: Optional[Mapping[str, str]] = None) -> Launch:
+    """What launched this process, from ``env`` (default ``os.environ``).
+
+    Never raises: a malformed number is reported as None.
+    """
+    env = os.environ if env is None else env
+    for cls in _REGISTRY:
+        if cls.present(env):
+            return cls.parse(env)
+    raise AssertionError("unreachable: Single is always present")
+
+
+def is_torchelastic_launched(env: Optional[Mapping[str, str]] = None) -> bool:
+    """True when torchrun (torchelastic) started this process: torch's own
+    test, ``TORCHELASTIC_RUN_ID`` is set."""
+    return TorchElastic.present(os.environ if env is None else env)
+
+
+class _CallableModule(type(os)):
+    """``hpccomm.launcher()`` calls :func:`detect` while ``hpccomm.launcher``
+    stays this module (a function of the same name exported from the package
+    would hide the module: ``import hpccomm.launcher as L`` would then give
+    the function)."""
+
+    def __call__(self, env: Optional[Mapping[str, str]] = None) -> Launch:
+        return detect(env)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,241 @@
+"""The documentation site (docs/): it builds with warnings as errors, every
+public name is in its API reference with a docstring that gives arguments,
+errors and an example, and every code block marked runnable runs.
+
+Runnable blocks: a fenced ``python`` block in docs/*.md whose first line is
+``# runnable: <launcher>`` is extracted and run with that launcher:
+
+- ``# runnable: mpirun -n 4`` runs ``mpirun -n 4 --oversubscribe python FILE``;
+- ``# runnable: torchrun --standalone --nproc-per-node 2`` runs
+  ``python -m torch.distributed.run --standalone --nproc-per-node 2 FILE``.
+
+Optional lines right after it: ``# env: NAME=VALUE ...`` sets variables;
+``# fails with: TEXT`` says the program must fail and print TEXT, and
+``# prints: TEXT`` that it must succeed and print TEXT (how the
+troubleshooting page proves its messages are the real ones).  Otherwise the
+program must exit 0; the examples check their own results with asserts.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import hpccomm
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```", re.S | re.M)
+
+
+def runnable_blocks():
+    """(page, line, launcher, env, expect, code) for every runnable block;
+    ``expect`` is None or (must fail: bool, text it must print)."""
+    found = []
+    for page in sorted(DOCS.glob("*.md")):
+        text = page.read_text()
+        for m in FENCE.finditer(text):
+            code = m.group(1)
+            lines = code.splitlines()
+            if not lines or not lines[0].startswith("# runnable:"):
+                continue
+            launcher = lines[0].split(":", 1)[1].strip()
+            env, expect = {}, None
+            for line in lines[1:3]:
+                if line.startswith("# env:"):
+                    env.update(kv.split("=", 1) for kv in shlex.split(line.split(":", 1)[1]))
+                elif line.startswith(("# fails with:", "# prints:")):
+                    expect = (line.startswith("# fails"), line.split(":", 1)[1].strip())
+            lineno = text.count("\n", 0, m.start()) + 2  # the line of "# runnable:"
+            found.append((page.name, lineno, launcher, env, expect, code))
+    return found
+
+
+BLOCKS = runnable_blocks()
+
+
+def test_runnable_blocks_are_found():
+    """The convention is in use where the docs promise it (a typo in the
+    marker would otherwise silently run nothing)."""
+    pages = [b[0] for b in BLOCKS]
+    assert pages.count("quickstart.md") >= 1, pages
+    assert pages.count("migrating.md") >= 10, pages  # five programs, each in its gloo and hpccomm form
+    assert pages.count("troubleshooting.md") >= 2, pages
+    for page in DOCS.glob("*.md"):
+        for m in re.finditer(r"^#\s*runnable\b.*$", page.read_text(), re.M):
+            assert m.group(0).startswith("# runnable: "), f"{page.name}: malformed marker {m.group(0)!r}"
+
+
+def _command(launcher: str, script: Path) -> list:
+    words = shlex.split(launcher)
+    if words[0] == "mpirun":
+        return ["mpirun", *words[1:], "--oversubscribe", sys.executable, str(script)]
+    if words[0] == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", *words[1:], str(script)]
+    raise AssertionError(f"unknown launcher in '# runnable: {launcher}' (use mpirun or torchrun)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page,line,launcher,env,expect,code", BLOCKS,
+                         ids=[f"{b[0]}:{b[1]}" for b in BLOCKS])
+def test_runnable_example(tmp_path, page, line, launcher, env, expect, code):
+    script = tmp_path / f"{page[:-3]}_{line}.py"
+    script.write_text(code)
+    full = {k: v for k, v in os.environ.items()
+            if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "HPCCOMM_", "TORCH_DISTRIBUTED_DEBUG"))}
+    full.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_mpi_yield_when_idle="1",
+                PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR", OMP_NUM_THREADS="1",
+                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    full.update(env)
+    proc = subprocess.run(["timeout", "--kill-after=10", "240", *_command(launcher, script)],
+                          capture_output=True, text=True, env=full, cwd=tmp_path)
+    output = proc.stdout + proc.stderr
+    where = f"{page} line {line} ({launcher}), exit {proc.returncode}:\n{output[-4000:]}"
+    assert proc.returncode != 124, "timed out: " + where
+    must_fail, text = expect or (False, "")
+    if must_fail:
+        assert proc.returncode != 0, "expected a failure: " + where
+    else:
+        assert proc.returncode == 0, where
+    assert text in " ".join(output.split()), f"expected {text!r} in the output: " + where
+
+
+# -- docstrings ---------------------------------------------------------------
+
+def _documented_params(obj):
+    """The parameters a public callable takes that its docstring must describe."""
+    target = obj.__init__ if inspect.isclass(obj) else obj
+    if inspect.isclass(obj) and target is object.__init__:
+        return []
+    if inspect.isclass(obj) and "__init__" not in vars(obj) and not hasattr(obj, "__dataclass_fields__"):
+        return []  # inherits its constructor, documented on the base class
+    try:
+        sig = inspect.signature(obj if hasattr(obj, "__dataclass_fields__") else target)
+    except (TypeError, ValueError):
+        return []
+    return [p for p in sig.parameters if p not in ("self", "args")]
+
+
+@pytest.mark.parametrize("name", sorted(n for n in hpccomm.__all__ if n not in ("BACKEND_NAME", "errors")))
+def test_public_name_has_full_docstring(name):
+    """Every public function and class: a docstring with an example, every
+    argument described, and the errors it raises (or that it raises none)."""
+    obj = getattr(hpccomm, name)
+    doc = inspect.getdoc(obj) or ""
+    assert len(doc.split()) >= 10, f"hpccomm.{name}: no real docstring"
+    assert "Example" in doc and "::" in doc, f"hpccomm.{name}: the docstring has no example"
+    for param in _documented_params(obj):
+        assert re.search(rf":param {param}:", doc), f"hpccomm.{name}: argument {param!r} is not described"
+    if inspect.isfunction(obj):
+        assert ":raises " in doc or "Never raises" in doc, f"hpccomm.{name}: the docstring says nothing of errors"
+
+
+def test_errors_module_and_backend_name_are_documented():
+    assert len((hpccomm.errors.__doc__ or "").split()) >= 10
+    api = (DOCS / "api.md").read_text()
+    assert f'.. py:data:: hpccomm.BACKEND_NAME\n   :type: str\n   :value: "{hpccomm.BACKEND_NAME}"' in api
+
+
+# -- the built site -------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """docs/ built as CI builds it: sphinx-build -W (warnings are errors)."""
+    out = tmp_path_factory.mktemp("site")
+    proc = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
+                           "-d", str(out / ".doctrees"), str(DOCS), str(out / "html")],
+                          capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, f"sphinx-build -W failed:\n{proc.stdout}\n{proc.stderr}"
+    return out / "html"
+
+
+def test_docs_build_with_warnings_as_errors(site):
+    for page in DOCS.glob("*.md"):
+        assert (site / (page.stem + ".html")).exists(), f"{page.name} is not in the built site"
+
+
+def test_every_public_name_is_in_the_api_reference(site):
+    html = (site / "api.html").read_text()
+    for name in hpccomm.__all__:
+        anchor = 'id="module-hpccomm.errors"' if name == "errors" else f'id="hpccomm.{name}"'
+        assert anchor in html, f"hpccomm.{name} is not in the API reference (docs/api.md)"
+
+
+def test_options_table_is_generated_from_config(site):
+    """A real table, one row per option: name, type, default, values, doc."""
+    import html as html_lib
+
+    sys.path.insert(0, str(DOCS / "_ext"))
+    try:
+        import hpccomm_docs
+    finally:
+        sys.path.remove(str(DOCS / "_ext"))
+    from hpccomm import config
+
+    page = (site / "api.html").read_text()
+    table = re.search(r"<table[^>]*hpccomm-options.*?</table>", page, re.S)
+    assert table, "no options table in api.html"
+    rows = [" ".join(html_lib.unescape(re.sub(r"<[^>]+>", " ", r)).split())
+            for r in re.findall(r"<tr[^>]*>(.*?)</tr>", table.group(0), re.S)]
+    assert rows[0] == "variable type default values what it does", rows[0]
+    assert len(rows) == 1 + len(config.OPTIONS)
+    for row, (name, kind, default, choices, doc) in zip(rows[1:], hpccomm_docs.options_rows()):
+        assert row == " ".join(f"{name} {kind} {default} {choices} {doc}".split()), row
+    assert [r.split()[0] for r in rows[1:]] == list(config.OPTIONS)
+
+
+def test_planned_pages_are_left_out_only_while_missing(tmp_path):
+    """docs/_ext/hpccomm_docs.py drops a toctree line only for a planned page
+    whose file does not exist; any other line stays (a missing page is then a
+    sphinx -W error)."""
+    sys.path.insert(0, str(DOCS / "_ext"))
+    try:
+        import hpccomm_docs
+    finally:
+        sys.path.remove(str(DOCS / "_ext"))
+    (tmp_path / "written.md").write_text("# written\n")
+
+    class App:
+        srcdir = str(tmp_path)
+
+        class config:
+            root_doc = "index"
+            hpccomm_planned_pages = ("written", "unwritten")
+
+    source = ["```{toctree}\nquickstart\nwritten\nunwritten\nmisspelt\n```\n"]
+    hpccomm_docs._drop_unwritten_pages(App, "index", source)
+    assert source[0] == "```{toctree}\nquickstart\nwritten\nmisspelt\n```\n"
+    other = ["unwritten\n"]
+    hpccomm_docs._drop_unwritten_pages(App, "api", other)
+    assert other == ["unwritten\n"]
+
+
+def test_links_to_repository_files_become_downloads(tmp_path):
+    """A Markdown link from a page to a repository file outside docs/ becomes
+    a download link (MyST's path: form); links inside code, to pages, to
+    URLs and to missing files are left as they are."""
+    sys.path.insert(0, str(DOCS / "_ext"))
+    try:
+        import hpccomm_docs
+    finally:
+        sys.path.remove(str(DOCS / "_ext"))
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "jobs" / "cpu.sbatch").write_text("#!/bin/bash\n")
+    (tmp_path / "docs" / "design.md").write_text("# d\n")
+
+    class App:
+        srcdir = str(tmp_path / "docs")
+
+    source = ["[t](../jobs/cpu.sbatch) [d](design.md#x) [u](https://a.org/b) [m](../jobs/none.sh) [a](#x)\n"
+              "```bash\n[t](../jobs/cpu.sbatch)\n```\n"]
+    hpccomm_docs._link_repo_files(App, "guide", source)
+    assert source[0] == ("[t](path:../jobs/cpu.sbatch) [d](design.md#x) [u](https://a.org/b) [m](../jobs/none.sh) [a](#x)\n"
+                         "```bash\n[t](../jobs/cpu.sbatch)\n```\n")

@@ -1,0 +1,128 @@
+"""The example programs (hpccomm/examples), each launched as a user would:
+``mpirun -n N python -m hpccomm.examples.<name>``, from a plain pytest run.
+
+Every launch runs under coreutils ``timeout`` (and a subprocess timeout
+outside it), with rank-tagged output, so a hang becomes a failure with a
+log.  An example checks its own result and exits non-zero on every rank when
+it is wrong; these tests check the exit status and what rank 0 printed.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TIMEOUT = 180  # seconds per launch: torch's start-up on every rank of a loaded 2-core machine
+TUTORIAL = ["p2p_blocking", "p2p_nonblocking", "allreduce_group", "ring_allreduce", "dist_sgd"]
+BAD_STDERR = re.compile(r"MPI_ERR|Traceback|Segmentation|core dumped|exited on signal|MPI_ABORT", re.IGNORECASE)
+
+
+def _env() -> dict:
+    """No MPI, PMIx, SLURM or HPCCOMM_* variables of this process (a nested
+    launcher would misbehave); this checkout first on the path."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMIX_", "PMI_", "PRTE_", "SLURM_", "HPCCOMM_", "MASTER_",
+                                "RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_"))}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_mpi_yield_when_idle="1", PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1",
+               TORCH_CPP_LOG_LEVEL="ERROR",
+               PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    return env
+
+
+def launch(n: int, *python_args: str):
+    """``mpirun -n n python *python_args``: (exit status, rank 0's stdout lines, all output)."""
+    cmd = ["timeout", "--kill-after=10", str(TIMEOUT - 15), "mpirun", "-n", str(n), "--oversubscribe",
+           "--output", "tag", sys.executable, *python_args]
+    proc = subprocess.Popen(cmd, env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # mpirun and its ranks: the session this test started
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {TIMEOUT} s: {' '.join(cmd)}\n{out[-4000:]}\n{err[-4000:]}")
+    rank0 = [m.group(1) for m in re.finditer(r"^\[\d+,0\]<stdout>: ?(.*)$", out, re.MULTILINE)]
+    log = f"$ {' '.join(cmd)}\nexit status {proc.returncode}\n--- stdout\n{out[-6000:]}\n--- stderr\n{err[-6000:]}"
+    bad = [line for line in err.splitlines() if BAD_STDERR.search(line)]
+    assert not bad or proc.returncode != 0, "error text on stderr of a successful run:\n" + log
+    return proc.returncode, rank0, log
+
+
+#: besides the verdict line, what rank 0 must print
+EXPECTED = {
+    "allreduce_group": "sum over the world of rank + 1: 3.0 (expected 3.0)",
+    "ring_allreduce": "first values [0.0, 3.0, 6.0, 9.0], expected [0.0, 3.0, 6.0, 9.0]",
+    "dist_sgd": "weights identical on all 2 rank(s)",
+}
+
+
+@pytest.mark.parametrize("name", TUTORIAL)
+def test_tutorial_example(name):
+    rc, rank0, log = launch(2, "-m", f"hpccomm.examples.{name}")
+    assert rc == 0, log
+    assert f"{name}: all checks passed on 2 rank(s)" in rank0, log
+    if name in EXPECTED:
+        assert any(EXPECTED[name] in line for line in rank0), log
+
+
+def _step_lines(rank0, backend, steps):
+    """The step numbers of ``backend``'s progress lines (each with a loss and samples/s)."""
+    pattern = rf"^{backend} +\[[#.]+\] step +(\d+)/{steps} +loss \d+\.\d+ +[\d,]+ samples/s$"
+    return [m.group(1) for m in (re.search(pattern, line) for line in rank0) if m]
+
+
+def test_train_ddp_4_ranks():
+    """The README's job, few steps: per-step loss and samples/s lines, the
+    identical-weights verdict, exit status 0."""
+    rc, rank0, log = launch(4, "-m", "hpccomm.examples.train_ddp", "--steps", "6", "--hidden", "64",
+                            "--progress", "lines", "--print-every", "2")
+    assert rc == 0, log
+    assert _step_lines(rank0, "hpccomm", 6) == ["1", "2", "4", "6"], log
+    assert "hpccomm: all 4 ranks hold identical weights (sha256" in "\n".join(rank0), log
+
+
+def test_train_ddp_bench_both_backends():
+    """2 ranks, --bench --backend both: both trainings show their progress,
+    agree across ranks, and the step times and their ratio are printed."""
+    rc, rank0, log = launch(2, "-m", "hpccomm.examples.train_ddp", "--steps", "5", "--warmup", "2",
+                            "--hidden", "64", "--bench", "--backend", "both", "--progress", "lines",
+                            "--print-every", "2")
+    assert rc == 0, log
+    text = "\n".join(rank0)
+    for backend in ("hpccomm", "gloo"):
+        assert _step_lines(rank0, backend, 5) == ["1", "2", "4", "5"], log
+    for backend in ("hpccomm", "gloo"):
+        assert f"{backend}: all 2 ranks hold identical weights" in text, log
+        assert re.search(rf"bench {backend}: mean step time [\d.]+ ms", text), log
+    assert re.search(r"bench: hpccomm/gloo step time ratio [\d.]+ \(2 ranks", text), log
+    # the same seeds and data on both backends: the same weights (two-rank sums are exact)
+    digests = re.findall(r"identical weights \(sha256 ([0-9a-f]+)\)", text)
+    assert len(digests) == 2 and digests[0] == digests[1], log
+
+
+def test_failed_check_fails_every_rank(tmp_path):
+    """The examples' verdict: a check that fails on one rank makes every
+    rank exit non-zero (so mpirun's status says so)."""
+    script = tmp_path / "fails.py"
+    script.write_text(textwrap.dedent('''
+        import sys
+        import torch.distributed as dist
+        from hpccomm.examples._common import Checks, start
+        rank, size = start()
+        checks = Checks()
+        checks.expect(rank != size - 1, "planted failure on the last rank")
+        code = checks.finish("planted")
+        print(f"exit code {code}", flush=True)
+        sys.exit(code)
+    '''))
+    rc, rank0, log = launch(2, str(script))
+    assert rc != 0, log
+    assert "exit code 1" in rank0 and "planted: 1 check(s) FAILED (see the WRONG lines above)" in rank0, log
