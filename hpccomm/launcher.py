@@ -14,6 +14,11 @@ ranks; ``torchrun`` run by ``srun`` (one task per node) leaves ``SLURM_*``
 describing the torchrun agents.  The launcher closest to the process wins:
 torchrun, then the MPI launchers, then srun, then a plain process.
 
+Calling the module (``hpccomm.launcher(env=None)``) is :func:`detect`.
+
+:param env: the environment to read (default ``os.environ``).
+:raises: never: a malformed number is reported as None.
+
 Example::
 
     >>> from hpccomm import launcher
@@ -42,6 +47,24 @@ class Launch:
     ``rank_variable``/``size_variable``: the variables they were read from.
     ``pmi``: for srun, the process-management interface the step was given
     (``"pmix"``, ``"pmi2"`` or ``None`` for ``--mpi=none``).
+
+    :param name: the launcher's name (above).
+    :param rank: this process's rank, or None.
+    :param size: the number of processes the launcher started, or None.
+    :param local_rank: the rank among this node's processes, or None.
+    :param local_size: the number of this node's processes, or None.
+    :param node_index: this node's index among the launch's nodes, or None.
+    :param command: what a person typed to launch.
+    :param rank_variable: the variable ``rank`` was read from.
+    :param size_variable: the variable ``size`` was read from.
+    :param pmi: srun's process-management interface, or None.
+
+    Example::
+
+        >>> import hpccomm
+        >>> launch = hpccomm.launcher()          # a plain `python x.py`
+        >>> (launch.name, launch.rank, launch.size)
+        ('single', 0, 1)
     """
 
     name: str
@@ -267,7 +290,18 @@ def detect(env: Optional[Mapping[str, str]] = None) -> Launch:
 
 def is_torchelastic_launched(env: Optional[Mapping[str, str]] = None) -> bool:
     """True when torchrun (torchelastic) started this process: torch's own
-    test, ``TORCHELASTIC_RUN_ID`` is set."""
+    test, ``TORCHELASTIC_RUN_ID`` is set.  hpccomm refuses to initialise
+    under torchrun (it starts no MPI world); launch with mpirun or srun.
+
+    :param env: the environment to read (default ``os.environ``).
+    :raises: Never raises.
+
+    Example::
+
+        import hpccomm
+        if hpccomm.is_torchelastic_launched():
+            print("started by torchrun: use mpirun/srun for hpccomm")
+    """
     return TorchElastic.present(os.environ if env is None else env)
 
 
