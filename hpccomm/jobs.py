@@ -264,6 +264,11 @@ def _store_address() -> str:
     return name
 
 
+def _library(MPI) -> str:
+    """The MPI library's name and version, e.g. ``Open MPI v5.0.11``."""
+    return MPI.Get_library_version().splitlines()[0].split(",")[0].strip()
+
+
 def _mpi_plugin_hint(library: str) -> str:
     if "Open MPI" in library:
         return "this is Open MPI: use srun --mpi=pmix (--mpi=pmi2 and none leave every rank alone)"
@@ -272,21 +277,25 @@ def _mpi_plugin_hint(library: str) -> str:
     return "use srun --mpi=pmix for Open MPI, --mpi=pmi2 for MPICH and Intel MPI (srun --mpi=list shows them)"
 
 
-def preflight_mpi(gpus: bool, env=os.environ) -> list:
+def preflight_mpi(gpus: bool, env=os.environ, expect: Optional[int] = None) -> list:
     """Run on every rank: the MPI world is the whole job, GPUs (if asked) match
     ranks per node, the store address is reachable from every host.  Returns
-    the problems (on every rank; [] when all is well)."""
+    the problems (on every rank; [] when all is well).  ``expect``: the world
+    size wanted (default SLURM_NTASKS; under mpirun, pass the job's, since the
+    ranks see the SLURM_NTASKS of mpirun's own daemon step)."""
     from mpi4py import MPI  # a tool: imports mpi4py itself, inside the function
 
     comm = MPI.COMM_WORLD
     size, rank = comm.Get_size(), comm.Get_rank()
-    library = MPI.Get_library_version().splitlines()[0].strip()
-    expected = env.get("SLURM_NTASKS", "")
+    library = _library(MPI)
+    expected = str(expect) if expect is not None else env.get("SLURM_NTASKS", "")
     if expected.isdigit() and int(expected) != size:
-        launcher = "srun" if "SLURM_STEP_ID" in env and "OMPI_COMM_WORLD_SIZE" not in env else "the launcher"
-        return [f"SLURM_NTASKS={expected} but MPI sees a world of {size} ({library}); with {launcher}, "
-                + (_mpi_plugin_hint(library) if size == 1 and launcher == "srun"
-                   else f"start {expected} ranks (mpirun inside the allocation takes them from SLURM)")]
+        by_srun = "SLURM_STEP_ID" in env and not any(v in env for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"))
+        if by_srun:
+            return [f"srun started {expected} tasks (SLURM_NTASKS={expected}) but MPI sees a world of {size} "
+                    f"({library}): every rank would run alone; " + _mpi_plugin_hint(library)]
+        return [f"the job has {expected} tasks but MPI sees a world of {size} ({library}): start {expected} ranks "
+                "(mpirun inside the allocation takes the count from SLURM when given no -n)"]
     problems = []
     if gpus:
         problems += check_gpus(env, _tasks_here(env))
@@ -294,10 +303,16 @@ def preflight_mpi(gpus: bool, env=os.environ) -> list:
     root_host, store = comm.bcast((here, _store_address() if rank == 0 else None), root=0)
     if len(set(comm.allgather(here))) > 1:
         problems += check_endpoint(store, root_host, here)
-    return [p for ps in comm.allgather(problems) for p in ps]
+    return list(dict.fromkeys(p for ps in comm.allgather(problems) for p in ps))  # once per node, not per rank
+
+
+def _templates_option(p, suppress: bool = False) -> None:
+    p.add_argument("--templates", type=Path, default=argparse.SUPPRESS if suppress else DEFAULT_TEMPLATES,
+                   metavar="DIR", help=f"the templates folder (default: {DEFAULT_TEMPLATES})")
 
 
 def _render_options(p, suppress: bool = False) -> None:
+    _templates_option(p, suppress)
     default = argparse.SUPPRESS if suppress else None
     p.add_argument("--nodes", default=default, help="number of nodes (required)")
     p.add_argument("--ntasks-per-node", default=default, help="ranks per node (torchrun: workers per node; required)")
@@ -316,6 +331,8 @@ def _split_rest(args) -> list:
         rest, command = rest[:cut], rest[cut + 1:]
     inner = argparse.ArgumentParser(prog=f"hpccomm jobs {args.jobs_command} NAME", add_help=False)
     _render_options(inner, suppress=True)
+    if args.jobs_command == "submit":
+        inner.add_argument("--test-only", action="store_true", default=argparse.SUPPRESS)
     extra, unknown = inner.parse_known_args(rest)
     if unknown:
         raise JobsError(f"unexpected argument(s) {' '.join(unknown)}; the command goes after -- "
@@ -326,10 +343,9 @@ def _split_rest(args) -> list:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--templates", type=Path, default=DEFAULT_TEMPLATES, metavar="DIR",
-                        help=f"the templates folder (default: {DEFAULT_TEMPLATES})")
     sub = parser.add_subparsers(dest="jobs_command", required=True, metavar="ACTION")
-    sub.add_parser("list", help="list the templates", description="List the sbatch templates.")
+    p = sub.add_parser("list", help="list the templates", description="List the sbatch templates.")
+    _templates_option(p)
     for action, text in (("render", "print a ready sbatch script from a template"),
                          ("submit", "render a template and submit it with sbatch; prints the job id")):
         p = sub.add_parser(action, help=text, description=text + ".",
@@ -350,6 +366,8 @@ def add_arguments(parser) -> None:
                        "status 1 and the problems on stderr when a check fails.")
     p.add_argument("--no-mpi", action="store_true", help="do not start MPI (for torchrun's one task per node)")
     p.add_argument("--gpus", action="store_true", help="check one GPU per rank on every node")
+    p.add_argument("--expect-size", type=int, metavar="N",
+                   help="the world size wanted (default: SLURM_NTASKS; under mpirun pass the job's $SLURM_NTASKS)")
     p.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="(--no-mpi) the torchrun rendezvous endpoint")
     p.add_argument("--nproc-per-node", type=int, metavar="N", help="(--no-mpi) workers per node")
 
@@ -377,8 +395,9 @@ def _run_preflight(args) -> int:
             print(f"hpccomm preflight ok: {env.get('SLURM_JOB_NUM_NODES', '1')} node(s), rendezvous "
                   f"{args.rdzv_endpoint or '(none given)'}", flush=True)
         return 1 if problems else 0
-    problems = preflight_mpi(args.gpus, env)
-    first = env.get("SLURM_PROCID", env.get("OMPI_COMM_WORLD_RANK", env.get("PMI_RANK", "0"))) == "0"
+    problems = preflight_mpi(args.gpus, env, args.expect_size)
+    # mpirun's ranks inherit SLURM_PROCID from mpirun's daemons: the MPI launcher's own variables first.
+    first = env.get("OMPI_COMM_WORLD_RANK", env.get("PMI_RANK", env.get("SLURM_PROCID", "0"))) == "0"
     if problems and first:
         for p in problems:
             print(f"hpccomm preflight: {p}", file=sys.stderr)
@@ -387,7 +406,7 @@ def _run_preflight(args) -> int:
 
         print(f"hpccomm preflight ok: {MPI.COMM_WORLD.Get_size()} ranks, "
               f"{env.get('SLURM_JOB_NUM_NODES', '?')} node(s) ({env.get('SLURM_JOB_NODELIST', '?')}), "
-              f"{MPI.Get_library_version().splitlines()[0].strip()}", flush=True)
+              f"{_library(MPI)}", flush=True)
     return 1 if problems else 0
 
 
@@ -412,6 +431,9 @@ def run(args) -> int:
     except JobsError as exc:
         print(f"hpccomm jobs {args.jobs_command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (| head): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
 
 
 def main(argv=None) -> int:

@@ -70,12 +70,15 @@ start() {
     for p in $PORT $((PORT + 1)) $((PORT + 2)); do
         port_free "$p" || die "port $p is in use; set HPCCOMM_SLURM_PORT to another base port"
     done
+    # A fresh cluster each time: no node states or jobs left from an earlier run.
+    rm -rf "$DIR"/{state,spool,tmp}
     mkdir -p "$DIR"/{state,log,spool,tmp/n1,tmp/n2}
     install -d -o munge -g munge -m 755 "$DIR/munge"
     local mem
     mem=$(awk '/MemTotal/ {print int($2 / 1024 / 4)}' /proc/meminfo)
     sed -e "s|@DIR@|$DIR|g" -e "s|@PORT_CTLD@|$PORT|" -e "s|@PORT_N1@|$((PORT + 1))|" \
         -e "s|@PORT_N2@|$((PORT + 2))|" -e "s|@MEM@|$mem|g" "$here/slurm.conf.in" >"$SLURM_CONF"
+    cp "$here/gres.conf" "$DIR/gres.conf"
 
     # munged with its own key, socket and PID file.
     [ -s "$DIR/munge/munge.key" ] || {
@@ -88,7 +91,7 @@ start() {
         || die "munged failed to start (see $DIR/munge/munged.log)"
     wait_for 10 munged munge -S "$DIR/munge/munge.socket" -n
 
-    slurmctld || die "slurmctld failed to start (see $DIR/log/slurmctld.log)"
+    slurmctld -c || die "slurmctld failed to start (see $DIR/log/slurmctld.log)"
     wait_for 20 slurmctld scontrol ping
     for n in n1 n2; do
         slurmd -N "$n" || die "slurmd -N $n failed to start (see $DIR/log/slurmd-$n.log)"
