@@ -290,8 +290,8 @@ def preflight_mpi(gpus: bool, env=os.environ, expect: Optional[int] = None) -> l
     library = _library(MPI)
     expected = str(expect) if expect is not None else env.get("SLURM_NTASKS", "")
     if expected.isdigit() and int(expected) != size:
-        by_srun = "SLURM_STEP_ID" in env and not any(v in env for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"))
-        if by_srun:
+        # A world of 1 in an srun step (not under Open MPI's mpirun): the wrong --mpi= plugin.
+        if size == 1 and "SLURM_STEP_ID" in env and "OMPI_COMM_WORLD_SIZE" not in env:
             return [f"srun started {expected} tasks (SLURM_NTASKS={expected}) but MPI sees a world of {size} "
                     f"({library}): every rank would run alone; " + _mpi_plugin_hint(library)]
         return [f"the job has {expected} tasks but MPI sees a world of {size} ({library}): start {expected} ranks "
