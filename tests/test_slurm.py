@@ -141,6 +141,13 @@ def jobs(slurm, tmp_path_factory):
         ("torchrun", ["--cpus-per-task", "2", "--", str(CHECK), "--backend", "gloo"]),
     ):
         workdir = tmp_path_factory.mktemp(name)
+        if name == "torchrun":  # `hpccomm jobs submit`: render and sbatch in one, printing the job id
+            proc = subprocess.run([sys.executable, "-m", "hpccomm", "jobs", "submit", name, "--nodes", "2",
+                                   "--ntasks-per-node", "2", "--time", "10", *args], env=slurm, cwd=workdir,
+                                  capture_output=True, text=True, timeout=120)
+            assert proc.returncode == 0 and proc.stdout.strip().isdigit(), proc
+            submitted[name] = (workdir, proc.stdout.strip())
+            continue
         script = render(name, "--nodes", "2", "--ntasks-per-node", "2", "--time", "10", *args)
         submitted[name] = (workdir, sbatch(slurm, script, workdir))
     return submitted
