@@ -219,7 +219,8 @@ def check_gpus(env, tasks: Optional[int]) -> list:
                 "unset): add #SBATCH --gpus-per-node equal to --ntasks-per-node"]
     if gpus != tasks:
         return [f"node {node}: {tasks} rank(s) but {gpus} GPU(s): one rank per GPU needs "
-                f"--ntasks-per-node equal to --gpus-per-node ({'GPUs left idle' if gpus > tasks else 'ranks would share GPUs'})"]
+                f"--ntasks-per-node equal to --gpus-per-node "
+                f"({'GPUs left idle' if gpus > tasks else 'ranks would share GPUs'})"]
     return []
 
 

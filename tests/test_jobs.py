@@ -100,7 +100,8 @@ def test_render_refuses(name, values, command, message):
 
 
 def test_a_template_with_two_lines_for_a_value_is_refused(tmp_path):
-    text = (ROOT / "jobs" / "cpu.sbatch").read_text().replace("#SBATCH --nodes=2", "#SBATCH --nodes=2\n#SBATCH --nodes=3")
+    text = (ROOT / "jobs" / "cpu.sbatch").read_text()
+    text = text.replace("#SBATCH --nodes=2", "#SBATCH --nodes=2\n#SBATCH --nodes=3")
     (tmp_path / "cpu.sbatch").write_text(text)
     with pytest.raises(jobs.JobsError, match=r"^template 'cpu' has 2 lines for --nodes \(lines 9, 10\)"):
         jobs.render("cpu", {"nodes": 1, "ntasks-per-node": 1}, ["x"], tmp_path)

@@ -228,7 +228,8 @@ def test_preempt_checkpoints_requeues_and_resumes(slurm, tmp_path):
     # What SLURM does at --signal=B:USR2@120, now: signal the batch script only.
     subprocess.run(["scancel", "--signal=USR2", "--batch", job], env=slurm, check=True, timeout=30)
     info = wait_for(slurm, job, until=lambda info: info.get("Restarts") == "1" or info.get("JobState") in FINAL)
-    assert info.get("Restarts") == "1", f"not requeued: {info.get('JobState')}\n{output(tmp_path, 'hpccomm-preempt', job)}"
+    assert info.get("Restarts") == "1", \
+        f"not requeued: {info.get('JobState')}\n{output(tmp_path, 'hpccomm-preempt', job)}"
     # SLURM holds a requeued job for about two minutes before it may start again: not in a test.
     # But not in the second of the requeue either: slurmd refuses a credential made in the same
     # second as the old one's revocation ("Job credential revoked") and the job fails.
