@@ -14,6 +14,7 @@ import sys
 SUBCOMMANDS = {
     "info": ("hpccomm._cli_info", "diagnose: versions, MPI library, thread level, launcher, ranks, network, store port, options"),
     "bench": ("hpccomm.bench", "collective benchmark (run under mpirun)"),
+    "jobs": ("hpccomm.jobs", "SLURM job templates: list, render, submit; preflight checks inside a job"),
 }
 
 
