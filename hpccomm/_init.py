@@ -86,9 +86,16 @@ def rank_info(comm=None) -> RankInfo:
     # launcher's local ranks describe its world, so only when ``comm`` is as big.
     key = comm.Get_rank()
     launch = launcher.detect()
-    if launch.local_rank is not None and launch.size == comm.Get_size():
+    ours = launch.size == comm.Get_size()
+    if launch.local_rank is not None and ours:
         key = launch.local_rank
-    node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=key)
+    if launch.name == "srun" and ours and launch.node_index is not None:
+        # SLURM says which node each task is on.  Open MPI's shared-memory split
+        # does not know under srun when tasks are not bound to cores (each rank
+        # then looks alone on its node: open-mpi/ompi#8299), so trust SLURM.
+        node_comm = comm.Split(launch.node_index, key=key)
+    else:
+        node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=key)
     try:
         local_rank, local_size = node_comm.Get_rank(), node_comm.Get_size()
         leaders = comm.Split(0 if local_rank == 0 else MPI.UNDEFINED, key=comm.Get_rank())
