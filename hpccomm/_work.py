@@ -54,14 +54,19 @@ class Work(WorkBase):
             # future until someone asks; get_future() makes a completed one then.
             self._engine_completes = False
             self._future = None
+            self._completed = None
             return
         self._lock = threading.Lock()  # one thread at a time touches the MPI request
         # Ops queued on the comm thread are always completed there, right after they
         # run, so callbacks chained on their futures (DDP hooks that issue more ops)
         # run at the same point of the op sequence on every rank.
         self._engine_completes = getattr(pending, "engine_completes", False)
-        # Set once the Work is complete, by whichever thread (waited on by engine ops).
-        self._completed = threading.Event() if self._engine_completes else None
+        # Set once the Work is complete and its future's callbacks have run, by
+        # whichever thread completed it: ``_done`` turns True before the callbacks
+        # (they may look at the Work), so a waiter that saw ``_done`` on another
+        # thread still waits for this before it returns (the future is complete then).
+        self._completed = threading.Event()
+        self._completer = None  # the thread running _complete
         self._raw = self._new_future()
         # completes with the outputs, or fails visibly to C++ (see the module docstring)
         self._future = self._raw.then(self._result_or_raise)
@@ -77,6 +82,7 @@ class Work(WorkBase):
     def _complete(self, error: Optional[BaseException] = None) -> None:
         """Run the pending op's finish step; caller holds ``_lock``, request
         done (or failed with ``error``)."""
+        self._completer = threading.get_ident()
         pending, self._pending = self._pending, None
         if error is None:
             try:
@@ -92,8 +98,11 @@ class Work(WorkBase):
         self._error = error
         self._done = True
         self._raw.set_result(None)  # runs _result_or_raise, then the callbacks chained on the future
-        if self._completed is not None:
-            self._completed.set()  # after the callbacks: ops they issued come before the waiter's next op
+        self._completed.set()  # after the callbacks: ops they issued come before the waiter's next op
+
+    def _settled(self) -> bool:
+        """Done and its future complete (or asked from inside the completion)."""
+        return self._completed is None or self._completed.is_set() or self._completer == threading.get_ident()
 
     def _complete_on_engine(self) -> None:
         """The comm thread completes a Work whose op it just ran."""
@@ -104,7 +113,7 @@ class Work(WorkBase):
     def _poll(self) -> bool:
         """Non-blocking progress from the progress thread; True once done."""
         if self._done:
-            return True
+            return self._settled()
         if self._engine_completes:
             return False  # the comm thread completes it (see __init__)
         if not self._lock.acquire(blocking=False):
@@ -134,6 +143,8 @@ class Work(WorkBase):
                 finished = self._wait_pending(seconds)
             if not finished:
                 raise TimeoutError(f"hpccomm {self._describe}: not complete after {seconds:g} s")
+        elif not self._settled():  # another thread is completing it right now: wait for its future
+            self._completed.wait()
         if self._error is not None:
             raise self._error
         return True

@@ -835,3 +835,42 @@ def test_report_line_names_the_running_op_and_the_recorded_failure(monkeypatch):
     line = _signals.report_line()
     assert line.startswith("hpccomm: rank 1 of 4 ended by SIGTERM (the launcher ends the job) while in all_gather "
                            "(op #7 on group 'WORLD', for 0.0 s); rank 1 raised an uncaught KeyError"), line
+
+
+def test_wait_returns_only_after_the_future_completed():
+    """A waiter that sees the Work done while another thread is still running
+    its future's callbacks waits for them: get_future().value() then never
+    finds an incomplete future (a race seen once as a torch INTERNAL ASSERT)."""
+    import threading
+
+    from hpccomm import _work
+
+    class Pending:
+        engine_completes = True
+
+        def finish(self):
+            return None
+
+    out = [torch.ones(2)]
+    work = _work.Work(out, Pending(), "all_reduce (test)")
+    in_callback, release = threading.Event(), threading.Event()
+
+    def slow_callback(fut):
+        in_callback.set()
+        release.wait(10)
+        return fut.value()
+
+    work._raw.then(slow_callback)  # runs inside _complete, on the completing thread
+    completer = threading.Thread(target=work._complete_on_engine)
+    completer.start()
+    assert in_callback.wait(10)
+    assert work._done and not work.is_completed()  # done, but its callbacks are still running
+    waited = threading.Event()
+    waiter = threading.Thread(target=lambda: (work.wait(), waited.set()))
+    waiter.start()
+    assert not waited.wait(0.3), "wait() returned while the future's callbacks were still running"
+    release.set()
+    assert waited.wait(10)
+    assert work.get_future().value() is out and work.is_completed()
+    completer.join()
+    waiter.join()
