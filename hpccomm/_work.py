@@ -61,12 +61,8 @@ class Work(WorkBase):
         # run, so callbacks chained on their futures (DDP hooks that issue more ops)
         # run at the same point of the op sequence on every rank.
         self._engine_completes = getattr(pending, "engine_completes", False)
-        # Set once the Work is complete and its future's callbacks have run, by
-        # whichever thread completed it: ``_done`` turns True before the callbacks
-        # (they may look at the Work), so a waiter that saw ``_done`` on another
-        # thread still waits for this before it returns (the future is complete then).
-        self._completed = threading.Event()
-        self._completer = None  # the thread running _complete
+        # Set once the Work is complete, by whichever thread (waited on by engine ops).
+        self._completed = threading.Event() if self._engine_completes else None
         self._raw = self._new_future()
         # completes with the outputs, or fails visibly to C++ (see the module docstring)
         self._future = self._raw.then(self._result_or_raise)
@@ -82,7 +78,6 @@ class Work(WorkBase):
     def _complete(self, error: Optional[BaseException] = None) -> None:
         """Run the pending op's finish step; caller holds ``_lock``, request
         done (or failed with ``error``)."""
-        self._completer = threading.get_ident()
         pending, self._pending = self._pending, None
         if error is None:
             try:
@@ -98,11 +93,15 @@ class Work(WorkBase):
         self._error = error
         self._done = True
         self._raw.set_result(None)  # runs _result_or_raise, then the callbacks chained on the future
-        self._completed.set()  # after the callbacks: ops they issued come before the waiter's next op
+        if self._completed is not None:
+            self._completed.set()  # after the callbacks: ops they issued come before the waiter's next op
 
     def _settled(self) -> bool:
-        """Done and its future complete (or asked from inside the completion)."""
-        return self._completed is None or self._completed.is_set() or self._completer == threading.get_ident()
+        """Done and its future complete.  ``_done`` turns True a moment before
+        the completing thread completes the future (``_raw.set_result``): a
+        waiter on another thread must not return in between, or
+        ``get_future().value()`` finds an incomplete future."""
+        return self._future is None or self._future.done()
 
     def _complete_on_engine(self) -> None:
         """The comm thread completes a Work whose op it just ran."""
@@ -144,7 +143,10 @@ class Work(WorkBase):
             if not finished:
                 raise TimeoutError(f"hpccomm {self._describe}: not complete after {seconds:g} s")
         elif not self._settled():  # another thread is completing it right now: wait for its future
-            self._completed.wait()
+            try:
+                self._future.wait()
+            except Exception:  # noqa: BLE001 - the same error is raised below
+                pass
         if self._error is not None:
             raise self._error
         return True

@@ -229,7 +229,11 @@ def _view(rank: int, size: int, host: str = "n1", launcher: str = "openmpi") -> 
         "interfaces": {"lo": ["127.0.0.1", "::1/128"], "eth0": ["10.0.0.%d" % (1 + int(host[1:]))]},
         "store": {"free_port": "ok", "configured_port": None, "port": None},
         "options": {"HPCCOMM_LOG": "WARNING", "HPCCOMM_DEBUG": "OFF"},
-        "gpu": {"cuda": False, "devices": 0, "nccl": False},
+        "gpu": {"cuda": False, "devices": 0, "nccl": False, "mpi_cuda_aware": "no",
+                "mpi_cuda_aware_how": "MPIX_Query_cuda_support() returned 0 (Open MPI extension)",
+                "nccl_torch": "no (torch.distributed.is_nccl_available() is False)", "nccl_cupy": "no",
+                "gpu_count": 0, "gpu_transport": "auto", "cpu_transport": "mpi (host memory)",
+                "cuda_transport": "none: no GPU transport", "gpu_binding": "none: not bound yet"},
         "pid": 1000 + rank,
     }
 

@@ -838,9 +838,10 @@ def test_report_line_names_the_running_op_and_the_recorded_failure(monkeypatch):
 
 
 def test_wait_returns_only_after_the_future_completed():
-    """A waiter that sees the Work done while another thread is still running
-    its future's callbacks waits for them: get_future().value() then never
-    finds an incomplete future (a race seen once as a torch INTERNAL ASSERT)."""
+    """A waiter that sees the Work done while another thread is between
+    marking it done and completing its future waits for the future:
+    get_future().value() then never finds it incomplete (a race seen once as
+    a torch INTERNAL ASSERT in a test)."""
     import threading
 
     from hpccomm import _work
@@ -853,22 +854,26 @@ def test_wait_returns_only_after_the_future_completed():
 
     out = [torch.ones(2)]
     work = _work.Work(out, Pending(), "all_reduce (test)")
-    in_callback, release = threading.Event(), threading.Event()
+    in_set_result, release = threading.Event(), threading.Event()
 
-    def slow_callback(fut):
-        in_callback.set()
-        release.wait(10)
-        return fut.value()
+    class HeldFuture:  # holds the completing thread just before it completes the future
+        def __init__(self, raw):
+            self.raw = raw
 
-    work._raw.then(slow_callback)  # runs inside _complete, on the completing thread
+        def set_result(self, value):
+            in_set_result.set()
+            release.wait(10)
+            self.raw.set_result(value)
+
+    work._raw = HeldFuture(work._raw)
     completer = threading.Thread(target=work._complete_on_engine)
     completer.start()
-    assert in_callback.wait(10)
-    assert work._done and not work.is_completed()  # done, but its callbacks are still running
+    assert in_set_result.wait(10)
+    assert work._done and not work.is_completed()  # marked done, future not yet complete
     waited = threading.Event()
     waiter = threading.Thread(target=lambda: (work.wait(), waited.set()))
     waiter.start()
-    assert not waited.wait(0.3), "wait() returned while the future's callbacks were still running"
+    assert not waited.wait(0.3), "wait() returned before the Work's future completed"
     release.set()
     assert waited.wait(10)
     assert work.get_future().value() is out and work.is_completed()
