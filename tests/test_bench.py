@@ -226,7 +226,7 @@ def test_short_sweep_every_op_all_backends(tmp_path):
 def test_corrupted_results_are_counted_and_fail_the_run(tmp_path):
     js = tmp_path / "c.json"
     proc = bench(tmp_path, "--ops", "all_reduce,all_gather,sendrecv", "-b", "64", "-e", "64", "-n", "3", "-w", "1",
-                 "--corrupt", "--json", js, "-a")
+                 "--corrupt", "--json", js, "-a", "--batch", "1")
     assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
     rows = json.loads(js.read_text())["rows"]
     # one corrupted element per checked result: 4 iterations x 2 ranks

@@ -65,6 +65,10 @@ def add_arguments(p) -> None:
     g.add_argument("--compare", default="", metavar="gloo,mpi4py",
                    help="also run the sweep through these backends (they take turns iteration by iteration)")
     g.add_argument("--stats", action="store_true", help="print min, max and p99 beside the median")
+    g.add_argument("--batch", type=int, default=0, metavar="B",
+                   help="ops timed back to back per sample (the time is the sample's / B), as nccl-tests "
+                        "times a loop: 0 (default) = enough for about 1 MiB per sample, at most 100; "
+                        "1 = every op timed on its own right after a barrier (includes the barrier's exit skew)")
     g.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads per rank (default: torch's own choice); they run the untimed "
                         "fill/check kernels and hpccomm's float16/bfloat16 reduction kernels")
@@ -193,11 +197,13 @@ def _sweep(args, specs, dtypes, size_list, others, rank: int, n: int) -> int:
             "modes": modes, "backends": backend_names, "torch_threads": torch.get_num_threads(), "host": os.uname().nodename,
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
             "check": "every iteration (warm-up included): inputs reset, outputs poisoned, every element compared",
-            "time": "per iteration: max over ranks, after a barrier; backends take turns iteration by iteration; the row's time is the median"}
+            "time": "per sample: B ops back to back after a barrier (--batch), divided by B, max over ranks; backends take turns sample by sample; the row's time is the median over samples; every warm-up op and one op per sample are checked"}
     if rank == 0 and not args.quiet:
         print(f"# hpccomm bench: hpccomm {meta['hpccomm']}, torch {meta['torch']}, {meta['mpi']}, {n} ranks\n"
-              f"# median over {args.iters} iterations (after {args.warmup} warm-up) of the slowest rank's time; "
-              f"every iteration's result checked (#wrong = wrong elements)\n"
+              f"# time: median over samples of the slowest rank's time per op; a sample is B ops back to back "
+              f"(B = --batch {args.batch or 'auto: ~1 MiB per sample, at most 100'}), {args.iters} ops per size "
+              f"(at least 5 samples), after {args.warmup} warm-up\n"
+              f"# #wrong = wrong elements in every checked result: each warm-up op and one op per sample\n"
               f"# algbw = size / time, busbw = algbw x nccl-tests' factor; GB/s = 1e9 B/s"
               + (f"\n# skipped (need more ranks): {', '.join(skipped)}" if skipped else ""), flush=True)
     rows: list = []
@@ -274,24 +280,34 @@ def _measure(cases, backend_names, mode: str, gloo, comm, args, dtype, rank: int
         runs.append((row, case, fn, []))
     barrier = comm.Barrier
     wrong = [0] * len(runs)
+    batch = args.batch or max(1, min(100, (1 << 20) // max(1, cases[0].nbytes)))
+    rounds = args.iters if batch == 1 else max(5, args.iters // batch)  # samples for the median
+
+    def checked(k, case, fn):
+        case.fill()
+        barrier()
+        fn()
+        wrong[k] += case.wrong()
+
     for _ in range(args.warmup):
         for k, (_row, case, fn, _s) in enumerate(runs):
-            case.fill()
-            barrier()
-            fn()
-            wrong[k] += case.wrong()
+            checked(k, case, fn)
     perf = time.perf_counter
     gc_was = gc.isenabled()
     gc.disable()  # a collection inside a timed call is noise, not communication
     try:
-        for _ in range(args.iters):
+        for _ in range(rounds):
             for k, (_row, case, fn, samples) in enumerate(runs):
                 case.fill()
                 barrier()
                 t0 = perf()
-                fn()
-                samples.append(perf() - t0)
-                wrong[k] += case.wrong()
+                for _ in range(batch):  # back to back, as nccl-tests times its loop
+                    fn()
+                samples.append((perf() - t0) / batch)
+                if batch == 1:
+                    wrong[k] += case.wrong()
+                else:  # in-place ops changed their inputs: check a fresh, untimed op
+                    checked(k, case, fn)
     finally:
         if gc_was:
             gc.enable()
