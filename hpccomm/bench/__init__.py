@@ -196,7 +196,7 @@ def _sweep(args, specs, dtypes, size_list, others, rank: int, n: int) -> int:
             "iters": args.iters, "warmup": args.warmup, "redop": args.redop, "root": args.root,
             "modes": modes, "backends": backend_names, "torch_threads": torch.get_num_threads(), "host": os.uname().nodename,
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-            "check": "every iteration (warm-up included): inputs reset, outputs poisoned, every element compared",
+            "check": "every warm-up op and one op per timed sample: inputs reset, outputs poisoned, every element compared",
             "time": "per sample: B ops back to back after a barrier (--batch), divided by B, max over ranks; backends take turns sample by sample; the row's time is the median over samples; every warm-up op and one op per sample are checked"}
     if rank == 0 and not args.quiet:
         print(f"# hpccomm bench: hpccomm {meta['hpccomm']}, torch {meta['torch']}, {meta['mpi']}, {n} ranks\n"
