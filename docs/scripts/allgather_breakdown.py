@@ -3,10 +3,6 @@ touching memory or running Python before each call adds to the same MPI call.
 
     mpirun -n 2 python docs/scripts/allgather_breakdown.py
 """
-"""The 1 MiB all_gather breakdown quoted in docs/benchmarks.md: what each layer adds.
-
-    mpirun -n 2 python docs/scripts/allgather_breakdown.py
-"""
 import time, torch, torch.distributed as dist, hpccomm, numpy as np, warnings
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
