@@ -111,10 +111,17 @@ def rank_info(comm=None) -> RankInfo:
 
 
 def _store_host(info: RankInfo) -> str:
+    return store_address(multi_node=info.nodes > 1)
+
+
+def store_address(multi_node: bool) -> str:
+    """The address rank 0 opens the key-value store on: ``HPCCOMM_STORE_ADDR``
+    if set, 127.0.0.1 on one node, else the first non-loopback IPv4 address
+    this host's name resolves to (the name itself if none)."""
     chosen = config.get("HPCCOMM_STORE_ADDR")
     if chosen:
         return chosen
-    if info.nodes <= 1:
+    if not multi_node:
         return "127.0.0.1"
     name = socket.gethostname()
     try:

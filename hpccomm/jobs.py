@@ -249,20 +249,10 @@ def check_endpoint(host: str, host_machine: str, here: str) -> list:
 
 
 def _store_address() -> str:
-    """The address rank 0 would give hpccomm's store on a multi-node job (as hpccomm._init does)."""
-    from . import config
+    """The address rank 0 would give hpccomm's store on a multi-node job."""
+    from ._init import store_address
 
-    chosen = config.get("HPCCOMM_STORE_ADDR")
-    if chosen:
-        return chosen
-    name = socket.gethostname()
-    try:
-        for *_, addr in socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM):
-            if not addr[0].startswith("127."):
-                return addr[0]
-    except OSError:
-        pass
-    return name
+    return store_address(multi_node=True)
 
 
 def _library(MPI) -> str:
