@@ -15,15 +15,16 @@ def _displs(counts):
 
 
 def _allgatherv(group, send: torch.Tensor, recv: torch.Tensor, counts) -> None:
-    """Allgather(v) of contiguous ``send`` into contiguous ``recv`` laid out by
-    ``counts``; ``send`` may be the rank's own slot of ``recv`` (in place)."""
+    """Allgather(v) of contiguous ``send`` into contiguous ``recv`` (any shape)
+    laid out by ``counts``; ``send`` may be the rank's own slot of ``recv`` (in place)."""
     comm, MPI = group.comm, _mpi.mpi()
     in_place = send.numel() > 0 and send.data_ptr() == recv.data_ptr() + sum(counts[:group.rank]) * recv.element_size()
     if max(counts, default=0) > group.max_count or sum(counts) > group.max_count:
         # Past the count limit: every rank broadcasts its part, chunked.
         displs = _displs(counts)
+        recv = recv.view(-1)
         if not in_place:
-            recv[displs[group.rank]:displs[group.rank] + counts[group.rank]].copy_(send)
+            recv[displs[group.rank]:displs[group.rank] + counts[group.rank]].copy_(send.view(-1))
         for r in range(group.size):
             for off, n in c.chunks(counts[r], group.max_count):
                 comm.Bcast(_mpi.buffer(recv, displs[r] + off, n), root=r)
@@ -53,7 +54,7 @@ def all_gather_single(group, output, input, op: str = "all_gather_into_tensor"):
         own = out.numel() and send.data_ptr() == out.data_ptr() + group.rank * n * out.element_size()
         if not own and c.overlaps(send, out):
             send = send.clone()  # aliased elsewhere than this rank's slot: MPI forbids it
-        _allgatherv(group, send, out.view(-1), [n] * group.size)
+        _allgatherv(group, send, out, [n] * group.size)  # contiguous: MPI needs no 1-D view
         c.write_back(output, out)
         return [output]
 
