@@ -90,11 +90,18 @@ _REGISTRY: list = []
 
 class Launcher:
     """A launcher: subclasses set ``name``, ``command``, ``priority`` and their
-    variable names, and implement :meth:`present` and :meth:`parse`."""
+    variable names (``RANK``, ``SIZE``, ``LOCAL_RANK``, ``LOCAL_SIZE``,
+    ``NODE``; None where the launcher sets none), and implement
+    :meth:`present`; :meth:`parse` reads those variables unless overridden."""
 
     name: ClassVar[str] = ""
     command: ClassVar[str] = ""
     priority: ClassVar[int] = 0
+    RANK: ClassVar[Optional[str]] = None
+    SIZE: ClassVar[Optional[str]] = None
+    LOCAL_RANK: ClassVar[Optional[str]] = None
+    LOCAL_SIZE: ClassVar[Optional[str]] = None
+    NODE: ClassVar[Optional[str]] = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -107,7 +114,11 @@ class Launcher:
 
     @classmethod
     def parse(cls, env: Mapping[str, str]) -> Launch:
-        raise NotImplementedError
+        def read(var):
+            return None if var is None else _int(env, var)
+
+        return Launch(cls.name, read(cls.RANK), read(cls.SIZE), read(cls.LOCAL_RANK), read(cls.LOCAL_SIZE),
+                      read(cls.NODE), cls.command, cls.RANK, cls.SIZE)
 
 
 class TorchElastic(Launcher):
@@ -116,20 +127,14 @@ class TorchElastic(Launcher):
     name, command, priority = "torchrun", "torchrun", 100
     RUN_ID = "TORCHELASTIC_RUN_ID"
     RANK = "RANK"
-    WORLD_SIZE = "WORLD_SIZE"
+    SIZE = "WORLD_SIZE"
     LOCAL_RANK = "LOCAL_RANK"
-    LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
-    GROUP_RANK = "GROUP_RANK"  # the agent's (node's) rank among the agents
+    LOCAL_SIZE = "LOCAL_WORLD_SIZE"
+    NODE = "GROUP_RANK"  # the agent's (node's) rank among the agents
 
     @classmethod
     def present(cls, env):
         return cls.RUN_ID in env  # exactly torch's is_torchelastic_launched()
-
-    @classmethod
-    def parse(cls, env):
-        return Launch(cls.name, _int(env, cls.RANK), _int(env, cls.WORLD_SIZE), _int(env, cls.LOCAL_RANK),
-                      _int(env, cls.LOCAL_WORLD_SIZE), _int(env, cls.GROUP_RANK), cls.command, cls.RANK,
-                      cls.WORLD_SIZE)
 
 
 class OpenMPI(Launcher):
@@ -147,11 +152,6 @@ class OpenMPI(Launcher):
     def present(cls, env):
         return cls.SIZE in env or cls.RANK in env
 
-    @classmethod
-    def parse(cls, env):
-        return Launch(cls.name, _int(env, cls.RANK), _int(env, cls.SIZE), _int(env, cls.LOCAL_RANK),
-                      _int(env, cls.LOCAL_SIZE), None, cls.command, cls.RANK, cls.SIZE)
-
 
 class Hydra(Launcher):
     """MPICH's Hydra ``mpiexec``.  ``srun --mpi=pmi2`` also sets PMI_RANK and
@@ -168,11 +168,6 @@ class Hydra(Launcher):
     def present(cls, env):
         hydra = cls.LOCAL_RANK in env or cls.CONTROL_FD in env
         return (cls.SIZE in env or cls.RANK in env) and (hydra or not Srun.present(env))
-
-    @classmethod
-    def parse(cls, env):
-        return Launch(cls.name, _int(env, cls.RANK), _int(env, cls.SIZE), _int(env, cls.LOCAL_RANK),
-                      _int(env, cls.LOCAL_SIZE), None, cls.command, cls.RANK, cls.SIZE)
 
 
 class IntelMPI(Hydra):
