@@ -112,15 +112,19 @@ def test_uncaught_exception_ends_the_job_with_its_rank(tmp_path):
     assert no_orphans(tmp_path)
 
 
+#: A job whose last rank is killed (SIGKILL) between two all_reduces.
+KILL_LAST_RANK = """
+    hpccomm.init_process_group()
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    if dist.get_rank() == dist.get_world_size() - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(t)
+"""
+
+
 def test_killed_rank_ends_the_job(tmp_path):
-    proc, took = launch(tmp_path, """
-        hpccomm.init_process_group()
-        t = torch.ones(4)
-        dist.all_reduce(t)
-        if dist.get_rank() == 2:
-            os.kill(os.getpid(), signal.SIGKILL)
-        dist.all_reduce(t)
-    """)
+    proc, took = launch(tmp_path, KILL_LAST_RANK)
     assert proc.returncode != 0
     assert took < 30, took
     # The launcher names the dead rank; each survivor says where it was and who died (same node: by pid).
@@ -129,7 +133,7 @@ def test_killed_rank_ends_the_job(tmp_path):
         line = [x for x in proc.stderr.splitlines() if x.startswith(f"hpccomm: rank {rank} of 3 ended by SIGTERM")]
         assert len(line) == 1, proc.stderr
         assert "while in all_reduce (op #2 on group " in line[0], line
-        assert line[0].endswith(")") is False and "rank 2 (pid " in line[0] and ") is dead" in line[0], line
+        assert "; rank 2 (pid " in line[0] and line[0].endswith(") is dead"), line
     assert no_orphans(tmp_path)
 
 
@@ -147,14 +151,7 @@ def test_user_sigterm_handler_is_left_alone(tmp_path):
 
 
 def test_sigterm_report_can_be_turned_off(tmp_path):
-    proc, took = launch(tmp_path, """
-        hpccomm.init_process_group()
-        t = torch.ones(4)
-        dist.all_reduce(t)
-        if dist.get_rank() == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
-        dist.all_reduce(t)
-    """, n=2, env={"HPCCOMM_SIGNAL_REPORT": "0"})
+    proc, took = launch(tmp_path, KILL_LAST_RANK, n=2, env={"HPCCOMM_SIGNAL_REPORT": "0"})
     assert proc.returncode != 0 and took < 30, (proc.returncode, took)
     assert "ended by SIGTERM" not in proc.stderr, proc.stderr
 
