@@ -48,9 +48,12 @@ def install(comm, store) -> None:
     global _installed, _peers, _rank, _size, _store
     _store = store
     _rank, _size = comm.Get_rank(), comm.Get_size()
-    if _installed or _size == 1 or not config.get("HPCCOMM_SIGNAL_REPORT"):
+    if _size == 1:
         return
-    _peers = comm.allgather((socket.gethostname(), os.getpid()))
+    if not _peers:  # collective, so before any per-rank decision (settings may differ between ranks)
+        _peers = comm.allgather((socket.gethostname(), os.getpid()))
+    if _installed or not config.get("HPCCOMM_SIGNAL_REPORT"):
+        return
     if threading.current_thread() is not threading.main_thread():
         return  # signal handlers can only be set from the main thread
     if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
