@@ -44,9 +44,9 @@ class Group:
         self._lock = threading.Lock()
         _mpi.live.add(self)
 
-    def where(self) -> str:
-        """Context for error messages: op number, group and rank."""
-        return f"op #{self.seq} on group '{self.name}', rank {self.rank}/{self.size}"
+    def where(self, seq: int | None = None) -> str:
+        """Context for error messages: op number (``seq``, default the latest), group and rank."""
+        return f"op #{self.seq if seq is None else seq} on group '{self.name}', rank {self.rank}/{self.size}"
 
     def next_seq(self) -> int:
         self.seq += 1

@@ -345,7 +345,7 @@ def _install_excepthook(rank: int, size: int) -> None:
 
             traceback.print_exception(kind, value, tb, file=out)
         last = process_group._last_op[0]
-        where = f"last op: {last[0]} ({last[1]})" if last else "before any op"
+        where = f"last op: {last[0]} ({last[1].where(last[2])})" if last else "before any op"
         print(f"hpccomm: rank {rank} of {size} raised an uncaught {kind.__name__} ({where}); aborting the job "
               "so the other ranks do not wait for it (HPCCOMM_ABORT_ON_EXCEPTION=0 turns this off)",
               file=out, flush=True)

@@ -41,12 +41,17 @@ class Watchdog:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
+        self._last_timeout, self._last_seconds = None, 0.0
 
     def begin(self, group, name: str, seq: int) -> Optional[int]:
         timeout = group.timeout
         if timeout is None:
             return None
-        seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+        if timeout is self._last_timeout:  # every op asks: convert each timeout once
+            seconds = self._last_seconds
+        else:
+            seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+            self._last_timeout, self._last_seconds = timeout, seconds
         if seconds <= 0:
             return None
         token = next(self._ids)

@@ -25,7 +25,7 @@ from ._watchdog import watchdog
 #: The backend name registered with torch at ``import hpccomm``:
 #: ``dist.init_process_group(hpccomm.BACKEND_NAME)`` is ``dist.init_process_group("hpccomm")``.
 BACKEND_NAME = "hpccomm"
-_last_op = [None]  # (op, where) of the latest collective: named when a rank dies
+_last_op = [None]  # (op, group, seq) of the latest collective: named when a rank dies
 log = logging.getLogger("hpccomm")
 
 
@@ -77,10 +77,11 @@ class ProcessGroupHpccomm(ProcessGroupBase):
         g = self._g
         if g.comm is None:
             raise HpccommError(f"hpccomm {op} (group '{g.name}'): the process group was destroyed")
-        g.next_seq()
+        g.seq += 1
         devices = None
         try:
-            device = _gpu.cuda_device(g, op, args)  # a call with CUDA tensors goes to a GPU transport
+            # a call with CUDA tensors goes to a GPU transport (the CPU case: one test per tensor)
+            device = _gpu.cuda_device(g, op, args) if _gpu.any_cuda(args) else None
             if device is not None:
                 devices = _gpu.future_devices(device)
                 transport = _gpu.transport(g, op, device)
@@ -112,23 +113,25 @@ class ProcessGroupHpccomm(ProcessGroupBase):
             if not asynchronous:  # queued only to keep this group's issue order
                 work.wait()
             return work
-        # The blocking path (latency-bound): call directly, no closure.
-        return _work.done(self._call(op, g, g.seq, g.where(), run, args), devices)
+        # The blocking path (latency-bound): call directly, no closure.  Every
+        # microsecond here costs several in front of a cache-hot shared-memory
+        # collective (docs/benchmarks.md), so nothing is formatted unless needed.
+        return _work.Work(self._call(op, g, g.seq, run, args), devices=devices)
 
     @classmethod
     def _guarded(cls, op: str, g, run, args_for_trace=()):
         """``run`` wrapped for the comm thread, with the op number it has now."""
-        where, seq = g.where(), g.seq
-        return lambda: cls._call(op, g, seq, where, run, args_for_trace)
+        seq = g.seq
+        return lambda: cls._call(op, g, seq, run, args_for_trace)
 
     @staticmethod
-    def _call(op: str, g, seq: int, where: str, run, args_for_trace):
+    def _call(op: str, g, seq: int, run, args_for_trace):
         """Run an op's communication under the watchdog and the tracer; an MPI
         error becomes an HpccommError naming the op."""
         debug = log.isEnabledFor(logging.DEBUG)
         t0 = time.perf_counter() if debug else 0.0
         token = watchdog.begin(g, op, seq)
-        _last_op[0] = (op, where)
+        _last_op[0] = (op, g, seq)
         tracer = _trace.active()
         start = _trace.now_ns() if tracer else 0
         try:
@@ -136,13 +139,13 @@ class ProcessGroupHpccomm(ProcessGroupBase):
         except OpError:
             raise
         except _mpi.mpi().Exception as exc:
-            raise HpccommError(f"hpccomm {op} ({where}): MPI failed: {exc}") from exc
+            raise HpccommError(f"hpccomm {op} ({g.where(seq)}): MPI failed: {exc}") from exc
         finally:
             watchdog.end(token)
             if tracer:
                 tracer.record(op, g.name, seq, _nbytes(args_for_trace), start, _trace.now_ns())
         if debug:
-            log.debug("%s (%s): %.1f us", op, where, (time.perf_counter() - t0) * 1e6)
+            log.debug("%s (%s): %.1f us", op, g.where(seq), (time.perf_counter() - t0) * 1e6)
         return result
 
     @staticmethod

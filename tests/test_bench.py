@@ -245,3 +245,28 @@ def test_peak_memory_is_printed(tmp_path):
 def test_bad_arguments_fail_before_mpi(tmp_path):
     proc = bench(tmp_path, "--ops", "all_reduse", n=1, limit=60)
     assert proc.returncode != 0 and "unknown op 'all_reduse'" in proc.stderr
+
+
+def test_floor_backend_is_checked_and_right_at_an_odd_size(tmp_path):
+    """``--compare floor`` (raw MPI calls inside the thinnest Python process group): its results go
+    through the same checker (right with MAX at 3 ranks; every checked result caught when corrupted),
+    and the cases it cannot run say why."""
+    args = ["--ops", "all_reduce,all_gather,reduce_scatter,broadcast", "-b", "8", "-e", "128K", "-f", "16",
+            "-n", "3", "-w", "1", "-o", "max", "--compare", "floor", "--batch", "1"]
+    js = tmp_path / "f.json"
+    proc = bench(tmp_path, *args, "--json", js, n=3)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "x/floor" in proc.stdout
+    rows = [r for r in json.loads(js.read_text())["rows"] if r["backend"] == "floor"]
+    ran = {(r["op"], r["placement"]) for r in rows if not r["note"]}
+    assert ran == {("all_reduce", "in-place"), ("all_gather", "out-of-place"), ("all_gather", "in-place"),
+                   ("reduce_scatter", "out-of-place")}, ran
+    assert all(r["wrong"] == 0 and r["time_us"] > 0 for r in rows if not r["note"]), rows
+    notes = {r["op"]: r["note"] for r in rows if r["note"]}
+    assert notes["broadcast"].startswith("floor: only all_reduce, all_gather, reduce_scatter"), notes
+    assert "out-of-place reduce_scatter only" in notes["reduce_scatter"], notes
+
+    proc = bench(tmp_path, *args, "--json", js, "--corrupt", n=3)
+    assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
+    rows = [r for r in json.loads(js.read_text())["rows"] if r["backend"] == "floor" and not r["note"]]
+    assert rows and all(r["wrong"] == (3 + 1) * 3 for r in rows), rows  # (iterations + warm-up) x ranks

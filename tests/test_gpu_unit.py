@@ -52,6 +52,10 @@ class FakeCudaTensor(torch.Tensor):
     def is_cuda(self):
         return True
 
+    @property
+    def is_cpu(self):
+        return False
+
 
 class FakeCuda1Tensor(FakeCudaTensor):
     @property

@@ -66,6 +66,10 @@ class FakeCudaTensor(torch.Tensor):
     def device(self):
         return torch.device("cuda", 0)
 
+    @property
+    def is_cpu(self):
+        return False
+
 
 @pytest.fixture(scope="module")
 def MPI():
@@ -359,7 +363,7 @@ def _meta():
 def _cuda_mock():
     """A stand-in passing isinstance(torch.Tensor) whose device is cuda:1."""
     m = mock.MagicMock(spec=torch.Tensor)
-    m.layout, m.device, m.dtype = torch.strided, torch.device("cuda", 1), torch.float32
+    m.layout, m.device, m.dtype, m.is_cpu = torch.strided, torch.device("cuda", 1), torch.float32, False
     return m
 
 

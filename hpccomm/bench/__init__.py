@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 import hpccomm
 
-from . import backends, report
+from . import backends, floor, report
 from .ops import DTYPES, OPS, REDOPS, Row, make_case, parse_ops, sizes, stats, type_name
 from .ops import algbw as _algbw
 from .ops import busbw as _busbw
@@ -62,8 +62,11 @@ def add_arguments(p) -> None:
                    help="async mode: async_op=True then wait() (raw MPI: nonblocking call then Wait)")
     g.add_argument("--mode", dest="mode", choices=["blocking", "async", "both"], default="blocking",
                    help="blocking (default), async, or both")
-    g.add_argument("--compare", default="", metavar="gloo,mpi4py",
-                   help="also run the sweep through these backends (they take turns iteration by iteration)")
+    g.add_argument("--compare", default="", metavar="gloo,mpi4py,floor",
+                   help="also run the sweep through these backends (they take turns iteration by iteration): "
+                        "gloo (torch's CPU backend), mpi4py (raw MPI calls, the limit), floor (the same MPI "
+                        "calls inside the thinnest Python process group torch accepts: torch.distributed's "
+                        "own cost; all_reduce, all_gather, reduce_scatter only)")
     g.add_argument("--stats", action="store_true", help="print min, max and p99 beside the median")
     g.add_argument("--batch", type=int, default=0, metavar="B",
                    help="ops timed back to back per sample (the time is the sample's / B), as nccl-tests "
@@ -115,8 +118,8 @@ def run(args) -> int:
         size_list = sizes(args.min_bytes, args.max_bytes, args.factor)
         others = [b.strip() for b in args.compare.split(",") if b.strip()]
         for b in others:
-            if b not in ("gloo", "mpi4py"):
-                raise ValueError(f"--compare {b!r}: choose from gloo, mpi4py")
+            if b not in ("gloo", "mpi4py", "floor"):
+                raise ValueError(f"--compare {b!r}: choose from gloo, mpi4py, floor")
         if args.threads is not None and args.threads < 1:
             raise ValueError("--threads must be >= 1")
         if args.iters < 1 or args.warmup < 0:
@@ -177,7 +180,11 @@ def _sweep(args, specs, dtypes, size_list, others, rank: int, n: int) -> int:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD.Dup()  # barriers, result gathering and the raw-MPI baseline
-    gloo = dist.new_group(backend="gloo") if "gloo" in others else None
+    groups = {"hpccomm": None}  # the torch groups ops run on (None: the default hpccomm group)
+    if "gloo" in others:
+        groups["gloo"] = dist.new_group(backend="gloo")
+    if "floor" in others:
+        groups["floor"] = floor.new_group()
     backend_names = ["hpccomm", *others]
     modes = ["blocking", "async"] if args.mode == "both" else [args.mode]
     plan = []
@@ -219,7 +226,7 @@ def _sweep(args, specs, dtypes, size_list, others, rank: int, n: int) -> int:
             for placement in spec.placements:
                 cases = [make_case(spec, placement, count, dtype, rank, n, args.redop, args.root, args.corrupt)
                          for _ in backend_names]
-                for row in _measure(cases, backend_names, mode, gloo, comm, args, dtype, rank, n):
+                for row in _measure(cases, backend_names, mode, groups, comm, args, dtype, rank, n):
                     pending.append(row)
                     rows.append(row)
                     progress.step(f"{spec.name} {type_name(dtype)} {row.size} B {placement} {mode} {row.backend}")
@@ -256,7 +263,7 @@ def _flush(rows: list, rank: int, args, others: list) -> None:
             print(report.compare_table(entries, others), flush=True)
 
 
-def _measure(cases, backend_names, mode: str, gloo, comm, args, dtype, rank: int, n: int) -> list:
+def _measure(cases, backend_names, mode: str, groups, comm, args, dtype, rank: int, n: int) -> list:
     """Time and check one (op, size, placement, mode) on every backend
     (collective over every rank).  The backends take turns iteration by
     iteration, so a burst of load on the machine hits them all alike."""
@@ -269,10 +276,14 @@ def _measure(cases, backend_names, mode: str, gloo, comm, args, dtype, rank: int
                   args.redop if spec.reduces else "none", root, *([float("nan")] * 6), 0, args.iters)
         rows.append(row)
         try:
+            why = floor.supported(spec.name, case.placement, asynchronous, dtype, args.redop) \
+                if backend == "floor" else None
+            if why is not None:
+                raise backends.Unsupported(why)
             if backend == "mpi4py":
                 fn = backends.call_mpi(case, comm, asynchronous, args.redop, args.root, dtype)
             else:
-                fn = backends.call_torch(case, gloo if backend == "gloo" else None, backend, asynchronous,
+                fn = backends.call_torch(case, groups[backend], backend, asynchronous,
                                          args.redop, args.root)
         except backends.Unsupported as exc:  # decided from the arguments alone: the same on every rank
             row.note = str(exc)

@@ -144,7 +144,7 @@ def plot(path: str, rows: list, title: str) -> None:
         for r in rows:
             if r.op == op and r.placement == PRIMARY[op] and not r.note and r.size:
                 lines.setdefault((r.backend, r.type, r.mode), []).append(r)
-        order = {"hpccomm": 0, "gloo": 1, "mpi4py": 2}
+        order = {"hpccomm": 0, "gloo": 1, "mpi4py": 2, "floor": 3}
         for (backend, dtype, mode), rs in sorted(lines.items(), key=lambda kv: (order.get(kv[0][0], 9), kv[0])):
             rs.sort(key=lambda r: r.size)
             label = backend + ("" if dtype == "float32" else f" {dtype}") + ("" if mode == "blocking" else f" {mode}")

@@ -23,8 +23,8 @@ def check_tensor(group, op: str, t, what: str = "tensor") -> None:
     if t.layout != torch.strided:
         raise OpTypeError(op, group.where(), f"{what} has layout {t.layout}; only dense (strided) tensors can be sent",
                           "Call .to_dense() first")
-    dev = t.device.type
-    if dev != "cpu" and dev != getattr(group, "device_type", "cpu"):
+    if not t.is_cpu and t.device.type != getattr(group, "device_type", "cpu"):
+        dev = t.device.type
         if dev == "meta":
             raise OpTypeError(op, group.where(), f"{what} is a meta tensor: it has no data to communicate")
         raise OpTypeError(op, group.where(), f"{what} is on device {t.device}; this path moves CPU tensors only",
