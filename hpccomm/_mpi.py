@@ -45,13 +45,21 @@ live = weakref.WeakSet()
 
 def _before_finalize() -> None:
     """Free hpccomm's communicators and user ops while MPI is still up, so
-    finalisation prints no leak or error messages."""
+    finalisation prints no leak or error messages.
+
+    Async ops the program never waited for are run to completion first: the
+    comm thread must not be inside MPI, or completing a torch future, when
+    MPI is finalised and the interpreter tears its threads down (that
+    crashed the process with SIGSEGV or SIGABRT).  Every rank drains the
+    same ops, so this ends; an op whose peers never come is ended by the
+    watchdog at the group's timeout, with its message.
+    """
     MPI = _MPI
     if MPI is None or MPI.Is_finalized():
         return
     for obj in list(live):
         try:
-            obj.free(flush=False)  # a queued op still pending at exit is abandoned
+            obj.free(flush=True)
         except Exception:  # noqa: BLE001 - at exit: keep freeing the rest
             pass
     free_user_ops()

@@ -237,3 +237,26 @@ def test_ctrl_c_ends_every_rank(tmp_path):
     took = time.monotonic() - t0
     assert proc.returncode != 0 and took < 15, (proc.returncode, took)
     assert no_orphans(tmp_path)
+
+
+def test_exit_with_async_ops_never_waited_for_is_clean(tmp_path):
+    """A program that exits with async ops still queued (no wait(), no destroy_process_group) ends
+    normally: the ops run to completion first (this used to end in SIGSEGV or SIGABRT)."""
+    proc, took = launch(tmp_path, """
+        import atexit
+        t = torch.ones(1 << 16)
+        # registered before hpccomm's own exit handler, so it runs after it (atexit is LIFO)
+        atexit.register(lambda: print(f"rank {os.environ['OMPI_COMM_WORLD_RANK']}"
+                                      f" final {t[0].item()} {t[-1].item()}", flush=True))
+        hpccomm.init_process_group()
+        works = [dist.all_reduce(t, async_op=True) for _ in range(10)]
+        big = [dist.all_reduce(torch.ones(1 << 14), async_op=True) for _ in range(300)]
+        print("exiting", flush=True)
+    """)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    for bad in ("Segmentation fault", "Aborted", "terminate called", "signal"):
+        assert bad not in out, out[-3000:]
+    for r in range(3):  # ten in-place sums of ones over 3 ranks: 3 ** 10 everywhere
+        assert f"rank {r} final 59049.0 59049.0" in proc.stdout, proc.stdout
+    assert no_orphans(tmp_path)
