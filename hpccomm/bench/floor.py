@@ -121,6 +121,7 @@ def _create(opts, backend_options=None):
 
 def new_group():
     """A world-wide floor group (collective: every rank calls it)."""
-    if NAME.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu"])
+    from .._compat import register_backend
+
+    register_backend(NAME, _create, devices=["cpu"])  # once per process
     return dist.new_group(backend=NAME)
