@@ -21,6 +21,7 @@ import inspect
 import os
 import re
 import shlex
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -81,6 +82,12 @@ def _command(launcher: str, script: Path) -> list:
     raise AssertionError(f"unknown launcher in '# runnable: {launcher}' (use mpirun or torchrun)")
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("page,line,launcher,env,expect,code", BLOCKS,
                          ids=[f"{b[0]}:{b[1]}" for b in BLOCKS])
@@ -92,6 +99,8 @@ def test_runnable_example(tmp_path, page, line, launcher, env, expect, code):
     full.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_mpi_yield_when_idle="1",
                 PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR", OMP_NUM_THREADS="1",
                 PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    if "MASTER_PORT" in code and "MASTER_PORT" not in env:
+        full["MASTER_PORT"] = str(_free_port())  # the example's fixed port may be taken on a busy machine
     full.update(env)
     proc = subprocess.run(["timeout", "--kill-after=10", "240", *_command(launcher, script)],
                           capture_output=True, text=True, env=full, cwd=tmp_path)
