@@ -48,10 +48,6 @@ class Group:
         """Context for error messages: op number (``seq``, default the latest), group and rank."""
         return f"op #{self.seq if seq is None else seq} on group '{self.name}', rank {self.rank}/{self.size}"
 
-    def next_seq(self) -> int:
-        self.seq += 1
-        return self.seq
-
     def subgroup(self, ranks: Sequence[int], tag: int, name: str = "", store=None, timeout=None) -> "Group":
         """The group of ``ranks`` (ranks of this group), built collectively by
         the members only (MPI_Comm_create_group): non-members take no part."""
