@@ -168,3 +168,21 @@ def raised_by(call):
     except Exception as exc:  # noqa: BLE001 - checked by the caller
         return exc
     return None
+
+
+class FakeCudaTensor(torch.Tensor):
+    """A CPU tensor claiming to live on cuda:0 (device, is_cuda and is_cpu all say
+    so), as mpi4py's tests use a fake GPU array to reach GPU code paths without a
+    GPU: host memory underneath."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+    @property
+    def is_cuda(self):
+        return True
+
+    @property
+    def is_cpu(self):
+        return False

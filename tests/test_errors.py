@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import hpccomm
-from helpers import FLOAT8, R
+from helpers import FLOAT8, R, FakeCudaTensor
 
 pytestmark = pytest.mark.mpi
 
@@ -579,19 +579,6 @@ def test_meta_tensor(world, op):
             dist.broadcast(t, src=0)
         else:
             dist.all_gather_into_tensor(torch.empty(3 * n, device="meta"), dense)
-
-
-class FakeCudaTensor(torch.Tensor):
-    """A CPU tensor that claims to live on cuda:0 (no GPU needed), as
-    mpi4py's tests use a fake GPU array to reach GPU code paths."""
-
-    @property
-    def device(self):
-        return torch.device("cuda", 0)
-
-    @property
-    def is_cuda(self):
-        return True
 
 
 @pytest.fixture

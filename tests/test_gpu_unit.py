@@ -32,7 +32,7 @@ from hpccomm.gpu import cuda_mpi, dispatch, nccl_cupy, nccl_torch, probe, select
 from hpccomm.gpu.probe import Finding
 from hpccomm.gpu.select import Capabilities, NoTransport
 from hpccomm.ops import alltoall, gather, reduce, scatter
-from helpers import Problems, raised_by
+from helpers import FakeCudaTensor, Problems, raised_by
 
 R = dist.ReduceOp
 
@@ -40,22 +40,6 @@ R = dist.ReduceOp
 # --------------------------------------------------------------------------
 # fakes
 # --------------------------------------------------------------------------
-
-class FakeCudaTensor(torch.Tensor):
-    """A CPU tensor claiming to be on cuda:0: device code paths, host memory."""
-
-    @property
-    def device(self):
-        return torch.device("cuda", 0)
-
-    @property
-    def is_cuda(self):
-        return True
-
-    @property
-    def is_cpu(self):
-        return False
-
 
 class FakeCuda1Tensor(FakeCudaTensor):
     @property
@@ -972,6 +956,9 @@ class FakeCudaTensor(torch.Tensor):
     @property
     def is_cuda(self):
         return True
+    @property
+    def is_cpu(self):
+        return False
 dispatch._caps[0] = select.Capabilities(probe.Finding(False, "no"), probe.Finding(False, "no"),
                                         probe.Finding(False, "no"))
 try:

@@ -27,7 +27,7 @@ import hpccomm
 from hpccomm import _compat, _group, _init, _mpi, config, errors
 from hpccomm.ops import _common as c
 from hpccomm.ops import alltoall, gather, p2p, reduce, scatter
-from helpers import MOVE_DTYPES
+from helpers import MOVE_DTYPES, FakeCudaTensor
 
 R = dist.ReduceOp
 T = R.RedOpType
@@ -57,18 +57,6 @@ def fake_group(rank: int = 1, size: int = 4) -> _group.Group:
                       name="fake", desc="", store=None, timeout=None, seq=7, max_count=2**31 - 1,
                       tag_ub=32767, _owns_comm=False)
     return g
-
-
-class FakeCudaTensor(torch.Tensor):
-    """A CPU tensor claiming to be on cuda:0."""
-
-    @property
-    def device(self):
-        return torch.device("cuda", 0)
-
-    @property
-    def is_cpu(self):
-        return False
 
 
 @pytest.fixture(scope="module")
