@@ -80,8 +80,7 @@ class ProcessGroupHpccomm(ProcessGroupBase):
         g.seq += 1
         devices = None
         try:
-            # a call with CUDA tensors goes to a GPU transport (the CPU case: one test per tensor)
-            device = _gpu.cuda_device(g, op, args) if _gpu.any_cuda(args) else None
+            device = _gpu.cuda_device(g, op, args)  # a call with CUDA tensors goes to a GPU transport
             if device is not None:
                 devices = _gpu.future_devices(device)
                 transport = _gpu.transport(g, op, device)

@@ -41,13 +41,13 @@ _binding: dict = {"device": None, "how": "not bound yet (no world group made)"}
 # the devices of a call
 # --------------------------------------------------------------------------
 
-def any_cuda(items) -> bool:
+def _any_cuda(items) -> bool:
     """Whether any tensor among ``items`` (nested lists and tuples) is on a GPU."""
     for a in items:
         if isinstance(a, _Tensor):
             if a.is_cuda:
                 return True
-        elif isinstance(a, (list, tuple)) and any_cuda(a):
+        elif isinstance(a, (list, tuple)) and _any_cuda(a):
             return True
     return False
 
@@ -59,7 +59,7 @@ def cuda_device(group, op: str, args):
     output, or two GPUs): checked before any communication.  Asked for every
     op, so the CPU case is one attribute test per tensor.
     """
-    if not any_cuda(args):
+    if not _any_cuda(args):
         return None  # no CUDA tensor: the CPU path (whose checks refuse other devices)
     devices = {t.device for t in tensors_in(args)}
     if len(devices) == 1:
