@@ -1,34 +1,49 @@
 """hpccomm: an MPI backend for torch.distributed, in Python, over mpi4py.
 
 ``import hpccomm`` registers the backend ``"hpccomm"`` and the rendezvous
-``"mpi://"`` with torch; it does not start MPI.  Then, under mpirun, mpiexec
-or srun::
+``"mpi://"`` with torch; it does not start MPI.  (torch >= 2.14 finds the
+backend by itself through its entry points; see :mod:`hpccomm._plugin`.)
+Then, under mpirun, mpiexec or srun::
 
     import hpccomm
-    hpccomm.init_process_group()            # or dist.init_process_group("hpccomm", init_method="mpi://")
+    hpccomm.init_process_group()            # or dist.init_process_group("hpccomm")
     dist.all_reduce(torch.ones(4))
+
+Importing is cheap: the package's modules load when first used (torch's
+autoload imports this package at ``import torch``).
 """
 from __future__ import annotations
 
-from . import errors, launcher
-from ._barrier import monitored_barrier
-from ._init import (
-    RankInfo,
-    from_mpi4py,
-    init_process_group,
-    local_rank,
-    local_size,
-    node_index,
-    register as _register,
-)
+import importlib
+
+from . import config, errors, launcher
+from ._plugin import BACKEND_NAME
 from .errors import ConfigError, HpccommError, InitError, OpError, OpTypeError, OpValueError
 from .launcher import Launch, is_torchelastic_launched
-from .process_group import BACKEND_NAME, ProcessGroupHpccomm
 
 __version__ = "0.1.0"
 
+#: Public names loaded on first use: name -> module.
+_LAZY = {
+    "RankInfo": "._init",
+    "from_mpi4py": "._init",
+    "init_process_group": "._init",
+    "local_rank": "._init",
+    "local_size": "._init",
+    "node_index": "._init",
+    "mpi_comm": "._init",
+    "monitored_barrier": "._barrier",
+    "ProcessGroupHpccomm": ".process_group",
+    "BackendHpccomm": ".backend",
+    "RankFailure": "._ft",
+    "Shrunk": "._ft",
+    "shrink": "._ft",
+    "rank_failure": "._ft",
+}
+
 __all__ = [
     "BACKEND_NAME",
+    "BackendHpccomm",
     "ConfigError",
     "HpccommError",
     "InitError",
@@ -37,7 +52,10 @@ __all__ = [
     "OpTypeError",
     "OpValueError",
     "ProcessGroupHpccomm",
+    "RankFailure",
     "RankInfo",
+    "Shrunk",
+    "config",
     "errors",
     "from_mpi4py",
     "init_process_group",
@@ -49,8 +67,24 @@ __all__ = [
     "local_rank",
     "local_size",
     "monitored_barrier",
+    "mpi_comm",
     "node_index",
+    "rank_failure",
+    "shrink",
 ]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hpccomm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # once loaded, a plain attribute
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def is_available() -> bool:
@@ -104,6 +138,12 @@ def is_nccl_available() -> bool:
     from . import _compat
 
     return _compat.nccl_available()
+
+
+def _register() -> None:
+    from . import _plugin
+
+    _plugin.register()
 
 
 _register()

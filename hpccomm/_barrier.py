@@ -12,7 +12,7 @@ import time
 from datetime import timedelta
 from typing import Optional
 
-from ._compat import world_group
+from ._compat import group_of, world_group
 from .errors import HpccommError
 
 
@@ -37,7 +37,7 @@ def monitored_barrier(group=None, timeout: Optional[timedelta] = None, wait_all_
         hpccomm.monitored_barrier(timeout=timedelta(seconds=30), wait_all_ranks=True)
     """
     pg = group if group is not None else world_group()
-    g = getattr(pg, "_g", None)
+    g = pg if hasattr(pg, "global_ranks") else group_of(pg)  # a torch group, or hpccomm's own (the Backend's)
     if g is None:
         raise HpccommError("hpccomm.monitored_barrier: the group is not an hpccomm process group")
     if g.store is None:
@@ -69,6 +69,18 @@ def monitored_barrier(group=None, timeout: Optional[timedelta] = None, wait_all_
             raise HpccommError(f"hpccomm monitored_barrier (group '{g.name}', rank {g.rank}/{g.size}): group rank 0 "
                                f"(global rank {g.global_ranks[0]}) gave no verdict within {timeout}") from None
         verdict = store.get(prefix + "verdict").decode()
+    _forget(store, prefix, g.size)
     if verdict != "ok":
         raise HpccommError(f"hpccomm monitored_barrier (group '{g.name}', rank {g.rank}/{g.size}): rank(s) "
                            f"[{verdict.replace(',', ', ')}] did not arrive within {timeout}")
+
+
+def _forget(store, prefix: str, size: int) -> None:
+    """The last rank to learn the verdict deletes the barrier's keys (a rank
+    that never arrived leaves them: the job is usually ending then)."""
+    try:
+        if store.add(prefix + "read", 1) == size:
+            for key in [*(prefix + str(r) for r in range(size)), prefix + "verdict", prefix + "read"]:
+                store.delete_key(key)
+    except Exception:  # noqa: BLE001 - cleaning up must not turn a passed barrier into an error
+        pass

@@ -23,7 +23,7 @@ from dataclasses import asdict
 
 #: Fields that must be equal on every rank (dotted names; a trailing ``.``
 #: means every field under it).
-MUST_AGREE = ("versions.", "mpi.library", "mpi.abi", "mpi.standard", "mpi.thread_level_granted", "mpi.size",
+MUST_AGREE = ("versions.", "mpi.library", "mpi.abi", "mpi.family", "mpi.standard", "mpi.thread_level_granted", "mpi.size",
               "launcher.name", "launcher.size", "options.")
 
 #: Fields left out of the per-rank table: they say nothing about the job.
@@ -147,13 +147,48 @@ def mpi_info() -> dict:
     out = {"available": probe.available, "library": probe.library, "abi": probe.abi, "path": probe.path,
            "reason": probe.reason or None, "standard": None, "thread_level_requested": _mpi.REQUESTED_THREAD_LEVEL,
            "thread_level_granted": None, "rank": None, "size": None, "processor": None}
+    out.update(family_info(probe))
     if not probe.available:
         return out
     MPI = _mpi.mpi()
     out.update(library=_mpi.library_version(), standard="%d.%d" % MPI.Get_version(),
                thread_level_granted=_mpi.thread_level(), rank=MPI.COMM_WORLD.Get_rank(),
                size=MPI.COMM_WORLD.Get_size(), processor=MPI.Get_processor_name())
+    out.update(capability_info(_mpi.capabilities()))
     return out
+
+
+def family_info(probe) -> dict:
+    """The MPI family of the library mpi4py loads and how that family is
+    launched (docs/mpi-families.md): ``family``, ``launcher`` (the launcher
+    beside the library, else on PATH), ``oversubscribe`` (the launcher's flag
+    for more ranks than cores), ``srun_mpi`` (the srun plugin)."""
+    from . import _mpi, launcher
+
+    fam = launcher.family_of(probe.library)
+    if fam is None:
+        return {"family": None, "launcher": None, "oversubscribe": None, "srun_mpi": None}
+    return {"family": fam.name,
+            "launcher": _mpi.launcher_path(fam, probe.path) or f"{fam.launcher} (not found beside the library "
+                                                                 "or on PATH)",
+            "oversubscribe": " ".join(fam.oversubscribe) or "none needed (Hydra starts any number of ranks)",
+            "srun_mpi": f"--mpi={fam.srun_mpi}"}
+
+
+def capability_info(caps: dict) -> dict:
+    """:func:`hpccomm._mpi.capabilities` as the lines of ``hpccomm info``."""
+    large = caps["large_count"]
+    if large is None:
+        count = "unknown (the MPI library file was not found in this process)"
+    elif large:
+        count = "yes (MPI_Send_c and the other MPI-4 _c calls, which mpi4py uses)"
+    else:
+        count = ("no (no MPI_Send_c: mpi4py refuses counts past 2**31-1; hpccomm splits messages at "
+                 "HPCCOMM_MAX_MPI_COUNT)")
+    classes = " ".join(f"{k}={v}" for k, v in caps["error_classes"].items())
+    ulfm = ("distinct classes" if caps["ulfm_classes"] else
+            "ERR_PROC_FAILED and ERR_REVOKED are ERR_UNKNOWN in this mpi4py build (no fault-tolerance classes)")
+    return {"large_count": count, "tag_ub": caps["tag_ub"], "error_classes": classes, "ulfm_error_classes": ulfm}
 
 
 def collect() -> dict:

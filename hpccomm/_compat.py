@@ -1,9 +1,11 @@
 """Every version-sensitive symbol of torch, in one place.
 
-The rest of hpccomm imports torch's distributed internals only from here, so
-that a new torch (for example one with ``dist.BackendBase``, a Python
-trampoline for ``c10d::Backend``) can be supported by changing this module and
-``process_group.py`` alone.
+The rest of hpccomm imports torch's distributed internals only from here.
+Which adapter torch gets is decided once, here, by feature test (not by
+version number): :func:`py_backend` is True when this torch dispatches a
+Python subclass of its C++ ``Backend`` (the ``PyBackend`` trampoline of
+torch >= 2.14); then hpccomm is a ``Backend`` (``hpccomm.backend``), else a
+whole ``ProcessGroup`` (``hpccomm.process_group``, torch 2.13).
 """
 from __future__ import annotations
 
@@ -16,6 +18,49 @@ TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")
 #: The C++-backed base classes a Python backend derives from.
 ProcessGroupBase = dist.ProcessGroup
 WorkBase = dist.Work
+BackendBase = getattr(_c10d, "Backend", None)
+BackendOptions = getattr(BackendBase, "Options", None)
+
+
+def _python_backend() -> bool:
+    """Whether a Python subclass of torch's C++ ``Backend`` can be made (and
+    is then dispatched through the ``PyBackend`` trampoline): torch 2.13's
+    Backend has no constructor for Python; torch >= 2.14's does."""
+    if BackendBase is None or BackendOptions is None:
+        return False
+    try:
+        probe = type("_Probe", (BackendBase,), {})(0, 1)
+    except TypeError:
+        return False
+    del probe
+    return True
+
+
+_py_backend: list = []
+
+
+def py_backend() -> bool:
+    """True: hpccomm is a ``Backend`` for this torch (torch >= 2.14); False:
+    a whole ``ProcessGroup`` (torch 2.13).  Decided once, by feature test."""
+    if not _py_backend:
+        _py_backend.append(_python_backend())
+    return _py_backend[0]
+
+
+def group_of(pg):
+    """The :class:`hpccomm._group.Group` behind torch group ``pg``, or None
+    when ``pg`` is not an hpccomm group."""
+    g = getattr(pg, "_g", None)  # the torch 2.13 adapter is the group itself
+    if g is not None:
+        return g
+    get_backend = getattr(pg, "_get_backend", None)
+    if get_backend is None:
+        return None
+    try:
+        backend = get_backend(torch.device("cpu"))
+    except (RuntimeError, ValueError):
+        return None
+    return getattr(backend, "_g", None)
 ReduceOp = dist.ReduceOp
 RedOpType = dist.ReduceOp.RedOpType
 
@@ -47,10 +92,45 @@ def register_rendezvous_handler(scheme: str, handler) -> None:
         rdzv_module.register_rendezvous_handler(scheme, handler)
 
 
+def distributed_available() -> bool:
+    """Whether this torch was built with torch.distributed."""
+    return dist.is_available()
+
+
+def wrap_env_rendezvous(wrap) -> None:
+    """Replace torch's ``env://`` rendezvous handler by ``wrap(torch's)``,
+    once (torch offers no public way to replace a handler)."""
+    import importlib
+
+    rdzv_module = importlib.import_module("torch.distributed.rendezvous")
+    handlers = rdzv_module._rendezvous_handlers
+    current = handlers.get("env")
+    if current is not None and not getattr(current, "hpccomm", False):
+        handlers["env"] = wrap(current)
+
+
 def register_backend(name: str, creator, devices) -> None:
     if name.upper() in dist.Backend._plugins:
         return
     dist.Backend.register_backend(name, creator, extended_api=True, devices=devices)
+
+
+def default_store():
+    """The default group's store, without any group's prefix (None before init)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    try:
+        return c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return None
+
+
+def fully_shard():
+    """torch's FSDP2 ``fully_shard`` (``torch.distributed.fsdp``, imported on
+    first use: the example programs and benchmarks train with it)."""
+    from torch.distributed.fsdp import fully_shard as shard
+
+    return shard
 
 
 def world_group():
@@ -210,3 +290,125 @@ class _DynamoImportHook:
 
         spec.loader.exec_module = exec_module
         return spec
+
+
+# --------------------------------------------------------------------------
+# Fault tolerance (hpccomm._ft): torch's registry of groups, and the base
+# class of hpccomm.RankFailure.
+# --------------------------------------------------------------------------
+
+DistBackendError = dist.DistBackendError
+
+
+def process_groups() -> list:
+    """``(group, global ranks in group-rank order)`` for every process group
+    torch knows on this rank but the default one, oldest first."""
+    from torch.distributed import distributed_c10d as c10d
+
+    default = c10d._world.default_pg
+    out = []
+    for pg, ranks in list(c10d._world.pg_group_ranks.items()):
+        if pg is default or not isinstance(pg, dist.ProcessGroup):
+            continue
+        out.append((pg, [g for g, _ in sorted(ranks.items(), key=lambda item: item[1])]))
+    return out
+
+
+def replace_group_store(pg, store) -> None:
+    """Make ``store`` the store torch keeps for group ``pg`` (what
+    ``dist.shrink_group`` clones for the group it makes: the old one may have
+    lived on a rank that failed)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    backend, _ = c10d._world.pg_map[pg]
+    c10d._world.pg_map[pg] = (backend, store)
+
+
+def retype_shrunk_groups(is_ours) -> None:
+    """Make ``dist.shrink_group`` register a shrunk hpccomm Backend as what it is.
+
+    torch 2.14/2.15's ``_create_shrunk_process_group`` puts the new Backend
+    under torch's GLOO type for CPU (it assumes gloo there), and DDP's C++
+    logger then takes it for a ProcessGroupGloo: a segfault in
+    ``c10d::Logger::set_env_variables`` (torch 2.15, seen here).  After
+    torch made the group, a Backend ``is_ours`` accepts is registered again
+    as CUSTOM, as hpccomm registers its own groups.  Installed once."""
+    from torch.distributed import distributed_c10d as c10d
+
+    create = getattr(c10d, "_create_shrunk_process_group", None)
+    if create is None or getattr(create, "hpccomm", False):
+        return
+
+    def create_and_retype(new_backend, *args, **kwargs):
+        pg = create(new_backend, *args, **kwargs)
+        if is_ours(new_backend):
+            custom = dist.ProcessGroup.BackendType.CUSTOM
+            for device in ("cpu", "cuda"):
+                pg._register_backend(torch.device(device), custom, new_backend)
+            pg._set_default_backend(custom)
+        return pg
+
+    create_and_retype.hpccomm = True
+    c10d._create_shrunk_process_group = create_and_retype
+
+
+# -- groups made by their members only -----------------------------------------
+
+def _counter_salts_names() -> bool:
+    """Whether torch salts a hashed group name (``use_local_synchronization``)
+    with its per-process group counter (torch >= 2.14), which such a creation
+    then advances on the members only.  A pure call, no state changed."""
+    from torch.distributed import distributed_c10d as c10d
+
+    hash_ranks = getattr(c10d, "_hash_ranks_to_str", None)
+    world = getattr(c10d, "_world", None)
+    if hash_ranks is None or not hasattr(world, "group_count"):
+        return False
+    saved = world.group_count
+    try:
+        world.group_count = 0
+        first = hash_ranks([0])
+        world.group_count = 1
+        return hash_ranks([0]) != first
+    finally:
+        world.group_count = saved
+
+
+_members_only_made: dict = {}
+
+
+class members_only_naming:
+    """Around a group creation that only the group's members call (hpccomm's
+    :func:`hpccomm.from_mpi4py`, Horovod-style process-set groups): on a
+    torch whose hashed group names are salted with its group counter, the
+    counter would advance on the members only, and the next group every rank
+    makes with a default name (gloo rendezvouses by it) would get different
+    names on different ranks and hang.  Inside, the counter holds a salt of
+    hpccomm's own (negative: never one torch's counter reaches), counted per
+    rank set, which every member computes alike (members create their groups
+    in the same order, torch's rule); after, the counter is back where the
+    non-members have it."""
+
+    def __init__(self, ranks) -> None:
+        self.key = tuple(sorted(ranks))
+
+    def __enter__(self):
+        from torch.distributed import distributed_c10d as c10d
+
+        if not _salted[0]:
+            self.saved = None
+            return self
+        n = _members_only_made.get(self.key, 0) + 1
+        _members_only_made[self.key] = n
+        self.saved = c10d._world.group_count
+        c10d._world.group_count = -n
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from torch.distributed import distributed_c10d as c10d
+
+        if self.saved is not None:
+            c10d._world.group_count = self.saved
+
+
+_salted = [_counter_salts_names()]

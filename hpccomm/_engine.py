@@ -1,27 +1,54 @@
-"""The comm thread: where ``async_op=True`` collectives run, so communication
-overlaps the caller's computation.
+"""The comm thread, and hpccomm's rule for which thread may call MPI.
 
-Threading model (docs/design.md has the whole story):
+THE THREAD RULE (every thread hpccomm makes is listed here; docs/design.md
+has the whole story):
 
-- A blocking op (``async_op=False``) runs its MPI call in the calling thread,
-  unless its group still has queued async ops: then it queues behind them and
-  the caller waits, so ops on one communicator run in the order they were
-  issued, on every rank (MPI's rule for collectives).
-- An async op is checked in the calling thread (bad input raises there, before
-  any communication), then queued; one daemon thread, ``hpccomm-comm``, runs
-  the queue in order, inside blocking MPI calls that release the GIL.  The
-  returned Work completes when its job has run; its future completes on the
-  comm thread, so DDP's callbacks run there.
-- This needs MPI_THREAD_MULTIPLE (the caller and the comm thread may be in MPI
-  at once, on different communicators).  With a lower level every op runs in
-  the calling thread and async ops complete before returning; this is logged
-  once and shown by ``hpccomm info``.
+- At MPI_THREAD_MULTIPLE (what hpccomm asks for, and what Open MPI, MPICH and
+  Intel MPI grant here), each communicator has one owner at a time, and only
+  these threads call MPI:
+  * the calling thread: checks every op, runs blocking collectives on the
+    group's ``comm`` when the group has no queued async op, posts
+    point-to-point ops (MPI_Isend/Irecv on the group's ``p2p`` communicator)
+    and waits on them;
+  * ``hpccomm-comm`` (one daemon thread, this module): runs ``async_op=True``
+    collectives, and blocking ones queued behind them, in issue order on the
+    group's ``comm``; a group with queued ops is never used by the caller at
+    the same time (blocking ops queue behind), and every creation of a
+    sub-communicator or free of a communicator first drains its queue.  A
+    waiter whose op is the only one queued and not yet started runs it in
+    this thread's place (:meth:`Engine.steal`): the queue is the same, and
+    this thread runs nothing meanwhile;
+  * ``hpccomm-progress`` (hpccomm._work): MPI_Test on pending point-to-point
+    requests whose future someone asked for; a request is touched by one
+    thread at a time (the Work's lock).
+- Below MPI_THREAD_MULTIPLE only the calling thread calls MPI: async ops run
+  in the caller and complete before returning, a point-to-point Work's
+  future is completed by waiting in the caller when asked for, and neither
+  ``hpccomm-comm`` nor ``hpccomm-progress`` is started.  Logged once, shown
+  by ``hpccomm info``.
+- ``hpccomm-watchdog`` and ``hpccomm-signals`` never call MPI but for
+  MPI_Abort when ending the job; they read only settings validated at init.
+- At exit (hpccomm._mpi, before MPI_Finalize) the queued ops are run, the
+  comm and progress threads are stopped and joined, and pending
+  point-to-point requests are completed or cancelled.
+
+The comm thread: a blocking op (``async_op=False``) runs its MPI call in the
+calling thread, unless its group still has queued async ops: then it queues
+behind them and the caller waits, so ops on one communicator run in the
+order they were issued, on every rank (MPI's rule for collectives).  An
+async op is checked in the calling thread (bad input raises there, before
+any communication), then queued; ``hpccomm-comm`` runs the queue in order,
+inside blocking MPI calls that release the GIL.  The returned Work completes
+when its job has run; its future completes on the comm thread, so DDP's
+callbacks run there.
 """
 from __future__ import annotations
 
 import collections
 import logging
 import threading
+from _thread import allocate_lock as _allocate_lock
+from datetime import timedelta
 from typing import Optional
 
 from . import _mpi
@@ -29,26 +56,77 @@ from . import _mpi
 log = logging.getLogger("hpccomm")
 
 
+_get_ident = threading.get_ident
+#: The comm thread's name (its track in hpccomm._trace's timeline).
+THREAD_NAME = "hpccomm-comm"
+
+
+def latch():
+    """A closed latch: a plain lock, taken; ``release()`` opens it, and a
+    waiter ``acquire()``s then ``release()``s it (so every waiter passes).
+    Far cheaper than a ``threading.Event`` (a Python Condition per Event)."""
+    lock = _allocate_lock()
+    lock.acquire()
+    return lock
+
+
+def _nothing(job) -> None:
+    return None
+
+
 class Job:
-    """A queued op: the function that communicates, and where its result goes."""
+    """A queued op: ``run(job)`` communicates (``op``, ``call`` and ``args``
+    are the op path's), and where its result goes.  ``done``: a :func:`latch`
+    opened once a job without a Work (a flush) has run; a job with a Work
+    opens the Work's latch, if a waiter made one (after completing the Work)."""
 
-    __slots__ = ("group", "run", "done", "result", "error", "work")
     engine_completes = True  # the comm thread completes the Work (hpccomm._work)
+    token = None  # the op registers itself with the watchdog while it runs
+    done = None
+    result = None
+    error: Optional[BaseException] = None
+    work = None  # the Work to complete (set by the submitter; let go of once complete)
+    seq = None  # the op's number, taken when it runs
 
-    def __init__(self, group, run) -> None:
+    def __init__(self, group, run, op: str = "", call=None, args=()) -> None:
         self.group = group
         self.run = run
-        self.done = threading.Event()
-        self.result = None
-        self.error: Optional[BaseException] = None
-        self.work = None  # the Work to complete (set by the submitter)
+        self.op, self.call, self.args = op, call, args
 
-    # -- the Pending protocol of hpccomm._work --------------------------------
+    def describe(self) -> str:
+        """What the Work is, for its messages: the op and, once it ran, its number."""
+        g = self.group
+        return f"{self.op} ({g.where(self.seq) if self.seq is not None else 'group ' + repr(g.name)})"
+
+    def describe_as(self, op: str):
+        self.op = op
+        return self.describe
+
+    # -- the Pending protocol of hpccomm._work (its Work waits in its own way) --
     def test(self) -> bool:
-        return self.done.is_set()
+        if self.done is not None:
+            if self.done.acquire(False):
+                self.done.release()
+                return True
+            return False
+        return self.work is None or self.work._done
 
     def wait(self, seconds) -> bool:
-        return self.done.wait(seconds)
+        if self.done is not None:
+            if self.done.acquire(True, -1 if seconds is None else seconds):
+                self.done.release()
+                return True
+            return False
+        work = self.work
+        if work is None:
+            return True
+        try:
+            work.wait(None if seconds is None else timedelta(seconds=seconds))
+        except TimeoutError:
+            return False
+        except Exception:  # noqa: BLE001 - finish() raises it
+            pass
+        return True
 
     def finish(self):
         if self.error is not None:
@@ -58,13 +136,25 @@ class Job:
 
 
 class Engine:
-    """One FIFO queue and the thread that runs it."""
+    """One FIFO queue and the thread that runs it.
+
+    The queue, the thread's sleep and every group's ``queued`` count are
+    guarded by one plain lock; the thread sleeps on another (released by the
+    submitter that finds it asleep), so a submit costs two lock operations,
+    not a Python Condition.
+    """
 
     def __init__(self) -> None:
         self._queue: collections.deque = collections.deque()
-        self._cv = threading.Condition()
+        self._mutex = _allocate_lock()
+        self._wake = latch()  # opened to wake the thread when it sleeps
+        self._sleeping = False
+        self._busy = False  # a job is running (on the comm thread, or taken by its waiter: steal)
         self._thread: Optional[threading.Thread] = None
+        self._ident = None  # the thread's id while it runs
+        self._stealer = None  # the id of a waiter running its own job in the comm thread's place
         self._usable: Optional[bool] = None
+        self._stopping = False
 
     def usable(self) -> bool:
         """Whether async ops may run on the comm thread (MPI_THREAD_MULTIPLE granted)."""
@@ -77,44 +167,141 @@ class Engine:
         return self._usable
 
     def on_comm_thread(self) -> bool:
-        """Whether the caller is the comm thread (a callback of a completed op)."""
-        return threading.current_thread() is self._thread
+        """Whether the caller is the comm thread (a callback of a completed op),
+        or a waiter standing in for it (:meth:`steal`)."""
+        ident = _get_ident()
+        return ident == self._ident or ident == self._stealer
+
+    def steal(self, job: Job) -> bool:
+        """Run queued ``job`` in the calling thread, its waiter, in the comm
+        thread's place, if it is the only queued job and the comm thread is
+        idle; False (nothing done) otherwise.
+
+        Whoever runs it, the op is the next and only one on the queue, runs
+        alone, and its Work completes (callbacks included) before the group
+        counts as idle, exactly as on the comm thread; meanwhile the caller
+        counts as the comm thread (:meth:`on_comm_thread`), so ops issued by
+        callbacks run at once, as they would there.  A waiter would otherwise
+        sleep while the comm thread runs the op: taking it saves two thread
+        switches per op (an ``async_op=True`` op waited on at once).
+        """
+        with self._mutex:
+            queue = self._queue
+            if self._busy or len(queue) != 1 or queue[0] is not job:
+                return False
+            queue.popleft()
+            self._busy = True
+            self._stealer = _get_ident()
+        try:
+            job.result = job.run(job)
+        except BaseException as exc:  # noqa: BLE001 - handed to the job's waiter
+            job.error = exc
+        work = job.work
+        try:
+            work._finish_on_engine()
+        finally:
+            job.work = None
+            with self._mutex:
+                self._busy = False
+                self._stealer = None
+                job.group.queued -= 1
+                if queue and self._sleeping:  # ops queued meanwhile: the comm thread runs them
+                    self._sleeping = False
+                    self._wake.release()
+            if work._completed is not None:
+                work._completed.release()  # another waiter of the Work
+        return True
 
     def submit(self, job: Job) -> Job:
-        with self._cv:
+        with self._mutex:
+            self._stopping = False
             job.group.queued += 1
             self._queue.append(job)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name="hpccomm-comm", daemon=True)
+            if self._sleeping and not self._busy:  # (busy: the stealer wakes it when done)
+                self._sleeping = False
+                self._wake.release()
+            elif self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=THREAD_NAME, daemon=True)
                 self._thread.start()
-            self._cv.notify()
         return job
 
     def flush(self, group) -> None:
         """Wait until ``group`` has no queued ops (before a collective that
         must not overlap them, such as building a sub-communicator)."""
         if group.queued:
-            job = self.submit(Job(group, lambda: None))
-            job.done.wait()
+            job = Job(group, _nothing)
+            job.done = latch()
+            self.submit(job)
+            job.done.acquire()
+            job.done.release()
+
+    def stop(self, seconds: float = 10.0) -> None:
+        """Stop the comm thread once its queue is empty (at exit, before
+        MPI_Finalize); waits for it at most ``seconds``."""
+        with self._mutex:
+            self._stopping = True
+            if self._sleeping:
+                self._sleeping = False
+                self._wake.release()
+            thread = self._thread
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            thread.join(seconds)
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException:  # never expected: the next submit starts a new thread instead of queuing forever
+            with self._mutex:
+                self._thread = self._ident = None
+            raise
+
+    def _serve(self) -> None:
+        self._ident = _get_ident()
+        queue, mutex, wake = self._queue, self._mutex, self._wake
         while True:
-            with self._cv:
-                while not self._queue:
-                    self._cv.wait()
-                job = self._queue.popleft()
+            with mutex:
+                if queue and not self._busy:
+                    job = queue.popleft()
+                    self._busy = True
+                elif self._stopping and not queue:
+                    self._thread = self._ident = None
+                    return
+                else:
+                    self._sleeping = True
+                    job = None
+            if job is None:
+                wake.acquire()  # until a submit (or stop) opens it
+                continue
             try:
-                job.result = job.run()
+                job.result = job.run(job)
             except BaseException as exc:  # noqa: BLE001 - handed to the job's waiter
                 job.error = exc
-            job.done.set()
-            if job.work is not None:
+            work = job.work
+            if work is not None:
                 # Complete here, callbacks included, before the group counts as idle:
                 # ops that callbacks issue (DDP hooks) run now, in the same place of
                 # the op sequence on every rank.
-                job.work._complete_on_engine()
-            with self._cv:
+                work._finish_on_engine()
+                job.work = None  # no Work <-> Job cycle left for the garbage collector
+            with mutex:
+                self._busy = False
                 job.group.queued -= 1
+            # The waiter goes on only now: the group is idle again, so its next
+            # blocking op runs in the calling thread instead of queuing.
+            done = job.done if work is None else work._completed
+            if done is not None:
+                done.release()
 
 
 engine = Engine()
+
+
+def _drain_and_stop() -> None:
+    """At exit: every group's queued ops run, then the comm thread stops."""
+    for group in list(_mpi.live):
+        if getattr(group, "comm", None) is not None:
+            engine.flush(group)
+    engine.stop()
+
+
+_mpi.at_exit.append((0, _drain_and_stop))

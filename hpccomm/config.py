@@ -1,13 +1,27 @@
 """Runtime options: every ``HPCCOMM_*`` environment variable, declared once.
 
 Each option has a name, a type, a default and a line of documentation; the
-docs table and ``hpccomm info`` are generated from :data:`OPTIONS`.  Values are
-read when asked for (not at import), so a test or a launcher can set them
-before :func:`hpccomm.init_process_group`.  A malformed value raises
-:class:`hpccomm.errors.ConfigError` naming the variable.
+docs table and ``hpccomm info`` are generated from :data:`OPTIONS`.
+
+Values are read and validated once, by :func:`load`, which init calls on
+every rank before any other MPI call (the ranks agree on the verdict, so a
+bad value on one rank raises on all): every ``HPCCOMM_*`` variable is parsed
+(words case-insensitively), a malformed one raises
+:class:`hpccomm.errors.ConfigError` naming it, and an unknown ``HPCCOMM_*``
+name is reported with the nearest valid one.  After that, :func:`get` returns
+the loaded value: nothing is read for the first time inside a thread or an
+excepthook.  Before init (``hpccomm info``, tests), :func:`get` reads the
+environment when asked.  Names starting ``HPCCOMM_TEST_`` belong to the test
+suite's runner, not to hpccomm.
+
+Example::
+
+    hpccomm.config.get("HPCCOMM_ON_TIMEOUT")       # after init: the loaded value
+    list(hpccomm.config.OPTIONS)                  # the name of every option hpccomm reads
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -23,8 +37,8 @@ class Option:
     doc: str
     choices: tuple = ()
 
-    def get(self) -> Any:
-        raw = os.environ.get(self.name)
+    def get(self, env=None) -> Any:
+        raw = (os.environ if env is None else env).get(self.name)
         if raw is None or raw == "":
             return self.default
         try:
@@ -108,7 +122,7 @@ OPTIONS: dict[str, Option] = {
             ("OFF", "INFO", "DETAIL"),
         ),
         Option(
-            "HPCCOMM_ON_TIMEOUT", str, "abort",
+            "HPCCOMM_ON_TIMEOUT", _lower, "abort",
             "What a rank does when a collective outlives its group's timeout (given to init or "
             "new_group): 'abort' ends the whole job with MPI_Abort after printing which ranks never "
             "arrived (MPI cannot cancel a collective); 'warn' prints the same and keeps waiting.",
@@ -150,16 +164,79 @@ OPTIONS: dict[str, Option] = {
             ("auto", "mpi", "nccl", "staged"),
         ),
         Option(
+            "HPCCOMM_ADAPTER", _lower, "auto",
+            "How hpccomm plugs into torch (torch >= 2.14; torch 2.13 takes only 'process_group'). "
+            "'process_group': a whole ProcessGroup whose methods torch's Python calls reach directly (about "
+            "5 us faster per op), with hpccomm's Backend registered in it for torch's per-device machinery "
+            "(batch_isend_irecv, split_group); it keeps what torch's Backend trampoline loses (a receive from "
+            "any source reporting its sender, Work.is_completed(), dist.gather_single). 'backend': a c10d "
+            "Backend inside torch's own ProcessGroup, the only way torch honours a per-device string such "
+            "as 'cpu:hpccomm,cuda:nccl'. 'auto': backend for such a string, else process_group.",
+            ("auto", "backend", "process_group"),
+        ),
+        Option(
             "HPCCOMM_GPU_BIND", _lower, "local_rank",
             "Which GPU each rank uses when the world group is made: 'local_rank' calls "
             "torch.cuda.set_device(local rank modulo the GPU count); 'none' leaves the current device "
             "alone (bind it yourself, for example from CUDA_VISIBLE_DEVICES per rank).",
             ("local_rank", "none"),
         ),
+        Option(
+            "HPCCOMM_FAULT_TOLERANCE", _lower, "off",
+            "Survive a lost rank with 'ulfm' (Open MPI's User Level Failure Mitigation; launch with "
+            "mpirun --with-ft ulfm): every survivor's op raises hpccomm.RankFailure naming the dead ranks, "
+            "and hpccomm.shrink() goes on without them (docs/fault-tolerance.md). 'off': a lost rank ends "
+            "the job. Also init_process_group(fault_tolerance=...).",
+            ("off", "ulfm"),
+        ),
     )
 }
 
 
+_loaded: dict = {}  # name -> value, filled by load()
+log = logging.getLogger("hpccomm")
+
+
 def get(name: str) -> Any:
-    """The value of option ``name`` (for example ``"HPCCOMM_LOG"``)."""
+    """The value of option ``name`` (for example ``"HPCCOMM_LOG"``): as
+    loaded at init, or read from the environment now if not loaded yet."""
+    if name in _loaded:
+        return _loaded[name]
     return OPTIONS[name].get()
+
+
+def load(env=None) -> dict:
+    """Read and validate every ``HPCCOMM_*`` option (``env``: default
+    ``os.environ``); from now on :func:`get` returns these values.  Returns
+    them.  Raises :class:`~hpccomm.errors.ConfigError` for the first
+    malformed value; unknown ``HPCCOMM_*`` names are reported (logged as a
+    warning) with the nearest valid name."""
+    import difflib
+
+    env = os.environ if env is None else env
+    for name in unknown(env):
+        near = difflib.get_close_matches(name, OPTIONS, n=1)
+        log.warning("hpccomm: %s is not an hpccomm setting (ignored)%s", name,
+                    f"; did you mean {near[0]}?" if near else f"; the settings are {', '.join(OPTIONS)}")
+    values = {name: opt.get(env) for name, opt in OPTIONS.items()}
+    _loaded.clear()
+    _loaded.update(values)
+    return dict(values)
+
+
+def unknown(env=None) -> list:
+    """The ``HPCCOMM_*`` names in ``env`` that are not options (test-runner
+    variables ``HPCCOMM_TEST_*`` excepted)."""
+    env = os.environ if env is None else env
+    return sorted(k for k in env if k.startswith("HPCCOMM_") and k not in OPTIONS
+                  and not k.startswith("HPCCOMM_TEST_"))
+
+
+def loaded() -> dict:
+    """The values :func:`load` took (empty before init)."""
+    return dict(_loaded)
+
+
+def reset() -> None:
+    """Forget the loaded values (tests; a later init loads them again)."""
+    _loaded.clear()

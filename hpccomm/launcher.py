@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, Mapping, Optional
 
 
@@ -46,7 +46,8 @@ class Launch:
     this node.  ``node_index``: this node's index among the launch's nodes.
     ``rank_variable``/``size_variable``: the variables they were read from.
     ``pmi``: for srun, the process-management interface the step was given
-    (``"pmix"``, ``"pmi2"`` or ``None`` for ``--mpi=none``).
+    (``"pmix"``, ``"pmi2"``, another plugin's name from ``SLURM_MPI_TYPE``, or
+    ``None`` for ``--mpi=none``).
 
     :param name: the launcher's name (above).
     :param rank: this process's rank, or None.
@@ -171,15 +172,29 @@ class Hydra(Launcher):
 
 
 class IntelMPI(Hydra):
-    """Intel MPI's ``mpiexec.hydra``: Hydra's variables, in an environment set
-    up by Intel MPI's ``vars.sh`` (``I_MPI_ROOT``) or with ``I_MPI_*`` options."""
+    """Intel MPI's ``mpiexec``/``mpirun`` (its own Hydra): Hydra's variables
+    (as MPICH's), told apart by what only Intel's Hydra sets in every rank:
+    ``I_MPI_HYDRA_UUID`` (one id per launch) or its bootstrap proxy's
+    ``HYDRA_BSTRAP_PROXY_ID``.  An ``I_MPI_*`` option a user exported (or
+    ``I_MPI_ROOT`` from Intel's ``vars.sh``) says nothing about the launcher.
+    Intel's ``mpirun`` is a script around ``mpiexec`` that sets
+    ``I_MPI_MPIRUN=mpirun``."""
 
     name, command, priority = "intelmpi", "mpiexec", 85
-    PREFIX = "I_MPI_"
+    UUID = "I_MPI_HYDRA_UUID"
+    PROXY_ID = "HYDRA_BSTRAP_PROXY_ID"
+    MPIRUN = "I_MPI_MPIRUN"
 
     @classmethod
     def present(cls, env):
-        return super().present(env) and any(k.startswith(cls.PREFIX) for k in env)
+        return super().present(env) and (cls.UUID in env or cls.PROXY_ID in env)
+
+    @classmethod
+    def parse(cls, env):
+        launch = super().parse(env)
+        if env.get(cls.MPIRUN) == "mpirun":
+            launch = replace(launch, command="mpirun")
+        return launch
 
 
 class Srun(Launcher):
@@ -196,6 +211,7 @@ class Srun(Launcher):
     NODE = "SLURM_NODEID"
     STEP_TASKS_PER_NODE = "SLURM_STEP_TASKS_PER_NODE"
     TASKS_PER_NODE = "SLURM_TASKS_PER_NODE"
+    MPI_TYPE = "SLURM_MPI_TYPE"  # the --mpi= plugin of the step ("pmix", "pmi2"; unset for none)
     PMIX_RANK = "PMIX_RANK"      # srun --mpi=pmix
     PMI2_FD = "PMI_FD"           # srun --mpi=pmi2
     PMI_RANK = "PMI_RANK"
@@ -215,7 +231,9 @@ class Srun(Launcher):
         node = _int(env, cls.NODE)
         per_node = tasks_per_node(env.get(cls.STEP_TASKS_PER_NODE) or env.get(cls.TASKS_PER_NODE, ""))
         local_size = per_node[node] if per_node and node is not None and node < len(per_node) else None
-        if cls.PMIX_RANK in env:
+        if env.get(cls.MPI_TYPE, "none") != "none":
+            pmi = env[cls.MPI_TYPE]  # set by srun itself (recorded with SLURM 22.05)
+        elif cls.PMIX_RANK in env:
             pmi = "pmix"
         elif cls.PMI2_FD in env or cls.PMI_RANK in env:
             pmi = "pmi2"
@@ -254,14 +272,62 @@ def tasks_per_node(spec: str) -> Optional[list]:
     return out
 
 
+@dataclass(frozen=True)
+class MPIFamily:
+    """How one MPI family is launched: what differs between Open MPI, MPICH and
+    Intel MPI for a person (or a test) starting ranks.  docs/mpi-families.md
+    has the whole comparison.
+
+    ``name``: ``"openmpi"``, ``"mpich"`` or ``"intelmpi"`` (the :class:`Launch`
+    name of its own launcher).  ``title``: for messages.  ``launcher``: the
+    command its documentation uses.  ``oversubscribe``: the launcher flags that
+    allow more ranks than cores (Hydra needs none: it never refuses).
+    ``rank_output``: the flags that prefix every output line with its rank.
+    ``srun_mpi``: the ``srun --mpi=`` plugin that connects its ranks.
+    ``as_root``: the environment its launcher needs to run as root.
+    """
+
+    name: str
+    title: str
+    launcher: str
+    oversubscribe: tuple
+    rank_output: tuple
+    srun_mpi: str
+    as_root: tuple = ()
+
+
+#: Every family hpccomm knows, by name.
+FAMILIES = {f.name: f for f in (
+    MPIFamily("openmpi", "Open MPI", "mpirun", ("--oversubscribe",), ("--output", "tag"), "pmix",
+              (("OMPI_ALLOW_RUN_AS_ROOT", "1"), ("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"))),
+    MPIFamily("mpich", "MPICH", "mpiexec", (), ("-prepend-rank",), "pmi2"),
+    MPIFamily("intelmpi", "Intel MPI", "mpiexec", (), ("-prepend-rank",), "pmi2"),
+)}
+
+
+def family_of(library: str) -> Optional[MPIFamily]:
+    """The family of an MPI library, from its ``MPI_Get_library_version``
+    text (``"Open MPI v5.0.11, ..."``, ``"MPICH Version: 5.0.2"``,
+    ``"Intel(R) MPI Library 2021.18.1 for Linux* OS"``); None when it is
+    none of the three (MVAPICH, Cray MPICH, Microsoft MPI, ...)."""
+    text = library.lower()
+    if "open mpi" in text:
+        return FAMILIES["openmpi"]
+    if "intel(r) mpi" in text or "intel mpi" in text:
+        return FAMILIES["intelmpi"]
+    if text.startswith("mpich"):
+        return FAMILIES["mpich"]
+    return None
+
+
 def srun_mpi_plugin(library: str) -> Optional[str]:
     """The ``srun --mpi=`` plugin that connects ranks of an MPI library, from
     its MPI_Get_library_version text: ``"pmix"`` for Open MPI, ``"pmi2"`` for
-    the MPICH family (MPICH, Intel MPI, MVAPICH); None if unknown."""
-    text = library.lower()
-    if "open mpi" in text:
-        return "pmix"
-    if any(name in text for name in ("mpich", "intel(r) mpi", "intel mpi", "mvapich")):
+    the MPICH family (MPICH, Intel MPI, MVAPICH, Cray MPICH); None if unknown."""
+    family = family_of(library)
+    if family is not None:
+        return family.srun_mpi
+    if any(name in library.lower() for name in ("mpich", "mvapich")):
         return "pmi2"
     return None
 

@@ -32,6 +32,29 @@ def world_rank_size():
     return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 
 
+def hgroup(pg):
+    """The hpccomm internals (a ``hpccomm._group.Group``) behind torch group
+    ``pg``, on either adapter (torch 2.13's ProcessGroup, or torch >= 2.14's
+    Backend inside torch's ProcessGroup)."""
+    from hpccomm import _compat
+
+    g = _compat.group_of(pg)
+    assert g is not None, f"{pg!r} is not an hpccomm group"
+    return g
+
+
+def work_done(w, pg=None) -> bool:
+    """Whether async Work ``w`` of group ``pg`` (default the world) completed
+    successfully, asked as its adapter allows: hpccomm's ProcessGroup adapter
+    hands its own Work to Python (is_completed, is_success); torch >= 2.14's
+    Backend trampoline forwards only wait() and get_future() (tests/test_routes.py)."""
+    import hpccomm
+
+    if isinstance(pg if pg is not None else dist.group.WORLD, hpccomm.ProcessGroupHpccomm):
+        return w.is_completed() and w.is_success()
+    return w.get_future().done()
+
+
 def verdict_comm():
     global _verdict
     if _verdict is None:
@@ -72,7 +95,9 @@ class TestGroup:
 
 def make_groups() -> list:
     """Group shapes to run every op over: the world, the world's reverse-order
-    tail (non-consecutive when size > 3), the even ranks, and a singleton."""
+    tail (non-consecutive when size > 3), the even ranks, a singleton, and on
+    torch >= 2.14 the world again as hpccomm's c10d Backend inside torch's
+    ProcessGroup (the other groups use hpccomm's ProcessGroup adapter)."""
     n = dist.get_world_size()
     me = dist.get_rank()
     shapes = {
@@ -86,6 +111,11 @@ def make_groups() -> list:
         ranks = shapes[name]
         pg = dist.new_group(ranks)  # every rank takes part, as torch requires
         out.append(TestGroup(name, ranks, pg if me in ranks else None))
+    from hpccomm import _compat
+
+    if _compat.py_backend():  # torch >= 2.14: every op also through torch's c10d Backend trampoline
+        with setting("HPCCOMM_ADAPTER", "backend"):
+            out.append(TestGroup("backend", shapes["world"], dist.new_group(shapes["world"])))
     return out
 
 
@@ -105,6 +135,20 @@ def fill(shape, dtype, value_of_rank: int, salt: int = 0) -> torch.Tensor:
     if dtype.is_complex:
         return torch.complex(base.double(), -base.double()).to(dtype).reshape(shape)
     return base.to(dtype).reshape(shape)
+
+
+def realign_group_counter() -> None:
+    """torch >= 2.15 names groups from a per-process counter that a group
+    made by a subset of ranks (``use_local_synchronization=True``) advances on
+    its members only; a group of a backend that rendezvouses by name (gloo)
+    made afterwards with a default name would then get different names on
+    different ranks and hang.  Tests that make such groups realign the
+    counter afterwards (every rank calls; raw MPI), as a program would by
+    having every rank take part in group creation."""
+    from torch.distributed import distributed_c10d as c10d
+
+    top = max(verdict_comm().allgather(c10d._world.group_count))
+    c10d._world.group_count = top
 
 
 def same_on_all_ranks(t: torch.Tensor, ranks=None) -> bool:
@@ -186,3 +230,50 @@ class FakeCudaTensor(torch.Tensor):
     @property
     def is_cpu(self):
         return False
+
+
+class NoComm:
+    """A communicator that fails any use: where no communication may happen."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"used the communicator ({name}) where no communication may happen")
+
+
+def fake_group(rank: int = 1, size: int = 4, store=None, timeout=None, done: int = 6):
+    """A real :class:`hpccomm._group.Group` (so ``where()`` and the op
+    counters are the real ones) without MPI: its communicators are
+    :class:`NoComm`.  ``done``: collectives and p2p ops already run (the op
+    being checked is ``done + 1``)."""
+    import threading
+
+    from hpccomm import _group
+
+    g = _group.Group.__new__(_group.Group)
+    g.__dict__.update(comm=NoComm(), p2p=NoComm(), rank=rank, size=size, global_ranks=list(range(size)),
+                      name="fake", desc="", store=store, seq=done, p2p_seq=done, max_count=2**31 - 1,
+                      tag_ub=32767, _owns_comm=False, coalescing=None, queued=0, debug=False, is_world=False,
+                      _lock=threading.Lock(), key=f"{','.join(map(str, range(size)))}#0")
+    g.timeout = timeout
+    return g
+
+
+import contextlib  # noqa: E402
+
+
+@contextlib.contextmanager
+def setting(name: str, value: str):
+    """Run with ``HPCCOMM_*`` variable ``name`` set to ``value``, loaded as
+    init loads settings (hpccomm reads them once, at init); restored after."""
+    from hpccomm import config
+
+    old = os.environ.get(name)
+    os.environ[name] = value
+    config.load()
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+        config.load()

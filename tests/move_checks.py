@@ -12,7 +12,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from helpers import fill
+from helpers import hgroup, fill
 
 #: dtypes torch's gloo backend moves (checked on torch 2.13): hpccomm is compared with it on these.
 GLOO_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
@@ -76,12 +76,12 @@ class CallLog:
 
 
 @contextlib.contextmanager
-def count_limit(limit: int):
-    """Lower the world group's per-call MPI count limit to ``limit`` (as a
-    2**31-element message would meet it) and record its MPI calls.
+def count_limit(limit: int, group=None):
+    """Lower ``group``'s (default the world's) per-call MPI count limit to
+    ``limit`` (as a 2**31-element message would meet it) and record its MPI calls.
 
-    Yields the :class:`CallLog`; every rank must enter it together."""
-    g = dist.group.WORLD._g
+    Yields the :class:`CallLog`; every member must enter it together."""
+    g = hgroup(dist.group.WORLD if group is None else group)
     old_limit, old_comm = g.max_count, g.comm
     log = CallLog(old_comm)
     g.max_count, g.comm = limit, log

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Run "$@" as one MPI rank: rank 0 keeps the terminal, other ranks write to
-# tests/logs/n<size>-rank<r>.log (Open MPI and MPICH/Hydra variables).
+# tests/logs/n<size>-rank<r>.log.  The rank is the launcher's: Open MPI's mpirun
+# (OMPI_COMM_WORLD_*), Hydra's mpiexec of MPICH and Intel MPI, and srun --mpi=pmi2
+# (PMI_*), srun with any other plugin (SLURM_*).
 rank=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-${SLURM_PROCID:-0}}}
 size=${OMPI_COMM_WORLD_SIZE:-${PMI_SIZE:-${SLURM_NTASKS:-1}}}
 if [ "$rank" = 0 ]; then

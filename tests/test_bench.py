@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import subprocess
 import sys
 
 import pytest
+from mpilaunch import require
 import torch
 
 from hpccomm.bench import ops as B
@@ -164,17 +164,12 @@ def test_report_table_has_nccl_tests_columns():
 
 # -- real sweeps under mpirun ---------------------------------------------------
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 def bench(tmp_path, *args, n: int = 2, limit: int = 150):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "HPCCOMM_"))}
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_mpi_yield_when_idle="1",
-               PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR",
-               PYTHONPATH=os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p))
-    cmd = ["timeout", "--kill-after=10", str(limit), "mpirun", "-n", str(n), "--oversubscribe",
-           sys.executable, "-m", "hpccomm.bench", *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path)
+    """``hpccomm.bench ARGS`` on ``n`` ranks, with the MPI family's launcher (tests/mpilaunch.py)."""
+    mpi = require()
+    cmd = ["timeout", "--kill-after=10", str(limit), *mpi.argv(n, sys.executable, "-m", "hpccomm.bench",
+                                                               *map(str, args))]
+    return subprocess.run(cmd, capture_output=True, text=True, env=mpi.env(), cwd=tmp_path)
 
 
 def _plot_available() -> bool:
@@ -248,25 +243,36 @@ def test_bad_arguments_fail_before_mpi(tmp_path):
 
 
 def test_floor_backend_is_checked_and_right_at_an_odd_size(tmp_path):
-    """``--compare floor`` (raw MPI calls inside the thinnest Python process group): its results go
-    through the same checker (right with MAX at 3 ranks; every checked result caught when corrupted),
-    and the cases it cannot run say why."""
-    args = ["--ops", "all_reduce,all_gather,reduce_scatter,broadcast", "-b", "8", "-e", "128K", "-f", "16",
-            "-n", "3", "-w", "1", "-o", "max", "--compare", "floor", "--batch", "1"]
+    """``--compare floor`` (raw MPI calls inside the thinnest Python backend, on hpccomm's own route): its
+    results go through the same checker (right with MAX at 3 ranks, blocking and async, on the default group
+    and on a subgroup; every checked result caught when corrupted), and the cases it cannot run say why."""
+    args = ["--ops", "all_reduce,all_gather,reduce_scatter,broadcast,sendrecv,all_to_all", "-b", "8", "-e", "128K",
+            "-f", "16", "-n", "3", "-w", "1", "-o", "max", "--compare", "floor", "--batch", "1",
+            "--mode", "both", "--group", "both"]
     js = tmp_path / "f.json"
-    proc = bench(tmp_path, *args, "--json", js, n=3)
+    proc = bench(tmp_path, *args, "--json", js, n=3, limit=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "x/floor" in proc.stdout
-    rows = [r for r in json.loads(js.read_text())["rows"] if r["backend"] == "floor"]
+    assert "# route: " in proc.stdout and "the floor takes the same route" in proc.stdout
+    assert "subgroup (dist.new_group of every rank)" in proc.stdout
+    doc = json.loads(js.read_text())
+    assert doc["meta"]["groups"] == ["world", "sub"] and doc["meta"]["route"]
+    rows = [r for r in doc["rows"] if r["backend"] == "floor"]
     ran = {(r["op"], r["placement"]) for r in rows if not r["note"]}
     assert ran == {("all_reduce", "in-place"), ("all_gather", "out-of-place"), ("all_gather", "in-place"),
-                   ("reduce_scatter", "out-of-place")}, ran
+                   ("reduce_scatter", "out-of-place"), ("broadcast", "in-place"), ("sendrecv", "out-of-place")}, ran
+    assert {(r["mode"], r["group"]) for r in rows if not r["note"]} == {
+        ("blocking", "world"), ("blocking", "sub"), ("async", "world"), ("async", "sub")}
     assert all(r["wrong"] == 0 and r["time_us"] > 0 for r in rows if not r["note"]), rows
     notes = {r["op"]: r["note"] for r in rows if r["note"]}
-    assert notes["broadcast"].startswith("floor: only all_reduce, all_gather, reduce_scatter"), notes
+    assert notes["all_to_all"].startswith("floor: only all_reduce, all_gather, reduce_scatter, broadcast, sendrecv"), \
+        notes
     assert "out-of-place reduce_scatter only" in notes["reduce_scatter"], notes
+    compared = {(c["op"], c["mode"], c["group"]) for c in doc["compare"] if c["x_floor"] is not None}
+    assert ("sendrecv", "async", "sub") in compared and ("broadcast", "blocking", "world") in compared, compared
 
-    proc = bench(tmp_path, *args, "--json", js, "--corrupt", n=3)
+    proc = bench(tmp_path, *args, "--json", js, "--corrupt", n=3, limit=300)
     assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
     rows = [r for r in json.loads(js.read_text())["rows"] if r["backend"] == "floor" and not r["note"]]
-    assert rows and all(r["wrong"] == (3 + 1) * 3 for r in rows), rows  # (iterations + warm-up) x ranks
+    # (iterations + warm-up) x ranks with an output (sendrecv at 3 ranks: the pair 0-1; rank 2 has no partner)
+    assert rows and all(r["wrong"] == (3 + 1) * (2 if r["op"] == "sendrecv" else 3) for r in rows), rows

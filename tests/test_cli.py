@@ -2,20 +2,22 @@
 problem detection over synthetic per-rank views, and the command-line
 conventions (``--help``, exit status 2 for a bad command line, no traceback).
 
-Plain pytest; the launches are subprocesses under ``timeout``.
+Plain pytest; the launches are subprocesses under ``timeout``, with the
+launcher of the MPI family in use (tests/mpilaunch.py); what ``hpccomm info``
+must say differs by family (FAMILY_INFO).
 """
 from __future__ import annotations
 
 import configparser
 import copy
 import json
-import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from mpilaunch import require
 
 from hpccomm import _cli_info as info
 
@@ -24,27 +26,42 @@ TIMEOUT = 120
 HPCCOMM = [sys.executable, "-m", "hpccomm"]
 
 
+#: What ``hpccomm info`` says of each family's wheel (recorded here: Open MPI 5.0.11,
+#: MPICH 5.0.2, Intel MPI 2021.18.1); docs/mpi-families.md has the whole table.
+FAMILY_INFO = {
+    "openmpi": {"abi": "openmpi", "library": "Open MPI v5", "path": "libmpi.so.40", "standard": "3.1",
+                "launcher": "mpirun", "oversubscribe": "--oversubscribe", "srun_mpi": "--mpi=pmix",
+                "large_count": "no (no MPI_Send_c", "ulfm_error_classes": "distinct classes"},
+    "mpich": {"abi": "mpich", "library": "MPICH Version:", "path": "libmpi.so.12", "standard": "5.0",
+              "launcher": "mpiexec", "oversubscribe": "none needed (Hydra starts any number of ranks)",
+              "srun_mpi": "--mpi=pmi2", "large_count": "yes (MPI_Send_c",
+              "ulfm_error_classes": "ERR_PROC_FAILED and ERR_REVOKED are ERR_UNKNOWN"},
+    "intelmpi": {"abi": "mpich", "library": "Intel(R) MPI Library 2021.", "path": "libmpi.so", "standard": "4.1",
+                 "launcher": "mpiexec", "oversubscribe": "none needed (Hydra starts any number of ranks)",
+                 "srun_mpi": "--mpi=pmi2", "large_count": "yes (MPI_Send_c",
+                 "ulfm_error_classes": "ERR_PROC_FAILED and ERR_REVOKED are ERR_UNKNOWN"},
+}
+
+
 def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_", "PMIX_", "PMI_", "PRTE_", "SLURM_", "HPCCOMM_", "MASTER_", "RANK",
-                                "WORLD_SIZE", "LOCAL_", "GROUP_", "TORCHELASTIC_"))}
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_mpi_yield_when_idle="1",
-               PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR", PYTHONPATH=str(REPO))
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
+    return require().env(**extra)
 
 
 def run(*args, mpirun=None, **env) -> subprocess.CompletedProcess:
-    """``hpccomm ARGS`` (under ``mpirun -n N`` when ``mpirun`` is N, or a list
-    of mpirun arguments), under a timeout."""
+    """``hpccomm ARGS`` (under the family's launcher with N ranks when
+    ``mpirun`` is N, or with a list of launcher arguments), under a timeout."""
     cmd = ["timeout", "--kill-after=10", str(TIMEOUT - 15)]
     if isinstance(mpirun, int):
-        cmd += ["mpirun", "-n", str(mpirun), "--oversubscribe", *HPCCOMM, *args]
+        cmd += require().argv(mpirun, *HPCCOMM, *args)
     elif mpirun:
-        cmd += ["mpirun", "--oversubscribe", *mpirun]
+        cmd += [require().launcher, *require().spec.oversubscribe, *mpirun]
     else:
         cmd += [*HPCCOMM, *args]
     return subprocess.run(cmd, env=_env(**env), cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def _expected():
+    return FAMILY_INFO[require().family]
 
 
 def describe(proc) -> str:
@@ -68,7 +85,12 @@ def test_info_text_alone():
     assert f"  torch                      {torch.__version__}\n" in out
     assert f"  mpi4py                     {mpi4py.__version__}\n" in out
     assert "  thread_level_requested     MULTIPLE\n" in out and "  name                       single\n" in out
-    assert "  library                    Open MPI v5" in out, out
+    want = _expected()
+    assert f"  library                    {want['library']}" in out, out
+    assert f"  family                     {require().family}\n" in out, out
+    assert f"  launcher                   {require().launcher}\n" in out, out
+    for key in ("oversubscribe", "srun_mpi"):
+        assert f"  {key:26s} {want[key]}\n" in out, out
     assert out.rstrip().endswith("[problems] none found"), out
     assert "Traceback" not in proc.stderr, describe(proc)
 
@@ -88,8 +110,15 @@ def test_info_json_alone():
                                 "mpi4py": __import__("mpi4py").__version__, "numpy": numpy.__version__,
                                 "python": "%d.%d.%d" % sys.version_info[:3]}
     mpi = rank["mpi"]
-    assert mpi["available"] is True and mpi["abi"] == "openmpi" and mpi["path"].endswith("libmpi.so.40"), mpi
-    assert (mpi["rank"], mpi["size"], mpi["thread_level_granted"], mpi["standard"]) == (0, 1, "MULTIPLE", "3.1"), mpi
+    want = _expected()
+    assert mpi["available"] is True and mpi["abi"] == want["abi"] and mpi["path"].endswith("/" + want["path"]), mpi
+    assert (mpi["rank"], mpi["size"], mpi["thread_level_granted"], mpi["standard"]) == \
+        (0, 1, "MULTIPLE", want["standard"]), mpi
+    assert mpi["library"].startswith(want["library"]) and mpi["family"] == require().family, mpi
+    assert mpi["launcher"] == require().launcher and mpi["launcher"].endswith("/" + want["launcher"]), mpi
+    for key in ("oversubscribe", "srun_mpi", "large_count", "ulfm_error_classes"):
+        assert mpi[key].startswith(want[key]), (key, mpi[key])
+    assert isinstance(mpi["tag_ub"], int) and mpi["tag_ub"] >= 32767, mpi  # the least MPI allows
     assert rank["launcher"]["name"] == "single" and rank["store"]["free_port"] == "ok"
     assert rank["host"]["name"] == socket.gethostname() and rank["host"]["addresses"], rank["host"]
     assert "lo" in rank["interfaces"] and "127.0.0.1" in rank["interfaces"]["lo"], rank["interfaces"]
@@ -115,8 +144,12 @@ def test_info_json_under_mpirun(n):
     doc = json.loads(proc.stdout)  # exactly one JSON document: only rank 0 printed
     ranks = doc["ranks"]
     assert [r["mpi"]["rank"] for r in ranks] == list(range(n)) and {r["mpi"]["size"] for r in ranks} == {n}
-    assert [(r["launcher"]["name"], r["launcher"]["rank"], r["launcher"]["size"]) for r in ranks] == \
-           [("openmpi", k, n) for k in range(n)]
+    assert [(r["launcher"]["name"], r["launcher"]["rank"], r["launcher"]["size"], r["launcher"]["local_size"])
+            for r in ranks] == [(require().family, k, n, n) for k in range(n)]
+    # (Open MPI numbers local ranks its own way, not always in world-rank order)
+    assert sorted(r["launcher"]["local_rank"] for r in ranks) == list(range(n))
+    assert {r["launcher"]["command"] for r in ranks} == {require().command_name}
+    assert {r["mpi"]["family"] for r in ranks} == {require().family}
     assert len({r["pid"] for r in ranks}) == n
     assert {"mpi.rank", "launcher.rank"} <= set(doc["differing"]) and "pid" not in doc["differing"], doc["differing"]
     assert doc["problems"] == [], doc["problems"]
@@ -146,12 +179,14 @@ def test_info_under_mpirun_reports_a_disagreement():
 
 
 def test_info_flags_the_silent_singleton():
-    """A process SLURM says is one of 4 tasks of a step, alone in its MPI world."""
+    """A process SLURM says is one of 4 tasks of a step, alone in its MPI
+    world: the fix names the srun plugin of the MPI family in use."""
     proc = run("info", SLURM_NTASKS=4, SLURM_STEP_ID=0, SLURM_PROCID=2)
     assert proc.returncode == 1, describe(proc)
     assert "[problems] 1\n" in proc.stdout, describe(proc)
     assert "  - rank 0: srun started 4 processes (SLURM_NTASKS=4) but MPI says the world has 1 (the " \
-           "silent-singleton trap: use srun --mpi=pmix; this step has --mpi=none)\n" in proc.stdout, proc.stdout
+           f"silent-singleton trap: use srun {_expected()['srun_mpi']}; this step has --mpi=none)\n" in proc.stdout, \
+        proc.stdout
     assert "  - rank 0: srun says rank 2 (SLURM_PROCID) but MPI says rank 0\n" not in proc.stdout  # one line per rank
     assert "Traceback" not in proc.stderr
 
@@ -220,7 +255,11 @@ def _view(rank: int, size: int, host: str = "n1", launcher: str = "openmpi") -> 
                      "python": "3.11.7"},
         "mpi": {"available": True, "library": OPEN_MPI, "abi": "openmpi", "path": "/venv/lib/libmpi.so.40",
                 "reason": None, "standard": "3.1", "thread_level_requested": "MULTIPLE",
-                "thread_level_granted": "MULTIPLE", "rank": rank, "size": size, "processor": host},
+                "thread_level_granted": "MULTIPLE", "rank": rank, "size": size, "processor": host,
+                "family": "openmpi", "launcher": "/venv/bin/mpirun", "oversubscribe": "--oversubscribe",
+                "srun_mpi": "--mpi=pmix", "large_count": "no (no MPI_Send_c: ...)", "tag_ub": 2**31 - 1,
+                "error_classes": "ERR_TRUNCATE=15 ERR_UNKNOWN=14 ERR_PROC_FAILED=75 ERR_REVOKED=77",
+                "ulfm_error_classes": "distinct classes"},
         "launcher": {"name": launcher, "rank": rank, "size": size, "local_rank": rank % 2, "local_size": 2,
                      "node_index": None, "command": "mpirun", "rank_variable": "OMPI_COMM_WORLD_RANK",
                      "size_variable": "OMPI_COMM_WORLD_SIZE", "pmi": None},
@@ -268,6 +307,71 @@ def test_fields_that_must_agree(field, values, expected):
         views[rank][section][key] = value
     assert info.problems(views) == [expected]
     assert field in info.differing(views)
+
+
+def test_mpi_family_must_agree():
+    views = _job()
+    views[2]["mpi"].update(family="mpich")
+    assert info.problems(views) == ["mpi.family differs between ranks: 'openmpi' on ranks 0-1,3; 'mpich' on rank 2"]
+
+
+#: _mpi.capabilities() as recorded on the three wheels (Open MPI 5.0.11, MPICH 5.0.2, Intel MPI 2021.18.1).
+CAPABILITIES = {
+    "openmpi": {"large_count": False, "tag_ub": 2**31 - 1, "ulfm_classes": True,
+                "error_classes": {"ERR_TRUNCATE": 15, "ERR_UNKNOWN": 14, "ERR_PROC_FAILED": 75, "ERR_REVOKED": 77}},
+    "mpich": {"large_count": True, "tag_ub": 2**29 - 1, "ulfm_classes": False,
+              "error_classes": {"ERR_TRUNCATE": 14, "ERR_UNKNOWN": 13, "ERR_PROC_FAILED": 13, "ERR_REVOKED": 13}},
+    "intelmpi": {"large_count": True, "tag_ub": 2**30 - 1, "ulfm_classes": False,
+                 "error_classes": {"ERR_TRUNCATE": 14, "ERR_UNKNOWN": 13, "ERR_PROC_FAILED": 13, "ERR_REVOKED": 13}},
+}
+
+
+@pytest.mark.parametrize("family", sorted(CAPABILITIES))
+def test_capability_lines(family):
+    lines = info.capability_info(CAPABILITIES[family])
+    assert lines["tag_ub"] == CAPABILITIES[family]["tag_ub"]
+    if family == "openmpi":
+        assert lines["large_count"] == ("no (no MPI_Send_c: mpi4py refuses counts past 2**31-1; hpccomm splits "
+                                        "messages at HPCCOMM_MAX_MPI_COUNT)")
+        assert lines["error_classes"] == "ERR_TRUNCATE=15 ERR_UNKNOWN=14 ERR_PROC_FAILED=75 ERR_REVOKED=77"
+        assert lines["ulfm_error_classes"] == "distinct classes"
+    else:
+        assert lines["large_count"] == "yes (MPI_Send_c and the other MPI-4 _c calls, which mpi4py uses)"
+        assert lines["error_classes"] == "ERR_TRUNCATE=14 ERR_UNKNOWN=13 ERR_PROC_FAILED=13 ERR_REVOKED=13"
+        assert lines["ulfm_error_classes"] == ("ERR_PROC_FAILED and ERR_REVOKED are ERR_UNKNOWN in this mpi4py "
+                                               "build (no fault-tolerance classes)")
+    unknown = info.capability_info({**CAPABILITIES[family], "large_count": None})
+    assert unknown["large_count"] == "unknown (the MPI library file was not found in this process)"
+
+
+@pytest.mark.parametrize("library,family,launcher,oversubscribe,srun", [
+    ("Open MPI v5.0.11, package: Open MPI user@localhost Distribution", "openmpi", "mpirun", "--oversubscribe",
+     "--mpi=pmix"),
+    ("MPICH Version:      5.0.2", "mpich", "mpiexec", "none needed (Hydra starts any number of ranks)", "--mpi=pmi2"),
+    ("Intel(R) MPI Library 2021.18.1 for Linux* OS", "intelmpi", "mpiexec",
+     "none needed (Hydra starts any number of ranks)", "--mpi=pmi2"),
+])
+def test_family_lines(tmp_path, monkeypatch, library, family, launcher, oversubscribe, srun):
+    """The launcher is the one beside the library (bin/ next to lib/), else
+    the first on PATH, else said to be missing."""
+    from hpccomm._mpi import Probe
+
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libmpi.so").write_text("")
+    probe = Probe(True, "x", library, str(tmp_path / "lib" / "libmpi.so"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.setenv("PATH", str(elsewhere))
+    lines = info.family_info(probe)
+    assert lines == {"family": family, "launcher": f"{launcher} (not found beside the library or on PATH)",
+                     "oversubscribe": oversubscribe, "srun_mpi": srun}
+    for where in (elsewhere, tmp_path / "bin"):  # on PATH; then beside the library, which wins
+        where.mkdir(exist_ok=True)
+        (where / launcher).write_text("#!/bin/sh\n")
+        (where / launcher).chmod(0o755)
+        assert info.family_info(probe)["launcher"] == str(where / launcher)
+    assert info.family_info(Probe(False, reason="none")) == {"family": None, "launcher": None,
+                                                           "oversubscribe": None, "srun_mpi": None}
 
 
 def test_fields_that_may_differ_are_no_problem():

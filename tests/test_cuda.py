@@ -29,7 +29,7 @@ if not torch.cuda.is_available():
 
 import hpccomm  # noqa: E402
 from hpccomm.gpu import dispatch, select  # noqa: E402
-from helpers import Problems, assert_close, verdict_comm  # noqa: E402
+from helpers import hgroup, Problems, assert_close, verdict_comm  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, pytest.mark.mpi]
 R = dist.ReduceOp
@@ -62,11 +62,11 @@ def transport(request, world, groups):
     os.environ["HPCCOMM_GPU_TRANSPORT"] = name
     pgs = [g.pg for g in groups if g.member]
     for pg in pgs:
-        dispatch.release(pg._g)
+        dispatch.release(hgroup(pg))
     yield name
     torch.cuda.synchronize()
     for pg in pgs:
-        dispatch.release(pg._g)
+        dispatch.release(hgroup(pg))
     if old is None:
         del os.environ["HPCCOMM_GPU_TRANSPORT"]
     else:

@@ -377,16 +377,24 @@ def test_async_overlap_equals_no_overlap(world):
 def test_async_overlap_issues_buckets_during_backward(world):
     """After DDP's bucket rebuild (step 1; its bucket sync runs at the start
     of step 2), each backward issues every bucket but the last (which holds
-    the first layer) before the first layer's gradient exists."""
-    pg = dist.group.WORLD
-    seen = []
+    the first layer) before the first layer's gradient exists.  Issued
+    buckets are counted by a comm hook running DDP's own allreduce hook."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    seen, issued = [], [0]
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)])
     ddp = DDP(model, bucket_cap_mb=0.005)
+
+    def counting(state, bucket):
+        issued[0] += 1
+        return default_hooks.allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(None, counting)
     start = [0]
-    model[0].weight.register_hook(lambda g: seen.append(pg._g.seq - start[0]))
+    model[0].weight.register_hook(lambda g: seen.append(issued[0] - start[0]))
     for step in range(4):
-        start[0] = pg._g.seq
+        start[0] = issued[0]
         ddp(torch.randn(4, 32)).sum().backward()
     buckets = n_buckets(ddp)
     assert buckets >= 3, buckets

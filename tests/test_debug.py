@@ -5,8 +5,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import helpers
 import hpccomm
-from helpers import R
+from helpers import hgroup, R
 
 pytestmark = pytest.mark.mpi
 
@@ -14,9 +15,9 @@ pytestmark = pytest.mark.mpi
 @pytest.fixture
 def debug_on(world):
     pg = dist.group.WORLD
-    old, pg._g.debug = pg._g.debug, True
+    old, hgroup(pg).debug = hgroup(pg).debug, True
     yield pg
-    pg._g.debug = old
+    hgroup(pg).debug = old
 
 
 @pytest.mark.mpi(min_size=2)
@@ -55,5 +56,98 @@ def test_matching_calls_pass_in_debug_mode(debug_on):
 def test_describe_is_plain():
     from hpccomm import _debug
 
-    assert _debug.describe("all_reduce", ([torch.ones(3, dtype=torch.bfloat16)], R.AVG)) == "all_reduce(bfloat16[3], AVG)"
-    assert _debug.describe("barrier", ()) == "barrier()"
+    assert _debug.describe("all_reduce", ([torch.ones(3, dtype=torch.bfloat16)], R.AVG)) == \
+        ("all_reduce(bfloat16[3], AVG)", None)
+    assert _debug.describe("barrier", ()) == ("barrier()", None)
+
+
+# -- issue 14: op numbers alike on every rank; every size mismatch named ------------------------------
+
+@pytest.mark.mpi(min_size=3)
+def test_point_to_point_between_some_ranks_keeps_collective_numbers(debug_on):
+    """Point-to-point ops are numbered apart from collectives: ranks 0 and 1
+    exchanging messages that rank 2 never sees leave the next collective
+    with the same number on every rank (debug mode compares the numbers)."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    if rank in (0, 1):
+        for _ in range(3):
+            if rank == 0:
+                dist.send(torch.ones(2), dst=1)
+            else:
+                dist.recv(torch.zeros(2), src=0)
+    t = torch.ones(2)
+    dist.all_reduce(t)  # raised "rank 2 called all_reduce (op #N) but rank 0 ... (op #N+3)" before
+    assert torch.all(t == size)
+    numbers = helpers.verdict_comm().allgather(hgroup(debug_on).seq)
+    assert len(set(numbers)) == 1, numbers
+
+
+def test_ops_issued_by_callbacks_are_numbered_alike(debug_on):
+    """Ops issued from a future's callback (on the comm thread, as DDP hooks
+    do) while the caller issues more: each collective is numbered by the
+    thread that runs it, in the order it runs, which is the same on every
+    rank, so debug mode's comparison passes and the counts agree."""
+    size = dist.get_world_size()
+    results = []
+    for _ in range(20):
+        a = torch.ones(4)
+        fut = dist.all_reduce(a, async_op=True).get_future()
+        chained = fut.then(lambda f: results.append(dist.all_reduce(torch.ones(1), async_op=True)))
+        b = torch.ones(3)
+        dist.all_reduce(b, async_op=True).wait()
+        chained.wait()
+        assert torch.all(a == size) and torch.all(b == size)
+    for w in results:
+        w.wait()
+    numbers = helpers.verdict_comm().allgather(hgroup(debug_on).seq)
+    assert len(set(numbers)) == 1, numbers
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("case", ["gather", "scatter", "all_gather", "all_to_all_single"])
+def test_size_mismatches_are_named(debug_on, case):
+    """Sizes that do not fit together across ranks are named on every rank
+    before anything moves (without debug mode they truncate or hang)."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    odd = rank == 1
+    with pytest.raises(hpccomm.HpccommError) as info:
+        if case == "gather":
+            x = torch.ones(3 if odd else 2)
+            dist.gather(x, [torch.empty(2) for _ in range(size)] if rank == 0 else None, dst=0)
+        elif case == "scatter":
+            out = torch.empty(3 if odd else 2)
+            dist.scatter(out, [torch.ones(2) for _ in range(size)] if rank == 0 else None, src=0)
+        elif case == "all_gather":  # rank 1 sends 3 elements (its own list agrees); the others expect 2 from it
+            dist.all_gather([torch.empty(3 if odd and k == 1 else 2) for k in range(size)],
+                            torch.ones(3 if odd else 2))
+        else:  # rank 1 sends 2 rows to every rank, which each expect 1 from it
+            rows = 2 if odd else 1
+            dist.all_to_all_single(torch.empty(size), torch.ones(rows * size), [1] * size, [rows] * size)
+    msg = str(info.value)
+    if case in ("gather", "scatter"):
+        assert f"called {case}(float32[3], 0)" in msg and f"called {case}(float32[2], 0)" in msg, msg
+    elif case == "all_gather":
+        assert "expects 2 elements from rank 1, which sends 3" in msg, msg
+    else:
+        assert "rank 1 sends 2 elements to rank 0, which expects 1 from it" in msg, msg
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the group still works
+    assert t.item() == size
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_refusal_on_one_rank_is_raised_on_every_rank(debug_on):
+    """Rank 1's own checks refuse the op (its tensor list does not fit its
+    input); in debug mode the refusal joins the comparison, so every rank
+    raises it instead of the others waiting in MPI."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    with pytest.raises(hpccomm.HpccommError) as info:
+        dist.all_gather([torch.empty(2) for _ in range(size)], torch.ones(3 if rank == 1 else 2))
+    msg = str(info.value)
+    if rank == 1:
+        assert isinstance(info.value, hpccomm.OpValueError) and "this rank's slot" in msg, msg
+    else:
+        assert "rank 1 refused this op (OpValueError: hpccomm all_gather" in msg, msg
+    t = torch.ones(1)
+    dist.all_reduce(t)  # every rank numbered the refused op alike: the group still works
+    assert t.item() == size

@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from mpilaunch import require
 
 import hpccomm
 
@@ -68,15 +69,19 @@ def test_runnable_blocks_are_found():
     assert pages.count("quickstart.md") >= 1, pages
     assert pages.count("migrating.md") >= 10, pages  # five programs, each in its gloo and hpccomm form
     assert pages.count("troubleshooting.md") >= 2, pages
+    assert pages.count("horovod.md") >= 1, pages
     for page in DOCS.glob("*.md"):
         for m in re.finditer(r"^#\s*runnable\b.*$", page.read_text(), re.M):
             assert m.group(0).startswith("# runnable: "), f"{page.name}: malformed marker {m.group(0)!r}"
 
 
 def _command(launcher: str, script: Path) -> list:
+    """The block's launch: ``mpirun -n N`` runs with the launcher of the MPI
+    family in use (tests/mpilaunch.py) and its flags."""
     words = shlex.split(launcher)
     if words[0] == "mpirun":
-        return ["mpirun", *words[1:], "--oversubscribe", sys.executable, str(script)]
+        mpi = require()
+        return [mpi.launcher, *words[1:], *mpi.spec.oversubscribe, sys.executable, str(script)]
     if words[0] == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", *words[1:], str(script)]
     raise AssertionError(f"unknown launcher in '# runnable: {launcher}' (use mpirun or torchrun)")
@@ -94,11 +99,8 @@ def _free_port() -> int:
 def test_runnable_example(tmp_path, page, line, launcher, env, expect, code):
     script = tmp_path / f"{page[:-3]}_{line}.py"
     script.write_text(code)
-    full = {k: v for k, v in os.environ.items()
-            if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "HPCCOMM_", "TORCH_DISTRIBUTED_DEBUG"))}
-    full.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_mpi_yield_when_idle="1",
-                PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR", OMP_NUM_THREADS="1",
-                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_DISTRIBUTED_DEBUG")}
+    full = require().env(base, OMP_NUM_THREADS="1")
     if "MASTER_PORT" in code and "MASTER_PORT" not in env:
         full["MASTER_PORT"] = str(_free_port())  # the example's fixed port may be taken on a busy machine
     full.update(env)
@@ -113,6 +115,22 @@ def test_runnable_example(tmp_path, page, line, launcher, env, expect, code):
     else:
         assert proc.returncode == 0, where
     assert text in " ".join(output.split()), f"expected {text!r} in the output: " + where
+
+
+def test_horovod_pairs_differ_only_in_the_import_line():
+    """docs/horovod.md: each Horovod script (first line ``# horovod original``,
+    not runnable: Horovod does not install on this torch) is the runnable
+    block after it with ``import hpccomm.horovod as hvd`` read as
+    ``import horovod.torch as hvd``; the runnable block runs above."""
+    blocks = [m.group(1) for m in FENCE.finditer((DOCS / "horovod.md").read_text())]
+    pairs = [(a, b) for a, b in zip(blocks, blocks[1:]) if a.startswith("# horovod original")]
+    assert pairs, "no Horovod/hpccomm script pair in docs/horovod.md"
+    for original, ours in pairs:
+        assert ours.startswith("# runnable: mpirun"), ours.splitlines()[0]
+        body = original.split("\n", 1)[1]
+        assert "import horovod.torch as hvd\n" in body
+        assert body.replace("import horovod.torch as hvd\n", "import hpccomm.horovod as hvd\n") == \
+            ours.split("\n", 1)[1]
 
 
 # -- docstrings ---------------------------------------------------------------
@@ -173,7 +191,8 @@ def test_docs_build_with_warnings_as_errors(site):
 def test_every_public_name_is_in_the_api_reference(site):
     html = (site / "api.html").read_text()
     for name in hpccomm.__all__:
-        anchor = 'id="module-hpccomm.errors"' if name == "errors" else f'id="hpccomm.{name}"'
+        modules = ("errors", "config")  # documented as modules (hpccomm.launcher as the callable it is)
+        anchor = f'id="module-hpccomm.{name}"' if name in modules else f'id="hpccomm.{name}"'
         assert anchor in html, f"hpccomm.{name} is not in the API reference (docs/api.md)"
 
 

@@ -68,7 +68,8 @@ def refused(exc, op: str, what: str, *tensors, rank: int | None = None, size: in
     size = dist.get_world_size() if size is None else size
     flat = list(_flatten(tensors))
     snaps = [_snapshot(t) for t in flat]
-    pattern = rf"^hpccomm {re.escape(op)} \(op #\d+ on group '[^']+', rank {rank}/{size}\): {what}"
+    label = "p2p op" if op in ("send", "recv") else "op"  # point-to-point ops are numbered apart
+    pattern = rf"^hpccomm {re.escape(op)} \({label} #\d+ on group '[^']+', rank {rank}/{size}\): {what}"
     with pytest.raises(exc, match=pattern) as info:
         yield info
     assert info.value.op == op, info.value.op
@@ -558,12 +559,21 @@ def test_not_a_tensor_direct(world):
 # layouts and devices
 # --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("op", ["all_reduce", "broadcast"])
-def test_sparse_tensor(world, op):
+def test_sparse_tensor_broadcast_refused(world):
+    """Sparse tensors are summed by all_reduce (tests/test_reduce.py); other ops refuse them."""
     t = torch.tensor([0.0, 2.0, 0.0]).to_sparse()
-    with refused(hpccomm.OpTypeError, op, r"tensor has layout torch\.sparse_coo; only dense \(strided\) tensors "
-                 r"can be sent\. Call \.to_dense\(\) first", t):
-        dist.all_reduce(t) if op == "all_reduce" else dist.broadcast(t, src=0)
+    with refused(hpccomm.OpTypeError, "broadcast", r"tensor has layout torch\.sparse_coo; only dense \(strided\) "
+                 r"tensors can be sent\. Call \.to_dense\(\) first", t):
+        dist.broadcast(t, src=0)
+
+
+@pytest.mark.parametrize("redop", [R.MAX, R.PRODUCT, R.AVG])
+def test_sparse_all_reduce_is_sum_only(world, redop):
+    t = torch.tensor([0.0, 2.0, 0.0]).to_sparse()
+    name = str(redop).split(".")[-1]
+    with refused(hpccomm.OpTypeError, "all_reduce", rf"sparse tensors reduce with ReduceOp\.SUM only \(as gloo\), "
+                 rf"not {name}\. Call \.to_dense\(\) first for other ReduceOps", t):
+        dist.all_reduce(t, op=redop)
 
 
 @pytest.mark.parametrize("op", ["all_reduce", "broadcast", "all_gather_into_tensor"])

@@ -17,31 +17,21 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from mpilaunch import MPI_ERROR_TEXT, require
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 180  # seconds per launch: torch's start-up on every rank of a loaded 2-core machine
 TUTORIAL = ["p2p_blocking", "p2p_nonblocking", "allreduce_group", "ring_allreduce", "dist_sgd"]
-BAD_STDERR = re.compile(r"MPI_ERR|Traceback|Segmentation|core dumped|exited on signal|MPI_ABORT", re.IGNORECASE)
-
-
-def _env() -> dict:
-    """No MPI, PMIx, SLURM or HPCCOMM_* variables of this process (a nested
-    launcher would misbehave); this checkout first on the path."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_", "PMIX_", "PMI_", "PRTE_", "SLURM_", "HPCCOMM_", "MASTER_",
-                                "RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_"))}
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_mpi_yield_when_idle="1", PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1",
-               TORCH_CPP_LOG_LEVEL="ERROR",
-               PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    return env
+BAD_STDERR = re.compile(MPI_ERROR_TEXT + r"|Traceback|Segmentation|core dumped|exited on signal", re.IGNORECASE)
 
 
 def launch(n: int, *python_args: str):
-    """``mpirun -n n python *python_args``: (exit status, rank 0's stdout lines, all output)."""
-    cmd = ["timeout", "--kill-after=10", str(TIMEOUT - 15), "mpirun", "-n", str(n), "--oversubscribe",
-           "--output", "tag", sys.executable, *python_args]
-    proc = subprocess.Popen(cmd, env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    """``mpirun -n n python *python_args`` with the MPI family's launcher (no
+    MPI, SLURM or HPCCOMM_* variables of this process; this checkout first on
+    the path): (exit status, rank 0's stdout lines, all output)."""
+    mpi = require()
+    cmd = ["timeout", "--kill-after=10", str(TIMEOUT - 15), *mpi.argv(n, sys.executable, *python_args, tag=True)]
+    proc = subprocess.Popen(cmd, env=mpi.env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=TIMEOUT)
@@ -49,7 +39,7 @@ def launch(n: int, *python_args: str):
         os.killpg(proc.pid, signal.SIGKILL)  # mpirun and its ranks: the session this test started
         out, err = proc.communicate()
         pytest.fail(f"timed out after {TIMEOUT} s: {' '.join(cmd)}\n{out[-4000:]}\n{err[-4000:]}")
-    rank0 = [m.group(1) for m in re.finditer(r"^\[\d+,0\]<stdout>: ?(.*)$", out, re.MULTILINE)]
+    rank0 = mpi.lines_of(0, out)
     log = f"$ {' '.join(cmd)}\nexit status {proc.returncode}\n--- stdout\n{out[-6000:]}\n--- stderr\n{err[-6000:]}"
     bad = [line for line in err.splitlines() if BAD_STDERR.search(line)]
     assert not bad or proc.returncode != 0, "error text on stderr of a successful run:\n" + log

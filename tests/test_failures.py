@@ -3,13 +3,13 @@ that raises, a rank that is killed.  Each case launches a real mpirun job
 from pytest and checks its exit status, its time to end, and the message."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 import time
 
 import pytest
+from mpilaunch import no_orphans, require
 
 HEADER = """
 import os, sys, time, signal
@@ -21,26 +21,13 @@ import torch, torch.distributed as dist, hpccomm
 def launch(tmp_path, body: str, n: int = 3, limit: int = 120, env=None):
     script = tmp_path / "job.py"
     script.write_text(HEADER + textwrap.dedent(body))
-    full = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "HPCCOMM_"))}
-    full.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_mpi_yield_when_idle="1",
-                PYTHONUNBUFFERED="1")
-    full.update(env or {})
+    mpi = require()
+    full = mpi.env(**(env or {}))
     t0 = time.monotonic()
-    proc = subprocess.run(["timeout", "--kill-after=10", str(limit), "mpirun", "-n", str(n), "--oversubscribe",
-                           sys.executable, str(script)], capture_output=True, text=True, env=full)
+    proc = subprocess.run(["timeout", "--kill-after=10", str(limit),
+                           *mpi.argv(n, sys.executable, str(script), pass_env=env or ())],
+                          capture_output=True, text=True, env=full)
     return proc, time.monotonic() - t0
-
-
-def no_orphans(tmp_path) -> bool:
-    """No process of this test's job is left (matched by the script's unique path)."""
-    script = str(tmp_path / "job.py")
-    deadline = time.monotonic() + 5  # the launcher reaps its children right after it exits
-    while True:
-        out = subprocess.run(["pgrep", "-f", script], capture_output=True, text=True).stdout.split()
-        left = [p for p in out if int(p) != os.getpid()]
-        if not left or time.monotonic() > deadline:
-            return not left
-        time.sleep(0.2)
 
 
 def test_timeout_names_the_missing_rank_and_aborts(tmp_path):
@@ -104,11 +91,15 @@ def test_uncaught_exception_ends_the_job_with_its_rank(tmp_path):
     assert "ValueError: bad data on this rank" in proc.stderr
     assert "hpccomm: rank 1 of 3 raised an uncaught ValueError (last op: all_reduce (op #1" in proc.stderr, \
         proc.stderr
-    # Each survivor says why it ended, naming the failed rank (recorded in the store by rank 1).
-    for rank in (0, 2):
-        assert (f"hpccomm: rank {rank} of 3 ended by SIGTERM (the launcher ends the job) while in all_reduce "
-                f"(op #2 on group ") in proc.stderr, proc.stderr
-    assert proc.stderr.count("; rank 1 raised an uncaught ValueError (last op: all_reduce (op #1") == 2, proc.stderr
+    survivors = [f"hpccomm: rank {rank} of 3 ended by SIGTERM (the launcher ends the job) while in all_reduce "
+                 f"(op #2 on group " for rank in (0, 2)]
+    if require().survivors_get_sigterm():
+        # Each survivor says why it ended, naming the failed rank (recorded in the store by rank 1).
+        assert all(line in proc.stderr for line in survivors), proc.stderr
+        assert proc.stderr.count("; rank 1 raised an uncaught ValueError (last op: all_reduce (op #1") == 2, \
+            proc.stderr
+    else:  # Hydra (MPICH; Intel MPI by default) ends them with SIGKILL: only rank 1 speaks, for itself
+        assert not any(line in proc.stderr for line in survivors), proc.stderr
     assert no_orphans(tmp_path)
 
 
@@ -118,22 +109,33 @@ KILL_LAST_RANK = """
     t = torch.ones(4)
     dist.all_reduce(t)
     if dist.get_rank() == dist.get_world_size() - 1:
+        print(f"LAST RANK PID {os.getpid()}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     dist.all_reduce(t)
 """
 
 
-def test_killed_rank_ends_the_job(tmp_path):
-    proc, took = launch(tmp_path, KILL_LAST_RANK)
+@pytest.mark.parametrize("env", [{}, {"I_MPI_JOB_ABORT_SIGNAL": "15"}], ids=["default", "intel-abort-sigterm"])
+def test_killed_rank_ends_the_job(tmp_path, env):
+    """The launcher ends the job at once and names the dead rank; where it
+    sends SIGTERM first (Open MPI; Intel MPI told to by I_MPI_JOB_ABORT_SIGNAL,
+    which other families ignore) each survivor says where it was."""
+    proc, took = launch(tmp_path, KILL_LAST_RANK, env=env)
     assert proc.returncode != 0
     assert took < 30, took
-    # The launcher names the dead rank; each survivor says where it was and who died (same node: by pid).
-    assert "rank 2 with PID" in proc.stderr and "signal 9" in proc.stderr, proc.stderr
+    mpi = require()
+    pid = int(proc.stdout.split("LAST RANK PID ", 1)[1].split()[0])
+    # The launcher names the dead rank (MPICH: by its pid; on stdout under Hydra).
+    assert mpi.names_killed_rank(proc.stdout + proc.stderr, 2, pid), proc.stdout + proc.stderr
     for rank in (0, 1):
         line = [x for x in proc.stderr.splitlines() if x.startswith(f"hpccomm: rank {rank} of 3 ended by SIGTERM")]
+        if not mpi.survivors_get_sigterm(env):  # Hydra's default: SIGKILL, nobody can speak
+            assert line == [], proc.stderr
+            continue
+        # Each survivor says where it was and who died (same node: by pid).
         assert len(line) == 1, proc.stderr
         assert "while in all_reduce (op #2 on group " in line[0], line
-        assert "; rank 2 (pid " in line[0] and line[0].endswith(") is dead"), line
+        assert f"; rank 2 (pid {pid} " in line[0] and line[0].endswith(") is dead"), line
     assert no_orphans(tmp_path)
 
 
@@ -216,10 +218,9 @@ def test_ctrl_c_ends_every_rank(tmp_path):
             time.sleep(300)
         dist.all_reduce(t)   # the others wait here (inside MPI) when Ctrl-C comes
     """))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "HPCCOMM_"))}
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(["mpirun", "-n", "3", "--oversubscribe", sys.executable, str(script)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    mpi = require()
+    proc = subprocess.Popen(mpi.argv(3, sys.executable, str(script)), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=mpi.env())
     ready = 0
     deadline = time.monotonic() + 120
     while ready < 3 and time.monotonic() < deadline:
@@ -246,7 +247,7 @@ def test_exit_with_async_ops_never_waited_for_is_clean(tmp_path):
         import atexit
         t = torch.ones(1 << 16)
         # registered before hpccomm's own exit handler, so it runs after it (atexit is LIFO)
-        atexit.register(lambda: print(f"rank {os.environ['OMPI_COMM_WORLD_RANK']}"
+        atexit.register(lambda: print(f"rank {hpccomm.launcher().rank}"
                                       f" final {t[0].item()} {t[-1].item()}", flush=True))
         hpccomm.init_process_group()
         works = [dist.all_reduce(t, async_op=True) for _ in range(10)]
@@ -260,3 +261,208 @@ def test_exit_with_async_ops_never_waited_for_is_clean(tmp_path):
     for r in range(3):  # ten in-place sums of ones over 3 ranks: 3 ** 10 everywhere
         assert f"rank {r} final 59049.0 59049.0" in proc.stdout, proc.stdout
     assert no_orphans(tmp_path)
+
+
+# -- issue 14: every blocking path honours the timeout; refusals never leave ranks in MPI ---------------
+
+def test_blocking_recv_times_out_naming_the_peer(tmp_path):
+    """dist.recv from a rank that never sends: the watchdog watches
+    point-to-point ops from post to completion, names the op and the peer, and ends the job."""
+    proc, took = launch(tmp_path, """
+        hpccomm.init_process_group(timeout=timedelta(seconds=3))
+        dist.barrier()
+        if dist.get_rank() == 1:
+            time.sleep(120)          # never sends
+        dist.recv(torch.zeros(4), src=1)
+    """, n=2)
+    assert proc.returncode != 0 and took < 40, (proc.returncode, took, proc.stderr[-2000:])
+    assert ("hpccomm: rank 0: recv with rank 1 (p2p op #1 on group '0', rank 0/2) did not complete within its "
+            "timeout of 0:00:03: rank 1 never posted the matching send (busy outside hpccomm, hung or dead); "
+            "aborting the job") in proc.stderr, proc.stderr
+    assert no_orphans(tmp_path)
+    print(f"fault-to-end: p2p recv timeout 3 s: {took:.1f} s")
+
+
+def test_timeout_setting_is_a_word_in_any_case(tmp_path):
+    """HPCCOMM_ON_TIMEOUT=Abort (capitalised) is abort: read and checked at
+    init, so the watchdog thread never meets an unparsed setting."""
+    proc, took = launch(tmp_path, """
+        hpccomm.init_process_group(timeout=timedelta(seconds=2))
+        if dist.get_rank() == 1:
+            time.sleep(120)
+        dist.all_reduce(torch.ones(2))
+    """, n=2, env={"HPCCOMM_ON_TIMEOUT": "Abort"})
+    assert proc.returncode != 0 and took < 40, (proc.returncode, took, proc.stderr[-2000:])
+    assert "rank(s) [1] never arrived" in proc.stderr and "aborting the job (HPCCOMM_ON_TIMEOUT=abort)" in \
+        proc.stderr, proc.stderr
+    print(f"fault-to-end: collective timeout 2 s: {took:.1f} s")
+
+
+def test_bad_setting_on_one_rank_refuses_init_on_every_rank(tmp_path):
+    """A malformed value on one rank only: every rank raises ConfigError
+    naming it (the ranks agree on the verdict at init), none waits in MPI;
+    an unknown HPCCOMM_ name is reported with the nearest valid one."""
+    proc, took = launch(tmp_path, """
+        me = hpccomm.launcher().rank
+        if me == 2:
+            os.environ["HPCCOMM_ON_TIMEOUT"] = "stop"
+        os.environ["HPCCOMM_DEBUGG"] = "DETAIL"
+        try:
+            hpccomm.init_process_group()
+        except hpccomm.ConfigError as exc:
+            print("REFUSED", me, exc.variable, "|", exc, flush=True)
+    """)
+    assert proc.returncode == 0 and took < 60, (proc.returncode, took, proc.stderr[-2000:])
+    refused = sorted(line for line in proc.stdout.splitlines() if line.startswith("REFUSED"))
+    assert len(refused) == 3, proc.stdout + proc.stderr
+    for r, line in enumerate(refused):
+        assert line.startswith(f"REFUSED {r} HPCCOMM_ON_TIMEOUT | HPCCOMM_ON_TIMEOUT='stop' is not one of abort, "
+                               "warn"), line
+        assert (r == 2) == ("as rank 2 reports" not in line), line
+    assert proc.stderr.count("hpccomm: HPCCOMM_DEBUGG is not an hpccomm setting (ignored); did you mean "
+                             "HPCCOMM_DEBUG?") == 3, proc.stderr
+
+
+def test_all_to_all_counts_no_block_fits_end_the_job(tmp_path):
+    """all_to_all counts past the MPI count limit with no common block: the
+    rank that meets them cannot raise alone (its peers may be inside MPI), so
+    the job ends with the named reason."""
+    proc, took = launch(tmp_path, """
+        hpccomm.init_process_group()
+        n, r = dist.get_world_size(), dist.get_rank()
+        splits = [8] + [1] * (n - 1)
+        dist.all_to_all_single(torch.zeros(8 * n if r == 0 else n), torch.zeros(sum(splits)), [splits[r]] * n,
+                               splits)
+    """, env={"HPCCOMM_MAX_MPI_COUNT": "7"})
+    assert proc.returncode != 0 and took < 30, (proc.returncode, took, proc.stderr[-2000:])
+    assert ("hpccomm all_to_all_single (op #1 on group '0', rank 0/3): a count or offset of 9 elements is past "
+            "the MPI count limit 7, and the counts and offsets (in elements) share no common block size that "
+            "brings them under it. Use split sizes with a common factor, such as a row length; ending the job: "
+            "the other ranks of group '0' may already be waiting in MPI") in proc.stderr, proc.stderr
+    assert no_orphans(tmp_path)
+    print(f"fault-to-end: all_to_all refusal on some ranks: {took:.1f} s")
+
+
+def test_group_creation_times_out(tmp_path):
+    """A member that never comes to new_group: the ranks waiting in
+    MPI_Comm_create_group are ended at the group's timeout (new_group's own,
+    torch's default 30 minutes), with the group named."""
+    proc, took = launch(tmp_path, """
+        hpccomm.init_process_group(timeout=timedelta(seconds=3))
+        if dist.get_rank() == 1:
+            time.sleep(120)
+        dist.new_group([0, 1], use_local_synchronization=True, timeout=timedelta(seconds=3))
+    """)
+    assert proc.returncode != 0 and took < 40, (proc.returncode, took, proc.stderr[-2000:])
+    assert ("new_group (MPI_Comm_create_group) (creating the new group of ranks [0, 1], rank 0/2) did not "
+            "complete within its timeout of 0:00:03") in proc.stderr, proc.stderr
+    print(f"fault-to-end: group creation timeout 3 s: {took:.1f} s")
+
+
+GLOO_DEFAULT = """
+    hpccomm.init_process_group(backend="gloo")   # MPI started on every rank; the default group is gloo
+    n, r = dist.get_world_size(), dist.get_rank()
+    pair = dist.new_group([0, 1], backend="hpccomm")          # members-only creation
+    if r in (0, 1):
+        t = torch.full((3,), float(r + 1))
+        dist.all_reduce(t, group=pair)
+        print("PAIR", r, t.tolist(), dist.get_backend(pair), flush=True)
+    mine = [k for k in range(n) if k % 2 == r % 2]
+    local = dist.new_group(mine, backend="hpccomm", use_local_synchronization=True)  # members only call it
+    u = torch.tensor([float(r)])
+    dist.all_reduce(u, group=local)
+    print("LOCAL", r, u.item(), flush=True)
+    w = torch.ones(1)
+    dist.all_reduce(w)                               # the gloo default group still works
+    print("WORLD", r, w.item(), flush=True)
+    dist.destroy_process_group()
+"""
+
+
+def test_hpccomm_groups_under_a_gloo_default_group(tmp_path):
+    """An hpccomm group under a gloo default group, at an odd world size:
+    built by its members only (torch calls the creator on members only)."""
+    proc, took = launch(tmp_path, GLOO_DEFAULT, limit=90)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in (0, 1):
+        assert f"PAIR {r} [3.0, 3.0, 3.0] hpccomm" in proc.stdout, proc.stdout
+    for r, total in ((0, 2.0), (1, 1.0), (2, 2.0)):
+        assert f"LOCAL {r} {total}" in proc.stdout and f"WORLD {r} 3.0" in proc.stdout, proc.stdout
+
+
+def test_hpccomm_group_without_mpi_started_is_refused_on_every_member(tmp_path):
+    """The default group is gloo over env:// and MPI was never started: the
+    members refuse together, naming the fix (MPI_Init would wait for the
+    ranks that do not call the creator)."""
+    proc, took = launch(tmp_path, """
+        launch = hpccomm.launcher()
+        os.environ.update(RANK=str(launch.rank), WORLD_SIZE=str(launch.size))
+        dist.init_process_group("gloo")
+        # gloo's connect is not a barrier: a rank that leaves right after it can break a slower
+        # peer's connect ("Connection closed by peer", seen under load); the barriers keep them together
+        dist.barrier()
+        try:
+            dist.new_group([0, 1], backend="hpccomm")
+        except hpccomm.InitError as exc:
+            print("REFUSED", dist.get_rank(), exc, flush=True)
+        dist.barrier()
+        dist.destroy_process_group()
+    """, env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
+    assert proc.returncode == 0 and took < 60, (proc.returncode, took, proc.stderr[-2000:])
+    refused = [line for line in proc.stdout.splitlines() if line.startswith("REFUSED")]
+    assert len(refused) == 2, proc.stdout + proc.stderr
+    for line in refused:
+        assert "MPI is not started on rank" in line and "hpccomm.init_process_group(backend=...)" in line, line
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_refusal_on_one_rank_ends_the_job_for_the_waiting_ranks(tmp_path):
+    """Without debug mode: rank 1 refuses an op (and its program goes on);
+    the ranks waiting in it learn of it through the store and end the job
+    with rank 1's reason within seconds, instead of at the timeout."""
+    proc, took = launch(tmp_path, """
+        hpccomm.init_process_group()   # 30-minute timeout
+        dist.barrier()
+        t = torch.ones(2)
+        if dist.get_rank() == 1:
+            try:
+                dist.all_reduce(t, op=dist.ReduceOp.BAND)   # refused here: BAND on float32
+            except hpccomm.OpTypeError:
+                time.sleep(60)
+        else:
+            dist.all_reduce(t)
+    """)
+    assert proc.returncode != 0 and took < 30, (proc.returncode, took, proc.stderr[-2000:])
+    import re
+
+    # whichever waiting rank's watchdog looks first ends the job
+    assert re.search(r"hpccomm: rank ([02]): all_reduce \(op #2 on group '0', rank \1/3\) cannot complete: another "
+                     r"rank refused it \(rank 1: hpccomm all_reduce \(op #2 on group '0', rank 1/3\): "
+                     r"ReduceOp\.BAND needs an integer or bool tensor, got torch\.float32\); aborting the job",
+                     proc.stderr), proc.stderr
+    print(f"fault-to-end: a refusal on one rank: {took:.1f} s")
+
+
+def test_a_refused_send_ends_the_job_for_its_receiver(tmp_path):
+    proc, took = launch(tmp_path, """
+        hpccomm.init_process_group()
+        dist.barrier()
+        if dist.get_rank() == 0:
+            try:
+                dist.send(torch.ones(2), dst=1, tag=-3)          # refused here
+            except hpccomm.OpValueError:
+                time.sleep(60)
+        elif dist.get_rank() == 1:
+            dist.recv(torch.zeros(2), src=0, tag=3)
+    """, n=2)
+    assert proc.returncode != 0 and took < 30, (proc.returncode, took, proc.stderr[-2000:])
+    assert ("hpccomm: rank 1: recv (p2p op #1 on group '0', rank 1/2) cannot complete: another rank refused it "
+            "(hpccomm send (p2p op #1 on group '0', rank 0/2): tag -3 is outside 0..") in proc.stderr, proc.stderr
+    print(f"fault-to-end: a refused send: {took:.1f} s")

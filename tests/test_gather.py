@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import hpccomm.ops.gather as gather_mod
-from helpers import MOVE_DTYPES, same_on_all_ranks
+from helpers import MOVE_DTYPES, same_on_all_ranks, work_done
 from move_checks import GLOO_DTYPES, Checks, all_bytes, assert_same, count_limit, data
 
 pytestmark = pytest.mark.mpi
@@ -290,12 +290,15 @@ def test_all_gather_coalesced(world, groups):
             for j, (s, d) in enumerate(specs):
                 check.same(outs[j], torch.cat([data(s, d, k, j) for k in range(n)]),
                            f"group {g.name}: coalesced tensor {j} (async_ops={async_ops})")
-        out_lists = [[torch.empty(3) for _ in range(n)], [torch.empty(2, 2) for _ in range(n)]]
-        ins = [data((3,), torch.float32, g.rank), data((2, 2), torch.float32, g.rank, 1)]  # torch wants one dtype
+        # torch's layout (as gloo reads it): out_lists[rank][i] receives that rank's input i
+        out_lists = [[torch.empty(3), torch.empty(2, 2), torch.empty(0)] for _ in range(n)]
+        ins = [data((3,), torch.float32, g.rank), data((2, 2), torch.float32, g.rank, 1),
+               torch.empty(0)]  # torch wants one dtype
         dist.all_gather_coalesced(out_lists, ins, group=g.pg)
         for k in range(n):
-            check.same(out_lists[0][k], data((3,), torch.float32, k), "all_gather_coalesced list 0")
-            check.same(out_lists[1][k], data((2, 2), torch.float32, k, 1), "all_gather_coalesced list 1")
+            check.same(out_lists[k][0], data((3,), torch.float32, k), f"all_gather_coalesced from {k}, input 0")
+            check.same(out_lists[k][1], data((2, 2), torch.float32, k, 1), f"all_gather_coalesced from {k}, input 1")
+            check.true(out_lists[k][2].numel() == 0, "all_gather_coalesced: the empty input")
     check.done()
 
 
@@ -349,7 +352,7 @@ def test_async_op(world, groups):
         gathered = [torch.empty(2, dtype=torch.uint8) for _ in range(n)] if r == root else None
         w3 = dist.gather(data((2,), torch.uint8, r, 2), gathered, group=g.pg, group_dst=root, async_op=True)
         for w in (w1, w2, w3):
-            check.true(w.wait() and w.is_completed() and w.is_success(), f"group {g.name}: Work not complete")
+            check.true(w.wait() and work_done(w, g.pg), f"group {g.name}: Work not complete")
         check.true(w1.get_future().value()[0][0] is outs[0], "failed: w1.get_future().value()[0][0] is outs[0]")
         check.true(w2.get_future().value()[0] is into, "failed: w2.get_future().value()[0] is into")
         for k in range(n):

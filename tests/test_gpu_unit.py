@@ -27,12 +27,13 @@ import torch
 import torch.distributed as dist
 
 import hpccomm
+import helpers
 from hpccomm import _compat, _group, _mpi, config
 from hpccomm.gpu import cuda_mpi, dispatch, nccl_cupy, nccl_torch, probe, select, staged
 from hpccomm.gpu.probe import Finding
 from hpccomm.gpu.select import Capabilities, NoTransport
 from hpccomm.ops import alltoall, gather, reduce, scatter
-from helpers import FakeCudaTensor, Problems, raised_by
+from helpers import hgroup, FakeCudaTensor, Problems, raised_by
 
 R = dist.ReduceOp
 
@@ -97,17 +98,9 @@ def caps(mpi=False, torch_nccl=False, cupy=False) -> Capabilities:
                         Finding(cupy, f"injected cupy={cupy}"))
 
 
-class NoComm:
-    def __getattr__(self, name):
-        raise AssertionError(f"used the communicator ({name}) where no communication may happen")
 
-
-def fake_group(rank: int = 1, size: int = 4, store=None) -> _group.Group:
-    g = _group.Group.__new__(_group.Group)
-    g.__dict__.update(comm=NoComm(), p2p=NoComm(), rank=rank, size=size, global_ranks=list(range(size)),
-                      name="fake", desc="", store=store, timeout=timedelta(seconds=42), seq=3,
-                      max_count=2**31 - 1, tag_ub=32767, _owns_comm=False, queued=0)
-    return g
+def fake_group(rank: int = 1, size: int = 4, store=None):
+    return helpers.fake_group(rank, size, store, timedelta(seconds=42), done=2)
 
 
 @pytest.fixture(scope="module")
@@ -690,6 +683,7 @@ NCCL_CASES = [
     ("all_gather_into_tensor", (y, x), "_allgather_base", {}),
     ("all_gather_coalesced", ([[x, x, x, x]], [x]), "allgather_coalesced", {}),
     ("gather", ([[x, x, x, x]], [x], 0), "gather", {"rootRank": 0}),
+    ("gather_single", (torch.zeros(8), x, 0), "gather_single", {"rootRank": 0}),
     ("all_to_all", ([x] * 4, [x] * 4), "alltoall", {}),
     ("all_to_all_single", (y, y, None, [1, 1, 1, 1]), "alltoall_base", {}),
     ("send", ([x], 2, 5), "send", None),
@@ -698,10 +692,10 @@ NCCL_CASES = [
 
 
 def test_nccl_calls_cover_every_op_with_tensors():
-    from hpccomm import process_group
+    from hpccomm import _adapter
 
-    src = open(process_group.__file__).read()
-    ops = set(re.findall(r'self\._run\("([a-z_]+)"', src)) - {"barrier"}
+    src = open(_adapter.__file__).read()
+    ops = set(re.findall(r'_runner\.run\(self\._g, "([a-z_]+)"', src)) - {"barrier"}
     assert ops == set(nccl_torch.CALLS), ops ^ set(nccl_torch.CALLS)
     assert ops - {"all_reduce_coalesced", "reduce_scatter_tensor_coalesced", "all_gather_into_tensor_coalesced",
                   "reduce_scatter", "scatter", "all_gather", "all_gather_coalesced", "gather", "all_to_all",
@@ -944,11 +938,12 @@ rank, size = dist.get_rank(), dist.get_world_size()
 t = torch.full((4,), float(rank + 1))
 dist.all_reduce(t)
 pg = dist.group.WORLD
-report(result=t.tolist(), backend=str(dist.get_backend()), is_hpccomm=isinstance(pg, hpccomm.ProcessGroupHpccomm),
-       mapped=dispatch._maps.get(pg._g))
+group_of = hpccomm._compat.group_of
+report(result=t.tolist(), backend=str(dist.get_backend()), is_hpccomm="hpccomm" in str(dist.get_backend(pg)),
+       mapped=dispatch._maps.get(group_of(pg)))
 sub = dist.new_group([0])
 if rank == 0:
-    report(sub_mapped=dispatch._maps.get(sub._g))
+    report(sub_mapped=dispatch._maps.get(group_of(sub)))
 class FakeCudaTensor(torch.Tensor):
     @property
     def device(self):
@@ -975,10 +970,21 @@ def test_backend_string_with_cuda_nccl(tmp_path, backend):
     """``backend="cpu:hpccomm,cuda:nccl"``: torch 2.13 builds only hpccomm's
     group (its first backend is a whole ProcessGroup) and never NCCL, so
     hpccomm serves CPU tensors itself and sends CUDA tensors to NCCL on its
-    own (refused here, where there is no NCCL, with the reason)."""
+    own (refused here, where there is no NCCL, with the reason).  torch 2.15
+    builds NCCL's backend at init and refuses to without a GPU (torch's
+    check, gloo's group too): the job ends at once on every rank with it."""
     from test_init import mpirun, worker
+    from torch.distributed import distributed_c10d
 
-    job = mpirun(2, worker(tmp_path, "backend_map", "import sys\n" + BACKEND_MAP), backend).ok(2)
+    script = worker(tmp_path, "backend_map", "import sys\n" + BACKEND_MAP)
+    if backend.endswith("nccl") and hasattr(distributed_c10d, "_nccl2_device") and torch.cuda.device_count() == 0:
+        # torch >= 2.15 makes the cuda:nccl backend at init and refuses without a GPU, whatever
+        # the CPU backend (gloo too): the job must end at once on every rank with torch's reason.
+        job = mpirun(2, script, backend)
+        assert job.rc != 0 and not job.reports, job.describe()
+        assert job.stderr.count("nccl2 requires at least one CUDA device") >= 2, job.describe()
+        return
+    job = mpirun(2, script, backend).ok(2)
     for rank in (0, 1):
         rep = job.reports[rank]
         assert rep["result"] == [3.0] * 4 and rep["is_hpccomm"], rep
@@ -995,7 +1001,7 @@ def test_backend_string_with_cuda_nccl(tmp_path, backend):
 # --------------------------------------------------------------------------
 
 def _world_group():
-    return dist.group.WORLD._g
+    return hgroup(dist.group.WORLD)
 
 
 def _staged(made=None):
@@ -1102,7 +1108,6 @@ def test_routing_through_torch_with_staged(world, monkeypatch):
     CUDA tensors with HPCCOMM_GPU_TRANSPORT=staged: the process group sends
     them to the staged transport (agreed over MPI by the ranks), async too."""
     rank, n = world
-    monkeypatch.setenv("HPCCOMM_GPU_TRANSPORT", "staged")
     alloc = CountingAlloc()
     rec = Recorder()
     monkeypatch.setitem(dispatch.BUILDERS, "staged", lambda device, reason: staged.Staged(
@@ -1110,17 +1115,18 @@ def test_routing_through_torch_with_staged(world, monkeypatch):
     g = _world_group()
     dispatch.release(g)
     try:
-        t = fake_cuda(torch.full((3,), rank + 1.0))
-        dist.all_reduce(t)
-        work = dist.all_reduce(t, async_op=True)
-        work.wait()
-        out = fake_cuda(torch.zeros(n))
-        dist.all_gather_into_tensor(out, fake_cuda(torch.full((1,), float(rank))))
-        total = n * (n + 1) / 2
-        ok = (torch.equal(_plain(t), torch.full((3,), total * n)) and
-              torch.equal(_plain(out), torch.arange(float(n))) and
-              dispatch.transports_of(g)["cuda:0"][0] == "staged" and rec.names().count("copy") == 6)
-        assert ok, (t, out, rec.log, dispatch.transports_of(g))
+        with helpers.setting("HPCCOMM_GPU_TRANSPORT", "staged"):
+            t = fake_cuda(torch.full((3,), rank + 1.0))
+            dist.all_reduce(t)
+            work = dist.all_reduce(t, async_op=True)
+            work.wait()
+            out = fake_cuda(torch.zeros(n))
+            dist.all_gather_into_tensor(out, fake_cuda(torch.full((1,), float(rank))))
+            total = n * (n + 1) / 2
+            ok = (torch.equal(_plain(t), torch.full((3,), total * n)) and
+                  torch.equal(_plain(out), torch.arange(float(n))) and
+                  dispatch.transports_of(g)["cuda:0"][0] == "staged" and rec.names().count("copy") == 6)
+            assert ok, (t, out, rec.log, dispatch.transports_of(g))
     finally:
         dispatch.release(g)
 

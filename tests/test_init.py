@@ -3,9 +3,10 @@
 script written into the test's tmp_path.
 
 Every launch runs under a timeout (coreutils ``timeout`` inside, the
-subprocess timeout outside), with rank-tagged output (``--output tag``), so
-a hang becomes a failure that shows each rank's last words.  Workers report
-results as ``HPCCOMM-TEST {json}`` lines on stdout.
+subprocess timeout outside), with rank-tagged output, so a hang becomes a
+failure that shows each rank's last words.  The launcher, its flags and the
+tag format are those of the MPI family in use (tests/mpilaunch.py).  Workers
+report results as ``HPCCOMM-TEST {json}`` lines on stdout.
 """
 from __future__ import annotations
 
@@ -21,19 +22,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from mpilaunch import MPI_ERROR_TEXT, require
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 120  # seconds per launch, start-up of torch on every rank included
 SIZES = [1, 2, 3, 4]
 
 # What MPI or torch prints when a job ends badly at finalize.
-BAD_STDERR = re.compile(r"MPI_ERR|leak|finaliz|Traceback|Segmentation|core dumped|PRTE has lost|"
-                        r"exited on signal|MPI_ABORT", re.IGNORECASE)
+BAD_STDERR = re.compile(MPI_ERROR_TEXT + r"|leak|finaliz|Traceback|Segmentation|core dumped|exited on signal",
+                        re.IGNORECASE)
 
 PRELUDE = '''\
 import json, os, sys, traceback
 def report(**kw):
     print("HPCCOMM-TEST " + json.dumps(kw), flush=True)
+# the launcher's own variables for this MPI family (tests/mpilaunch.py)
+RANK_VARIABLE, SIZE_VARIABLE = {rank!r}, {size!r}
+LOCAL_RANK_VARIABLE, LOCAL_SIZE_VARIABLE = {local_rank!r}, {local_size!r}
 '''
 
 
@@ -42,17 +47,9 @@ def report(**kw):
 
 def _clean_env(**extra) -> dict:
     """The environment for a launch: none of this process's MPI, PMIx or
-    SLURM variables (a launcher must not think it is nested), and no
-    HPCCOMM_* settings but those a test asks for."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_", "PMIX_", "PMI_", "PRTE_", "SLURM_", "HPCCOMM_", "MASTER_",
-                                "RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_"))}
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_mpi_yield_when_idle="1",  # oversubscribed: yield instead of spinning
-               PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1", TORCH_CPP_LOG_LEVEL="ERROR",
-               PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
+    SLURM variables (a launcher must not think it is nested), no HPCCOMM_*
+    settings but those a test asks for, the MPI family's settings."""
+    return require().env(**extra)
 
 
 @dataclass
@@ -77,19 +74,10 @@ class Job:
         return self
 
 
-_TAG = re.compile(r"^\[\d+,(\d+)\]<std(?:out|err)>: ?(.*)$")
-
-
 def _parse(stdout: str, single: bool) -> dict:
     reports: dict = {}
-    for line in stdout.splitlines():
-        if single:
-            rank, text = 0, line
-        else:
-            m = _TAG.match(line)
-            if not m:
-                continue
-            rank, text = int(m.group(1)), m.group(2)
+    lines = [(0, line) for line in stdout.splitlines()] if single else require().tagged(stdout)
+    for rank, text in lines:
         if text.startswith("HPCCOMM-TEST "):
             reports.setdefault(rank, {}).update(json.loads(text[len("HPCCOMM-TEST "):]))
     return reports
@@ -108,12 +96,10 @@ def _run(cmd: list, env: dict, single: bool) -> Job:
 
 
 def mpirun(n: int, script: Path, *args: str, **env) -> Job:
-    """``script`` under ``mpirun -n n`` (oversubscribed, rank-tagged output)."""
-    cmd = ["timeout", "--kill-after=10", str(TIMEOUT - 15), "mpirun", "-n", str(n), "--oversubscribe",
-           "--output", "tag"]
-    for name in env:
-        cmd += ["-x", name]
-    cmd += [sys.executable, str(script), *args]
+    """``script`` under the MPI family's launcher with ``n`` ranks
+    (oversubscribed, rank-tagged output), ``env`` set on every rank."""
+    cmd = ["timeout", "--kill-after=10", str(TIMEOUT - 15),
+           *require().argv(n, sys.executable, str(script), *args, tag=True, pass_env=env)]
     return _run(cmd, _clean_env(**env), single=False)
 
 
@@ -124,8 +110,11 @@ def single(script: Path, *args: str, **env) -> Job:
 
 
 def worker(directory: Path, name: str, body: str) -> Path:
+    launch = require()
     path = directory / f"{name}.py"
-    path.write_text(PRELUDE + textwrap.dedent(body))
+    path.write_text(PRELUDE.format(rank=launch.rank_variable, size=launch.size_variable,
+                                   local_rank=launch.local_rank_variable, local_size=launch.local_size_variable)
+                    + textwrap.dedent(body))
     return path
 
 
@@ -160,8 +149,8 @@ dist.all_reduce(t)
 report(rank=dist.get_rank(), size=dist.get_world_size(), backend=dist.get_backend(),
        mpi_rank=MPI.COMM_WORLD.Get_rank(), result=t.tolist(),
        local_rank=hpccomm.local_rank(), local_size=hpccomm.local_size(), node=hpccomm.node_index(),
-       env_local_rank=os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK"),
-       env_local_size=os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE"),
+       env_local_rank=os.environ.get(LOCAL_RANK_VARIABLE),
+       env_local_size=os.environ.get(LOCAL_SIZE_VARIABLE),
        library=MPI.Get_library_version().replace("\\0", "").strip().splitlines()[0],
        thread_level=MPI.Query_thread())
 dist.destroy_process_group()
@@ -194,7 +183,7 @@ def test_job_ends_cleanly(main_job):
 
 
 def test_local_rank_matches_launcher(main_job):
-    """(i) local_size/node_index agree with Open MPI's variables (one node
+    """(i) local_size/node_index agree with the launcher's variables (one node
     here: node 0), local ranks are the launcher's 0..local_size-1, and before
     init they raise InitError."""
     n, job = main_job
@@ -210,7 +199,8 @@ def test_local_rank_matches_launcher(main_job):
 
 
 def test_local_rank_equals_launcher_local_rank(main_job):
-    """(i) hpccomm.local_rank() is the launcher's OMPI_COMM_WORLD_LOCAL_RANK,
+    """(i) hpccomm.local_rank() is the launcher's local rank (Open MPI's
+    OMPI_COMM_WORLD_LOCAL_RANK, Hydra's MPI_LOCALRANKID),
     the number that binding and per-node device selection use."""
     n, job = main_job
     job.ok(n)
@@ -224,11 +214,12 @@ def test_info_log_names_mpi_library_and_thread_level(main_job):
     job.ok(n)
     levels = ("SINGLE", "FUNNELED", "SERIALIZED", "MULTIPLE")
     for r, rep in job.reports.items():
-        pattern = (rf"^\[\d+,{r}\]<stderr>: \[hpccomm rank {r}\] INFO MPI {re.escape(rep['library'])}\x00?, "
+        pattern = (rf"^\[hpccomm rank {r}\] INFO MPI {re.escape(rep['library'])}\x00?, "
                    rf"thread level {levels[rep['thread_level']]}, world {n} ranks on 1 node\(s\), "
                    rf"local rank {rep['local_rank']}/{n}$")
-        assert re.search(pattern, job.stderr, re.MULTILINE), f"rank {r}: no line matching {pattern}\n" \
-                                                              + job.describe()
+        lines = require().lines_of(r, job.stderr)
+        assert any(re.search(pattern, line) for line in lines), f"rank {r}: no line matching {pattern}\n" \
+                                                                 + job.describe()
 
 
 def test_info_log_is_plain_text(main_job):
@@ -277,7 +268,7 @@ ENV_URL = '''
 import torch, torch.distributed as dist
 import hpccomm
 from hpccomm.errors import InitError
-mpi_rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
+mpi_rank = int(os.environ[RANK_VARIABLE])
 size = int(os.environ["WORLD_SIZE"])
 shift = int(sys.argv[1])
 os.environ["RANK"] = str((mpi_rank + shift) % size)
@@ -297,7 +288,7 @@ dist.destroy_process_group()
 @pytest.mark.parametrize("n", SIZES)
 def test_env_rendezvous(tmp_path, n):
     """(c) dist.init_process_group(backend="hpccomm") with env:// (RANK from
-    OMPI_COMM_WORLD_RANK, MASTER_ADDR/MASTER_PORT/WORLD_SIZE from the test)."""
+    the launcher's rank variable, MASTER_ADDR/MASTER_PORT/WORLD_SIZE from the test)."""
     job = mpirun(n, worker(tmp_path, "env_url", ENV_URL), "0",
                  MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), WORLD_SIZE=n).ok(n)
     for r, rep in job.reports.items():
@@ -328,7 +319,7 @@ import torch, torch.distributed as dist
 import hpccomm
 from hpccomm.errors import InitError
 from mpi4py import MPI
-n = int(os.environ["OMPI_COMM_WORLD_SIZE"])
+n = int(os.environ[SIZE_VARIABLE])
 results = []
 for round in range(3):
     if round == 1:
@@ -342,7 +333,8 @@ for round in range(3):
         report(**{f"double_init_{round}": str(exc)})
     world = dist.group.WORLD
     sub = dist.new_group(list(range(n)))
-    comms = [world.mpi_comm, world._g.p2p, sub.mpi_comm, sub._g.p2p]
+    groups = [hpccomm._compat.group_of(world), hpccomm._compat.group_of(sub)]  # hpccomm's side of each
+    comms = [hpccomm.mpi_comm(world), groups[0].p2p, hpccomm.mpi_comm(sub), groups[1].p2p]
     handles = [c.py2f() for c in comms]
     t = torch.full((2,), float(dist.get_rank() + 1))
     dist.all_reduce(t)
@@ -351,9 +343,9 @@ for round in range(3):
     dist.destroy_process_group()
     results.append(dict(sum=t.tolist(), sub=u.tolist(), handles=handles,
                         freed=[c == MPI.COMM_NULL for c in comms],
-                        mpi_comm_after=[repr(world.mpi_comm), repr(sub.mpi_comm)],
+                        mpi_comm_after=[repr(g.comm) for g in groups],
                         initialized_after=dist.is_initialized()))
-report(rounds=results, pending=repr(hpccomm._init._state.pending_comm))
+report(rounds=results, pending=repr((hpccomm._init._state.world_comm, hpccomm._init._state.sub_comm)))
 '''
 
 
@@ -372,7 +364,7 @@ def test_destroy_then_init_again(tmp_path, n):
             assert rnd["mpi_comm_after"] == ["None", "None"], (i, rnd)
             assert rnd["initialized_after"] is False, (i, rnd)
             assert "already initialised" in rep[f"double_init_{i}"], rep
-        assert rep["pending"] == "None", rep
+        assert rep["pending"] == "(None, None)", rep
 
 
 # --------------------------------------------------------------------------
@@ -481,14 +473,17 @@ else:
 @pytest.mark.parametrize("how", ["hpccomm", "mpi-url", "env-url"])
 def test_srun_without_pmi_plugin_is_refused(tmp_path, how):
     """(g) one process that SLURM says is one of 4 tasks of a job step (srun
-    without --mpi=pmix: every task would see an MPI world of 1) is refused
-    with InitError naming the fix, on every init path."""
+    without the MPI family's plugin, --mpi=pmix for Open MPI, --mpi=pmi2 for
+    MPICH and Intel MPI: every task would see an MPI world of 1) is refused
+    with InitError naming the fix for the family in use, on every init path."""
     job = single(worker(tmp_path, "singleton", SINGLETON), how, str(free_port()),
                  SLURM_NTASKS=4, SLURM_STEP_ID=0, SLURM_PROCID=0).ok(1)
     rep = job.reports[0]
     assert rep["error"] == "InitError", rep
     assert "srun started 4 processes (SLURM_NTASKS=4)" in rep["message"], rep
-    assert "--mpi=pmix" in rep["message"] and "world of 1" in rep["message"], rep
+    plugin = require().spec.srun_mpi
+    assert f"Launch with srun --mpi={plugin}: the MPI library in use is " in rep["message"], rep
+    assert "world of 1" in rep["message"], rep
 
 
 def test_batch_script_single_process_is_allowed(tmp_path):
@@ -539,6 +534,116 @@ def test_import_does_not_start_mpi(tmp_path):
 
 
 # --------------------------------------------------------------------------
+# (k) no `import hpccomm`: torch finds it (entry points) and, under an MPI
+#     launcher with RANK unset, env:// takes rank, size and the store from MPI
+# --------------------------------------------------------------------------
+
+NO_IMPORT = '''
+import torch, torch.distributed as dist
+backend = sys.argv[1]
+dist.init_process_group(backend)      # no import hpccomm, no MASTER_ADDR/PORT, RANK or WORLD_SIZE
+t = torch.full((3,), float(dist.get_rank() + 1))
+dist.all_reduce(t)
+from mpi4py import MPI   # started by the rendezvous
+report(backend=str(dist.get_backend()), rank=dist.get_rank(), size=dist.get_world_size(), result=t.tolist(),
+       mpi_rank=MPI.COMM_WORLD.Get_rank(), env=[k for k in ("RANK", "MASTER_ADDR") if k in os.environ],
+       hpccomm_loaded="hpccomm" in sys.modules)
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_init_without_import_or_settings(tmp_path, n):
+    """(k) An unchanged training script, but for the backend name, under
+    mpirun with nothing set: torch imports hpccomm through its entry points
+    (torch.distributed.backends on torch >= 2.14; the autoload entry point
+    on every torch) and the rendezvous comes from MPI."""
+    job = mpirun(n, worker(tmp_path, "no_import", NO_IMPORT), "hpccomm").ok(n)
+    for r, rep in job.reports.items():
+        assert (rep["backend"], rep["rank"], rep["size"], rep["mpi_rank"]) == ("hpccomm", r, n, r), rep
+        assert rep["result"] == [_sum_of_ranks_plus_one(n)] * 3 and rep["env"] == [], rep
+        assert rep["hpccomm_loaded"] is True, rep
+
+
+def test_env_rendezvous_from_mpi_serves_any_backend(tmp_path):
+    """(k) The MPI rendezvous behind env:// is the launch's, not hpccomm's
+    backend's: gloo under mpirun with nothing set works too."""
+    job = mpirun(3, worker(tmp_path, "no_import", NO_IMPORT), "gloo").ok(3)
+    for r, rep in job.reports.items():
+        assert (rep["backend"], rep["rank"], rep["size"], rep["mpi_rank"]) == ("gloo", r, 3, r), rep
+        assert rep["result"] == [_sum_of_ranks_plus_one(3)] * 3, rep
+
+
+ENTRY_POINT = '''
+import torch, torch.distributed as dist
+# the launcher's own variables (Open MPI's; Hydra's, for MPICH and Intel MPI): no `import hpccomm` here
+os.environ["RANK"] = os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ["PMI_RANK"]
+os.environ["WORLD_SIZE"] = os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ["PMI_SIZE"]
+try:
+    dist.init_process_group("hpccomm")   # env://, as torchrun-style scripts do; torch's autoload is off
+except Exception as exc:
+    report(error=type(exc).__name__, message=str(exc).splitlines()[0], hpccomm_loaded="hpccomm" in sys.modules)
+    sys.exit(0)
+t = torch.ones(2)
+dist.all_reduce(t)
+report(result=t.tolist(), backend=str(dist.get_backend()), hpccomm_loaded="hpccomm" in sys.modules)
+dist.destroy_process_group()
+'''
+
+
+def test_backend_entry_point_alone(tmp_path):
+    """(k) With torch's device autoload off (TORCH_DEVICE_BACKEND_AUTOLOAD=0)
+    and env:// set up by the script: torch >= 2.14 loads hpccomm through its
+    torch.distributed.backends entry point; torch 2.13 has no such entry
+    point group and refuses the name (there, `import hpccomm` is needed)."""
+    import torch
+
+    from hpccomm import _compat
+
+    job = mpirun(2, worker(tmp_path, "entry_point", ENTRY_POINT), TORCH_DEVICE_BACKEND_AUTOLOAD=0,
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port()).ok(2)
+    entry_points = hasattr(torch.distributed.Backend, "_ensure_backend_registered")
+    assert entry_points == _compat.py_backend(), "torch's entry points and its Python Backend came together"
+    for rep in job.reports.values():
+        if entry_points:
+            assert rep.get("result") == [2.0, 2.0] and rep["backend"] == "hpccomm", rep
+        else:
+            assert rep.get("error") and "hpccomm" in rep["message"] and not rep["hpccomm_loaded"], rep
+
+
+RPC = '''
+import torch, torch.distributed.rpc as rpc, torch.distributed.autograd as dist_autograd
+import hpccomm
+launch = hpccomm.launcher()
+me, n = launch.rank, launch.size
+rpc.init_rpc(f"worker{me}", rank=me, world_size=n)   # no MASTER_ADDR/MASTER_PORT: the store comes from MPI
+nxt = f"worker{(me + 1) % n}"
+remote = rpc.rpc_sync(nxt, torch.add, args=(torch.ones(2), float(me)))
+with dist_autograd.context() as ctx:
+    x = torch.full((2,), float(me + 1), requires_grad=True)
+    y = rpc.rpc_sync(nxt, torch.mul, args=(x, float(me + 3)))
+    dist_autograd.backward(ctx, [(y * y).sum()])
+    grad = dist_autograd.get_gradients(ctx)[x]
+report(id=rpc.get_worker_info().id, remote=remote.tolist(), grad=grad.tolist())
+rpc.shutdown()
+'''
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_rpc_and_distributed_autograd_under_mpirun(tmp_path, n):
+    """(k) torch.distributed.rpc.init_rpc under mpirun with no MASTER_ADDR or
+    MASTER_PORT takes its rendezvous from MPI (rank and world size are
+    init_rpc's own arguments, which torch requires: hpccomm.launcher() gives
+    them before init): a remote call, and a distributed autograd backward
+    through one (d/dx sum((c x)^2) = 2 c^2 x)."""
+    job = mpirun(n, worker(tmp_path, "rpc", RPC)).ok(n)
+    for r, rep in job.reports.items():
+        c = r + 3
+        assert rep["id"] == r and rep["remote"] == [1.0 + r] * 2, rep
+        assert rep["grad"] == [2.0 * c * c * (r + 1)] * 2, rep
+
+
+# --------------------------------------------------------------------------
 # (g) the key-value store cannot be opened: every rank raises, quickly
 # --------------------------------------------------------------------------
 
@@ -571,3 +676,17 @@ def test_store_failure_raises_on_every_rank(tmp_path, case):
         assert msg.endswith(". Set HPCCOMM_STORE_ADDR / HPCCOMM_STORE_PORT") and ".." not in msg, msg
         assert ("no-such-host.invalid" in msg) if case == "unresolvable" else ("EADDRINUSE" in msg), msg
         assert rep["took"] < 30, rep  # not the 30-minute default timeout
+
+
+@pytest.mark.parametrize("first", ["import hpccomm; import torch", "import torch; import hpccomm", "import torch"])
+def test_registration_in_any_import_order_warns_nothing(first):
+    """(h) hpccomm registers with torch whichever comes first, `import
+    hpccomm` or `import torch` (whose autoload entry point imports hpccomm
+    and, when hpccomm came first, calls back into it mid-import), with no
+    warning; `import torch` alone registers it too (the autoload)."""
+    code = (f"{first}\nimport torch.distributed as dist, sys\n"
+            "assert 'HPCCOMM' in dist.Backend._plugins, 'not registered'\n"
+            "assert 'mpi4py.MPI' not in sys.modules, 'MPI started'\n")
+    out = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True,
+                         env=_clean_env(), timeout=TIMEOUT)
+    assert out.returncode == 0 and not out.stderr.strip(), out.stderr

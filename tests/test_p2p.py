@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
 import hpccomm
-from helpers import MOVE_DTYPES, Problems, fill, raised_by
+from helpers import hgroup, MOVE_DTYPES, Problems, fill, raised_by
 
 pytestmark = pytest.mark.mpi
 
@@ -59,7 +59,7 @@ def no_stray_messages(world, groups):
     for g in groups:
         if not g.member:
             continue
-        comm = g.pg._g.p2p
+        comm = hgroup(g.pg).p2p
         while True:
             status = MPI.Status()
             msg = comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
@@ -183,7 +183,8 @@ def test_batch_isend_irecv_both_directions(world, numel):
     ops = [dist.P2POp(dist.irecv, from_prev, prev), dist.P2POp(dist.irecv, from_next, nxt),
            dist.P2POp(dist.isend, to_next, nxt), dist.P2POp(dist.isend, to_prev, prev)]
     works = dist.batch_isend_irecv(ops)
-    assert len(works) == 4
+    # torch >= 2.14 coalesces the batch for a backend that supports it (hpccomm does): one Work for all
+    assert len(works) == (1 if hpccomm._compat.py_backend() else 4), works
     for w in works:
         w.wait(LIMIT)
     assert torch.equal(from_prev, fill((numel,), torch.float32, prev, salt=1))
@@ -263,7 +264,7 @@ def test_recv_any_source_in_subgroup_returns_global_rank(world):
 def test_tags_match_out_of_order(world):
     r, n = world
     pg = world_pg()
-    top = pg._g.tag_ub
+    top = hgroup(pg).tag_ub
     tags = [5, 7, 0, top]
     if r == 0:
         works = [dist.isend(fill((4,), torch.float64, r, salt=t % 97), dst=1, tag=t) for t in tags]
@@ -406,7 +407,7 @@ class LowCount:
         self.limit = limit
 
     def __enter__(self):
-        self.g = world_pg()._g
+        self.g = hgroup(world_pg())
         self.old, self.g.max_count = self.g.max_count, self.limit
         return self
 
@@ -439,7 +440,7 @@ def test_split_on_one_side_only(world, lowered_on):
     numel = 1000
     lower = (r == 0) == (lowered_on == "sender")
     got = blank((numel,), torch.float64)
-    with LowCount(3 if lower else world_pg()._g.max_count):
+    with LowCount(3 if lower else hgroup(world_pg()).max_count):
         if r == 0:
             dist.send(fill((numel,), torch.float64, r), dst=1)
         elif r == 1:
@@ -600,13 +601,13 @@ def test_any_source_work_source_rank(world):
 # -- errors --------------------------------------------------------------------------------------
 
 def _where(r, n):
-    return rf"\(op #\d+ on group '[^']+', rank {r}/{n}\)"
+    return rf"\(p2p op #\d+ on group '[^']+', rank {r}/{n}\)"  # point-to-point ops are numbered apart
 
 
 def test_bad_peer_and_tag_refused_before_communication(world):
     r, n = world
     prev, nxt = neighbours()
-    top = world_pg()._g.tag_ub
+    top = hgroup(world_pg()).tag_ub
     t = fill((4,), torch.float32, r)
     cases = [
         (lambda: dist.isend(t, dst=n), "send", rf"dst {n} is not a rank of this group of size {n}"),
@@ -635,7 +636,7 @@ def assert_channel_clean():
     r = dist.get_rank()
     prev, nxt = neighbours()
     dist.barrier()
-    assert not world_pg()._g.p2p.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG), "a stray message is pending"
+    assert not hgroup(world_pg()).p2p.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG), "a stray message is pending"
     dist.barrier()
     got = blank((4,), torch.float32)
     w = dist.irecv(got, src=prev)

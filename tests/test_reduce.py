@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import hpccomm
-from helpers import R, REDUCE_DTYPES, FLOAT8, assert_close, fill, same_on_all_ranks
+from helpers import hgroup, R, REDUCE_DTYPES, FLOAT8, assert_close, fill, same_on_all_ranks
 
 pytestmark = pytest.mark.mpi
 
@@ -249,7 +249,7 @@ def test_split_past_count_limit(world, op):
     exercise the same code a 2**31-element tensor takes."""
     pg = dist.group.WORLD
     n, r = dist.get_world_size(), dist.get_rank()
-    old, pg._g.max_count = pg._g.max_count, 7
+    old, hgroup(pg).max_count = hgroup(pg).max_count, 7
     try:
         if op == "all_reduce":
             t = fill((50,), torch.int64, r)
@@ -266,7 +266,7 @@ def test_split_past_count_limit(world, op):
             dist.reduce_scatter_tensor(out, inp)
             assert torch.equal(out, sum(fill((n * 20,), torch.float32, k) for k in range(n))[r * 20:(r + 1) * 20])
     finally:
-        pg._g.max_count = old
+        hgroup(pg).max_count = old
 
 
 @pytest.mark.parametrize("dtype,opname", [(torch.float32, "SUM"), (torch.bfloat16, "SUM"), (torch.int32, "AVG"),

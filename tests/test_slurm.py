@@ -12,6 +12,11 @@ GPUs, no real ones).
 Skipped, with the reason, only where SLURM cannot be started: not root, or
 SLURM missing and no apt-get.  Where it can, a failure to start is a failure.
 The daemons are stopped (by PID) at the end.
+
+The jobs run with this Python and its MPI family: the templates' MPI_PLUGIN=auto
+picks srun's plugin (pmix for Open MPI, pmi2 for MPICH and Intel MPI) and
+cpu-mpirun.sbatch runs that family's mpirun, so running this file in an MPICH
+or Intel MPI venv checks the templates with that family.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import time
 from pathlib import Path
 
 import pytest
+from mpilaunch import require
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "tests" / "slurm" / "cluster.sh"
@@ -154,13 +160,15 @@ def jobs(slurm, tmp_path_factory):
 
 
 def spans_two_nodes(result: dict) -> None:
-    """Four ranks, two on each SLURM node, and a sum over all of them."""
+    """Four ranks, two on each SLURM node, and a sum over all of them.  Nodes by
+    SLURM_NODEID: Intel MPI's mpirun inside a batch job hands the batch script's
+    SLURMD_NODENAME (n1) to every rank, on either node."""
     views = result["views"]
     assert [v["rank"] for v in views] == [0, 1, 2, 3] and {v["size"] for v in views} == {4}
     by_node = {}
     for v in views:
-        by_node.setdefault(v["slurm_node"], []).append(v["rank"])
-    assert sorted(by_node) == ["n1", "n2"] and all(len(r) == 2 for r in by_node.values()), by_node
+        by_node.setdefault(v["slurm_nodeid"], []).append(v["rank"])
+    assert sorted(by_node) == ["0", "1"] and all(len(r) == 2 for r in by_node.values()), by_node
     assert result["all_reduce"] == 1 + 2 + 3 + 4
 
 
@@ -168,11 +176,11 @@ def layout_matches_slurm(result: dict) -> None:
     """hpccomm's (or torchrun's) local rank, local size and node index agree with
     where SLURM put each rank; a group of one rank per node sums across nodes."""
     views = result["views"]
-    layout = [{k: v[k] for k in ("rank", "slurm_node", "node", "local_rank", "local_size")} for v in views]
+    layout = [{k: v[k] for k in ("rank", "slurm_nodeid", "node", "local_rank", "local_size")} for v in views]
     assert {v["local_size"] for v in views} == {2}, layout
     # One node index per SLURM node (torchrun numbers nodes in rendezvous order, not SLURM's).
-    index = {v["slurm_node"]: v["node"] for v in views}
-    assert sorted(index.values()) == [0, 1] and all(index[v["slurm_node"]] == v["node"] for v in views), layout
+    index = {v["slurm_nodeid"]: v["node"] for v in views}
+    assert sorted(index.values()) == [0, 1] and all(index[v["slurm_nodeid"]] == v["node"] for v in views), layout
     assert sorted((v["node"], v["local_rank"]) for v in views) == [(0, 0), (0, 1), (1, 0), (1, 1)], layout
     assert len(result["leaders"]) == 2 and result["across_nodes"] == [1.0 + 2.0] * 2, result
 
@@ -180,6 +188,7 @@ def layout_matches_slurm(result: dict) -> None:
 def test_cpu_srun_spans_two_nodes(slurm, jobs):
     workdir, job = jobs["cpu"]
     text = finished_ok(slurm, workdir, "cpu", job)
+    assert f"(srun --mpi={require().spec.srun_mpi})" in text, text  # MPI_PLUGIN=auto: the family's plugin
     assert "hpccomm preflight ok: 4 ranks, 2 node(s)" in text
     spans_two_nodes(check_result(text))
 
@@ -269,12 +278,18 @@ def test_preflight_stops_a_gpu_job_with_fewer_gpus_than_ranks(slurm, tmp_path):
 
 
 def test_preflight_names_the_mpi_plugin(slurm, tmp_path):
-    """The silent-singleton trap: srun --mpi=pmi2 with Open MPI (every rank a world of 1)."""
-    script = render("cpu", "--nodes", "2", "--ntasks-per-node", "2", "--time", "10", "--", sys.executable, "-c",
-                    "raise SystemExit('the preflight let this run')").replace("MPI_PLUGIN=pmix", "MPI_PLUGIN=pmi2")
+    """The silent-singleton trap: the wrong srun plugin for the MPI family in
+    use (Open MPI under --mpi=pmi2; MPICH and Intel MPI under --mpi=none, since
+    --mpi=pmix makes them abort rather than run alone) leaves every rank a
+    world of 1; the preflight stops the job, naming the family's plugin."""
+    mpi = require()
+    wrong = "pmi2" if mpi.spec.srun_mpi == "pmix" else "none"
+    script = render("cpu", "--nodes", "2", "--ntasks-per-node", "2", "--time", "10", "--mpi-plugin", wrong, "--",
+                    sys.executable, "-c", "raise SystemExit('the preflight let this run')")
     job = sbatch(slurm, script, tmp_path)
     info = wait_for(slurm, job)
     text = output(tmp_path, "hpccomm-cpu", job)
     assert info["JobState"] == "FAILED", text
     assert "srun started 4 tasks (SLURM_NTASKS=4) but MPI sees a world of 1" in text, text
-    assert "use srun --mpi=pmix" in text and "the preflight let this run" not in text
+    assert f"this is {mpi.spec.title}: use srun --mpi={mpi.spec.srun_mpi} (" in text, text
+    assert "the preflight let this run" not in text

@@ -15,6 +15,7 @@ import os
 import pickle
 import os
 import re
+import threading
 import time
 from pathlib import Path
 from unittest import mock
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import hpccomm
+import helpers
 from hpccomm import _compat, _group, _init, _mpi, config, errors
 from hpccomm.ops import _common as c
 from hpccomm.ops import alltoall, gather, p2p, reduce, scatter
@@ -42,21 +44,9 @@ ALL_REDOPS = [T.SUM, T.PRODUCT, T.MIN, T.MAX, T.AVG, T.BAND, T.BOR, T.BXOR, T.PR
 # fakes
 # --------------------------------------------------------------------------
 
-class NoComm:
-    """A communicator that fails the test if anything is done with it."""
 
-    def __getattr__(self, name):
-        raise AssertionError(f"the op used its communicator ({name}) before refusing its input")
-
-
-def fake_group(rank: int = 1, size: int = 4) -> _group.Group:
-    """A real :class:`hpccomm._group.Group` (so ``where()`` is the real one)
-    without MPI: its communicators are :class:`NoComm`."""
-    g = _group.Group.__new__(_group.Group)
-    g.__dict__.update(comm=NoComm(), p2p=NoComm(), rank=rank, size=size, global_ranks=list(range(size)),
-                      name="fake", desc="", store=None, timeout=None, seq=7, max_count=2**31 - 1,
-                      tag_ub=32767, _owns_comm=False)
-    return g
+def fake_group(rank: int = 1, size: int = 4):
+    return helpers.fake_group(rank, size)
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +134,7 @@ def test_every_hpccomm_variable_is_declared():
     for path in _hpccomm_sources():
         text = path.read_text()
         for name in re.findall(r"\bHPCCOMM_[A-Z][A-Z0-9_]*", text):
-            if name not in config.OPTIONS:
+            if name not in config.OPTIONS and not name.endswith("_"):  # a prefix (HPCCOMM_TEST_) is no name
                 undeclared.add(f"{path.relative_to(PKG)}: {name}")
         if path.name == "config.py":
             continue
@@ -167,7 +157,7 @@ def _reads_env(path, node, text) -> bool:
 
 #: torch dtypes hpccomm deliberately does not handle (sub-byte, packed,
 #: quantized, bit containers, complex32: torch views complex as real first).
-REFUSED_DTYPES = {"complex32", "qint8", "quint8", "qint32", "quint4x2", "quint2x4", "bits1x8", "bits2x4",
+REFUSED_DTYPES = {"complex32", "bcomplex32", "qint8", "quint8", "qint32", "quint4x2", "quint2x4", "bits1x8", "bits2x4",
                   "bits4x2", "bits8", "bits16", "float4_e2m1fn_x2",
                   *(f"int{k}" for k in range(1, 8)), *(f"uint{k}" for k in range(1, 8))}
 
@@ -317,7 +307,7 @@ def test_mpi_ops(MPI):
 # checks before communication, and their messages
 # --------------------------------------------------------------------------
 
-_PREFIX = re.compile(r"^hpccomm (?P<op>[a-z_]+) \(op #(?P<seq>\d+) on group '(?P<group>[^']+)', "
+_PREFIX = re.compile(r"^hpccomm (?P<op>[a-z_]+) \((?:p2p )?op #(?P<seq>\d+) on group '(?P<group>[^']+)', "
                      r"rank (?P<rank>\d+)/(?P<size>\d+)\): (?P<rest>.+)$", re.DOTALL)
 
 
@@ -408,7 +398,9 @@ BAD = [
     ("ag-dtype", "all_gather", gather.allgather, ([[_t(2, dtype=torch.float16)] * 4], [_t(2)]),
      r"tensor_list\[0\] has dtype torch\.float16 but the input has torch\.float32"),
     ("agc-len", "all_gather_coalesced", gather.allgather_coalesced, ([[_t(2)] * 4], [_t(2), _t(2)]),
-     r"output_lists has 1 tensors, expected 2$"),
+     r"output_tensor_lists has 1 tensors, expected 4 \(one per rank of the group\)$"),
+    ("agc-inner", "all_gather_coalesced", gather.allgather_coalesced, ([[_t(2)] * 2] * 3 + [[_t(2)]], [_t(2), _t(2)]),
+     r"output_tensor_lists\[3\] has 1 tensors, expected 2$"),
     ("agitc-len", "all_gather_into_tensor_coalesced", gather.all_gather_single_coalesced,
      ([_t(8)], [_t(2), _t(2)]), r"inputs has 2 tensors, expected 1$"),
     ("gather-root", "gather", gather.gather, ([[]], [_t(2)], -1), r"dst -1 is not a rank of this group of size 4"),
@@ -457,7 +449,8 @@ def test_refused_before_communication(name, op, fn, args, what):
     msg = str(exc)
     assert isinstance(exc, (hpccomm.OpValueError, hpccomm.OpTypeError)), type(exc)
     assert exc.op == op, (exc.op, msg)
-    assert msg.startswith(f"hpccomm {op} (op #7 on group 'fake', rank 1/4): "), msg
+    label = "p2p op" if op in ("send", "recv") else "op"  # point-to-point ops are numbered apart
+    assert msg.startswith(f"hpccomm {op} ({label} #7 on group 'fake', rank 1/4): "), msg
     assert re.search(what, msg), f"{what!r} not in {msg!r}"
     _assert_well_formed(msg)
 
@@ -536,7 +529,7 @@ _LAUNCH_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "HYDI_", "I
 
 @pytest.mark.parametrize("env,size,fragment", [
     ({"SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"}, 1, r"srun started 4 processes \(SLURM_NTASKS=4\) but MPI sees "
-     r"a world of 1: every rank would run alone\. Launch with srun --mpi=pmix"),
+     r"a world of 1: every rank would run alone\. Launch with srun --mpi={plugin}"),   # the MPI family's plugin
     ({"OMPI_COMM_WORLD_SIZE": "2"}, 1, r"mpirun started 2 processes \(OMPI_COMM_WORLD_SIZE=2\)"),
     ({"PMI_SIZE": "8"}, 1, r"mpiexec started 8 processes \(PMI_SIZE=8\)"),
     ({"SLURM_NTASKS": "4"}, 1, None),                         # a batch script: not a job step
@@ -552,6 +545,9 @@ def test_check_launch(monkeypatch, env, size, fragment):
     if fragment is None:
         _init._check_launch(_Comm(size))
     else:
+        from mpilaunch import require
+
+        fragment = fragment.replace("{plugin}", require().spec.srun_mpi)
         with pytest.raises(hpccomm.InitError, match=rf"^hpccomm init: {fragment}"):
             _init._check_launch(_Comm(size))
 
@@ -684,9 +680,10 @@ _TORCH_DIST_SUBMODULES = {"distributed_c10d", "rendezvous", "c10d_logger", "cons
 #: Tools on top of the library (``python -m hpccomm.X``): nothing imports them.
 #: Like any user they may import torch.distributed, and mpi4py inside a
 #: function (after hpccomm started MPI; a raw-MPI baseline in the benchmark).
-#: ``hpccomm._cli_*`` are the ``hpccomm`` subcommands; ``hpccomm.examples`` the example programs.
+#: ``hpccomm._cli_*`` are the ``hpccomm`` subcommands; ``hpccomm.examples`` the example programs;
+#: ``hpccomm.horovod`` Horovod's API, a user of torch.distributed and hpccomm's public API like the others.
 TOOLS = ("hpccomm.__main__", "hpccomm._cli", "hpccomm.bench", "hpccomm.bench_gpu", "hpccomm.demo", "hpccomm.jobs",
-         "hpccomm.examples")
+         "hpccomm.examples", "hpccomm.horovod")
 
 
 def _is_tool(module: str) -> bool:
@@ -722,9 +719,11 @@ def layering_violations(imports) -> list:
 #: what each bottom module may import from hpccomm.
 _BELOW = {
     "hpccomm.errors": (),
+    "hpccomm._status": (),
     "hpccomm.config": ("hpccomm.errors",),
     "hpccomm._compat": ("hpccomm.errors",),
-    "hpccomm._mpi": ("hpccomm.errors", "hpccomm._compat", "hpccomm.config"),
+    "hpccomm.launcher": (),
+    "hpccomm._mpi": ("hpccomm.errors", "hpccomm._compat", "hpccomm.config", "hpccomm.launcher"),
 }
 
 
@@ -774,7 +773,7 @@ def test_dead_local_peers_finds_gone_and_zombie_processes():
     import socket
     import subprocess
 
-    from hpccomm import _signals
+    from hpccomm import _status
 
     me = socket.gethostname()
     live = subprocess.Popen(["sleep", "30"])
@@ -782,11 +781,11 @@ def test_dead_local_peers_finds_gone_and_zombie_processes():
     gone = subprocess.Popen(["true"])
     gone.wait()  # reaped: its pid no longer exists
     deadline = time.monotonic() + 5
-    while _signals._alive(zombie.pid) and time.monotonic() < deadline:  # exited, not reaped yet
+    while _status.alive(zombie.pid) and time.monotonic() < deadline:  # exited, not reaped yet
         time.sleep(0.05)
     try:
         peers = [(me, os.getpid()), (me, live.pid), (me, zombie.pid), (me, gone.pid), ("elsewhere", gone.pid)]
-        assert _signals.dead_local_peers(peers) == [(2, me, zombie.pid), (3, me, gone.pid)]
+        assert _status.dead_local_peers(peers) == [(2, me, zombie.pid), (3, me, gone.pid)]
     finally:
         live.kill()
         live.wait()
@@ -794,7 +793,7 @@ def test_dead_local_peers_finds_gone_and_zombie_processes():
 
 
 def test_report_line_names_the_running_op_and_the_recorded_failure(monkeypatch):
-    from hpccomm import _signals, _watchdog
+    from hpccomm import _signals, _status
 
     class Group:
         name, timeout = "WORLD", 60
@@ -813,17 +812,14 @@ def test_report_line_names_the_running_op_and_the_recorded_failure(monkeypatch):
             return self.kv[k]
 
     store = Store()
-    monkeypatch.setattr(_signals, "_store", store)
-    monkeypatch.setattr(_signals, "_rank", 1)
-    monkeypatch.setattr(_signals, "_size", 4)
-    monkeypatch.setattr(_signals, "_peers", [])
-    wd = _watchdog.Watchdog()
-    monkeypatch.setattr(_watchdog, "watchdog", wd)
+    monkeypatch.setattr(_status, "world", _status._World())
+    _status.set_world(1, 4, store, [])
+    monkeypatch.setattr(_status, "_ops", {})
     assert _signals.report_line() == (
         "hpccomm: rank 1 of 4 ended by SIGTERM (the launcher ends the job) outside any hpccomm op; no failed "
         "rank known here (one on another node, or the job was cancelled: the launcher's message names it)")
-    wd._ops[0] = _watchdog._Op(Group(), "all_gather", 7, time.monotonic(), time.monotonic() + 60)
-    _signals.record_failure("raised an uncaught KeyError (last op: barrier (op #6 on group 'WORLD'))")
+    _status.begin(Group(), "all_gather", 7, 60)
+    _status.record_failure("raised an uncaught KeyError (last op: barrier (op #6 on group 'WORLD'))")
     line = _signals.report_line()
     assert line.startswith("hpccomm: rank 1 of 4 ended by SIGTERM (the launcher ends the job) while in all_gather "
                            "(op #7 on group 'WORLD', for 0.0 s); rank 1 raised an uncaught KeyError"), line

@@ -65,8 +65,12 @@ def add_arguments(p) -> None:
     g.add_argument("--compare", default="", metavar="gloo,mpi4py,floor",
                    help="also run the sweep through these backends (they take turns iteration by iteration): "
                         "gloo (torch's CPU backend), mpi4py (raw MPI calls, the limit), floor (the same MPI "
-                        "calls inside the thinnest Python process group torch accepts: torch.distributed's "
-                        "own cost; all_reduce, all_gather, reduce_scatter only)")
+                        "calls inside the thinnest Python backend torch accepts, on hpccomm's own route: "
+                        "torch.distributed's own cost; all_reduce, all_gather, reduce_scatter, broadcast, "
+                        "sendrecv)")
+    g.add_argument("--group", choices=["world", "sub", "both"], default="world",
+                   help="the group torch's calls name: world (the default group, default), sub (a group made "
+                        "with dist.new_group over every rank: torch's and each backend's subgroup path), or both")
     g.add_argument("--stats", action="store_true", help="print min, max and p99 beside the median")
     g.add_argument("--batch", type=int, default=0, metavar="B",
                    help="ops timed back to back per sample (the time is the sample's / B), as nccl-tests "
@@ -152,6 +156,12 @@ def run(args) -> int:
         dist.destroy_process_group()
 
 
+def route_name() -> str:
+    """Which of torch's routes hpccomm's default group takes (its adapter: docs/design.md)."""
+    return ("c10d Backend (PyBackend trampoline)" if floor.route_of() == "backend" else "ProcessGroup subclass") \
+        + f", torch {torch.__version__.split('+')[0]}"
+
+
 def _bad_dtype(name: str):
     raise ValueError(f"unknown dtype {name!r}; choose from {', '.join(DTYPES)}")
 
@@ -180,11 +190,17 @@ def _sweep(args, specs, dtypes, size_list, others, rank: int, n: int) -> int:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD.Dup()  # barriers, result gathering and the raw-MPI baseline
-    groups = {"hpccomm": None}  # the torch groups ops run on (None: the default hpccomm group)
-    if "gloo" in others:
-        groups["gloo"] = dist.new_group(backend="gloo")
-    if "floor" in others:
-        groups["floor"] = floor.new_group()
+    kinds = ["world", "sub"] if args.group == "both" else [args.group]
+    # The torch groups ops run on, by (backend, group kind): the default hpccomm group is None;
+    # a "sub" group is one made by dist.new_group over every rank (every rank calls new_group).
+    groups: dict = {}
+    everyone = list(range(n))
+    for kind in kinds:
+        groups["hpccomm", kind] = None if kind == "world" else dist.new_group(everyone)
+        if "gloo" in others:
+            groups["gloo", kind] = dist.new_group(everyone if kind == "sub" else None, backend="gloo")
+        if "floor" in others:  # on hpccomm's own route (a ProcessGroup or a c10d Backend)
+            groups["floor", kind] = floor.new_group(everyone if kind == "sub" else None)
     backend_names = ["hpccomm", *others]
     modes = ["blocking", "async"] if args.mode == "both" else [args.mode]
     plan = []
@@ -194,14 +210,15 @@ def _sweep(args, specs, dtypes, size_list, others, rank: int, n: int) -> int:
                 continue
             for nbytes in (size_list if spec.sweeps else [0]):
                 plan.append((dtype, spec, nbytes))
-    per_step = len(modes) * len(backend_names)
+    per_step = len(modes) * len(backend_names) * len(kinds)
     progress = _Progress(sum(len(s.placements) for _, s, _ in plan) * per_step,
                          rank == 0 and sys.stderr.isatty())
     skipped = [s.name for s in specs if n < s.min_ranks]
     meta = {"hpccomm": hpccomm.__version__, "torch": torch.__version__, "ranks": n,
             "mpi": MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0],
             "iters": args.iters, "warmup": args.warmup, "redop": args.redop, "root": args.root,
-            "modes": modes, "backends": backend_names, "torch_threads": torch.get_num_threads(), "host": os.uname().nodename,
+            "modes": modes, "groups": kinds, "backends": backend_names, "route": route_name(),
+            "torch_threads": torch.get_num_threads(), "host": os.uname().nodename,
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
             "check": "every warm-up op and one op per timed sample: inputs reset, outputs poisoned, every element compared",
             "time": "per sample: B ops back to back after a barrier (--batch), divided by B, max over ranks; backends take turns sample by sample; the row's time is the median over samples; every warm-up op and one op per sample are checked"}
@@ -211,7 +228,8 @@ def _sweep(args, specs, dtypes, size_list, others, rank: int, n: int) -> int:
               f"(B = --batch {args.batch or 'auto: ~1 MiB per sample, at most 100'}), {args.iters} ops per size "
               f"(at least 5 samples), after {args.warmup} warm-up\n"
               f"# #wrong = wrong elements in every checked result: each warm-up op and one op per sample\n"
-              f"# algbw = size / time, busbw = algbw x nccl-tests' factor; GB/s = 1e9 B/s"
+              f"# algbw = size / time, busbw = algbw x nccl-tests' factor; GB/s = 1e9 B/s\n"
+              f"# route: {meta['route']}" + ("; the floor takes the same route" if "floor" in others else "")
               + (f"\n# skipped (need more ranks): {', '.join(skipped)}" if skipped else ""), flush=True)
     rows: list = []
     pending: list = []  # rows of the (dtype, op) being swept, printed when it ends
@@ -222,15 +240,19 @@ def _sweep(args, specs, dtypes, size_list, others, rank: int, n: int) -> int:
             pending, key = [], (dtype, spec.name)
         item = torch.empty((), dtype=dtype).element_size()
         count = count_for(spec, nbytes, item, n)
-        for mode in modes:
-            for placement in spec.placements:
-                cases = [make_case(spec, placement, count, dtype, rank, n, args.redop, args.root, args.corrupt)
-                         for _ in backend_names]
-                for row in _measure(cases, backend_names, mode, groups, comm, args, dtype, rank, n):
-                    pending.append(row)
-                    rows.append(row)
-                    progress.step(f"{spec.name} {type_name(dtype)} {row.size} B {placement} {mode} {row.backend}")
-                del cases
+        for kind in kinds:
+            for mode in modes:
+                for placement in spec.placements:
+                    cases = [make_case(spec, placement, count, dtype, rank, n, args.redop, args.root, args.corrupt)
+                             for _ in backend_names]
+                    chosen = {b: groups[b, kind] for b in backend_names if b != "mpi4py"}
+                    for row in _measure(cases, backend_names, mode, chosen, comm, args, dtype, rank, n):
+                        row.group = kind
+                        pending.append(row)
+                        rows.append(row)
+                        progress.step(f"{spec.name} {type_name(dtype)} {row.size} B {placement} {mode} {kind} "
+                                      f"{row.backend}")
+                    del cases
     progress.clear()
     _flush(pending, rank, args, others)
     compare = report.compare_rows(rows, others) if others else []
@@ -252,13 +274,14 @@ def _flush(rows: list, rank: int, args, others: list) -> None:
     """Print the finished (dtype, op)'s tables on rank 0."""
     if rank != 0 or args.quiet or not rows:
         return
-    groups: dict = {}
+    tables: dict = {}
     for r in rows:
-        groups.setdefault((r.backend, r.mode), []).append(r)
-    for rs in groups.values():
+        tables.setdefault((r.backend, r.mode, r.group), []).append(r)
+    for rs in tables.values():
         print(report.table(rs, args.stats), flush=True)
-    for mode in dict.fromkeys(r.mode for r in rows):
-        entries = report.compare_rows([r for r in rows if r.mode == mode], others) if others else []
+    for mode, kind in dict.fromkeys((r.mode, r.group) for r in rows):
+        entries = report.compare_rows([r for r in rows if r.mode == mode and r.group == kind], others) \
+            if others else []
         if entries:
             print(report.compare_table(entries, others), flush=True)
 

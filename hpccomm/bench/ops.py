@@ -367,3 +367,4 @@ class Row:
     wrong: int
     iters: int
     note: Optional[str] = None  # why there is no figure (unsupported by that backend)
+    group: str = "world"  # the group the calls named: world (the default group) or sub (dist.new_group)

@@ -43,7 +43,8 @@ def table(rows: list, stats: bool = False) -> str:
     units = "".join(f" {'(us)':>9}" for _ in names) + f" {'(GB/s)':>7} {'(GB/s)':>7} {'':>6}"
     left = 1 + 11 + 1 + 12 + 1 + 9 + 1 + 6 + 1 + 5  # the size .. root columns
     lines = [
-        f"# {r0.backend}: {r0.op} ({OPS[r0.op].torch_name}), {r0.type}, {r0.mode}",
+        f"# {r0.backend}: {r0.op} ({OPS[r0.op].torch_name}), {r0.type}, {r0.mode}"
+        + ("" if r0.group == "world" else f", {_GROUP[r0.group]}"),
         f"#{'':{left - 1}}{OOP:^{len(head)}}{IP:^{len(head)}}".rstrip(),
         f"#{'size':>11} {'count':>12} {'type':>9} {'redop':>6} {'root':>5}" + head * 2,
         (f"#{'(B)':>11} {'(elements)':>12} {'':>9} {'':>6} {'':>5}" + units * 2).rstrip(),
@@ -67,18 +68,22 @@ def table(rows: list, stats: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: How a table names a row's group (world: said by nothing).
+_GROUP = {"world": "default group", "sub": "subgroup (dist.new_group of every rank)"}
+
+
 def compare_rows(rows: list, others: list) -> list:
-    """Per (op, dtype, mode, size): hpccomm against each other backend at the
+    """Per (op, dtype, mode, group, size): hpccomm against each other backend at the
     op's primary placement; ratio = other time / hpccomm time (> 1: hpccomm faster)."""
-    index = {(r.backend, r.op, r.type, r.mode, r.size, r.placement): r for r in rows}
+    index = {(r.backend, r.op, r.type, r.mode, r.group, r.size, r.placement): r for r in rows}
     out = []
     for r in rows:
         if r.backend != "hpccomm" or r.placement != PRIMARY[r.op] or r.note:
             continue
-        entry = {"op": r.op, "type": r.type, "mode": r.mode, "placement": r.placement, "size": r.size,
-                 "hpccomm_us": r.time_us, "hpccomm_busbw": r.busbw}
+        entry = {"op": r.op, "type": r.type, "mode": r.mode, "group": r.group, "placement": r.placement,
+                 "size": r.size, "hpccomm_us": r.time_us, "hpccomm_busbw": r.busbw}
         for b in others:
-            o = index.get((b, r.op, r.type, r.mode, r.size, r.placement))
+            o = index.get((b, r.op, r.type, r.mode, r.group, r.size, r.placement))
             ok = o is not None and not o.note
             entry[f"{b}_us"] = o.time_us if ok else float("nan")
             entry[f"{b}_busbw"] = o.busbw if ok else float("nan")
@@ -91,7 +96,9 @@ def compare_table(entries: list, others: list) -> str:
     if not entries:
         return ""
     e0 = entries[0]
-    lines = [f"# compare {e0['op']} ({e0['placement']}), {e0['type']}, {e0['mode']}: time in us, busbw in GB/s; "
+    group = e0.get("group", "world")
+    lines = [f"# compare {e0['op']} ({e0['placement']}), {e0['type']}, {e0['mode']}"
+             + ("" if group == "world" else f", {_GROUP[group]}") + ": time in us, busbw in GB/s; "
              + ", ".join(f"x/{b} = {b} time / hpccomm time (> 1: hpccomm faster)" for b in others),
              f"#{'size':>11} {'hpccomm':>9}" + "".join(f" {b:>9}" for b in others)
              + f" {'busbw':>8}" + "".join(f" {b[:8]:>8}" for b in others) + "".join(f" {'x/' + b:>9}" for b in others)]
@@ -143,11 +150,13 @@ def plot(path: str, rows: list, title: str) -> None:
         lines: dict = {}
         for r in rows:
             if r.op == op and r.placement == PRIMARY[op] and not r.note and r.size:
-                lines.setdefault((r.backend, r.type, r.mode), []).append(r)
+                lines.setdefault((r.backend, r.type, r.mode, r.group), []).append(r)
         order = {"hpccomm": 0, "gloo": 1, "mpi4py": 2, "floor": 3}
-        for (backend, dtype, mode), rs in sorted(lines.items(), key=lambda kv: (order.get(kv[0][0], 9), kv[0])):
+        for (backend, dtype, mode, group), rs in sorted(lines.items(),
+                                                        key=lambda kv: (order.get(kv[0][0], 9), kv[0])):
             rs.sort(key=lambda r: r.size)
-            label = backend + ("" if dtype == "float32" else f" {dtype}") + ("" if mode == "blocking" else f" {mode}")
+            label = backend + ("" if dtype == "float32" else f" {dtype}") + ("" if mode == "blocking" else f" {mode}") \
+                + ("" if group == "world" else f" {group}")
             xs = [r.size for r in rs]
             axes[i][0].plot(xs, [r.busbw for r in rs], marker=".", label=label)
             axes[i][1].plot(xs, [r.time_us for r in rs], marker=".", label=label)

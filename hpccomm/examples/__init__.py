@@ -3,6 +3,9 @@
 - ``train_ddp``: DistributedDataParallel training on synthetic data, with a
   progress line, a final check that every rank holds identical weights, and
   ``--bench`` / ``--backend gloo`` to time hpccomm against torch's gloo.
+- ``train_elastic``: DDP training that loses a rank mid-run (fault tolerance:
+  ``mpirun --with-ft ulfm``) and finishes on the survivors with identical
+  weights, printing how long the recovery took.
 - The programs of the torch.distributed tutorial
   (https://pytorch.org/tutorials/intermediate/dist_tuto.html), for hpccomm:
   ``p2p_blocking``, ``p2p_nonblocking``, ``allreduce_group``,

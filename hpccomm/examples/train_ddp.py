@@ -1,7 +1,8 @@
-"""Train a model with DistributedDataParallel on hpccomm (or gloo, to compare).
+"""Train a model with DistributedDataParallel (or FSDP2) on hpccomm (or gloo, to compare).
 
     mpirun -n 4 python -m hpccomm.examples.train_ddp
     mpirun -n 2 python -m hpccomm.examples.train_ddp --bench --backend both
+    mpirun -n 2 python -m hpccomm.examples.train_ddp --bench --backend both --parallel both
 
 An MLP classifier learns a random teacher network's labels from synthetic
 data, each rank drawing its own batches.  Rank 0 shows the loss (the mean
@@ -14,6 +15,11 @@ identical weights, or exits with status 1 if they do not.
 (``dist.new_group(backend="gloo")``, rendezvous through hpccomm's store),
 ``--backend both`` trains once on each; ``--bench`` then prints the mean
 step time after ``--warmup`` steps and, with ``both``, the ratio.
+``--parallel fsdp`` shards the same model with FSDP2 (``fully_shard`` per
+layer, on a 1-D device mesh of the backend's group: ``init_device_mesh``,
+with ``backend_override`` for gloo) instead of wrapping it in DDP;
+``--parallel both`` trains each way (lines and figures of FSDP2 runs say
+``fsdp2``).
 """
 from __future__ import annotations
 
@@ -47,6 +53,8 @@ def parse(argv=None):
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--backend", choices=("hpccomm", "gloo", "both"), default="hpccomm",
                    help="the group DDP reduces gradients over (default hpccomm)")
+    p.add_argument("--parallel", choices=("ddp", "fsdp", "both"), default="ddp",
+                   help="DistributedDataParallel (default), FSDP2 (fully_shard), or each in turn")
     p.add_argument("--bench", action="store_true", help="print the mean step time after --warmup steps")
     p.add_argument("--warmup", type=int, default=5, help="steps not timed with --bench (default 5)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's bucket size (default 25, DDP's)")
@@ -122,21 +130,40 @@ class Progress:
 def weights_digest(model: nn.Module) -> str:
     h = hashlib.sha256()
     for t in model.state_dict().values():
+        if hasattr(t, "full_tensor"):  # an FSDP2 shard (a DTensor): the whole parameter, as DDP holds it
+            t = t.full_tensor()
         h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
-def train(args, backend: str, group) -> dict:
-    """One training run with DDP over ``group``: its step times and verdict."""
+def wrap(args, model: nn.Module, backend: str, group, fsdp: bool):
+    """``(model made data-parallel, its group)``: DDP over ``group``, or FSDP2
+    on a 1-D mesh of the backend (the mesh's group)."""
+    if not fsdp:
+        return DDP(model, process_group=group, bucket_cap_mb=args.bucket_cap_mb), group
+    from hpccomm._compat import fully_shard as _fully_shard
+
+    fully_shard = _fully_shard()
+    override = {} if backend == "hpccomm" else {"backend_override": {0: backend}}
+    mesh = dist.init_device_mesh("cpu", (dist.get_world_size(),), **override)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh), mesh.get_group()
+
+
+def train(args, backend: str, group, fsdp: bool = False) -> dict:
+    """One training run with DDP (or FSDP2) over ``group``: its step times and verdict."""
     rank, size = dist.get_rank(), dist.get_world_size()
     model = make_model(args.hidden, args.layers)
     n_params = sum(p.numel() for p in model.parameters())
-    ddp = DDP(model, process_group=group, bucket_cap_mb=args.bucket_cap_mb)
+    label = backend + (" fsdp2" if fsdp else "")
+    ddp, group = wrap(args, model, backend, group, fsdp)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     data = Data(rank, args.batch_size)
     every = args.print_every or max(args.steps // 10, 1)
-    progress = Progress(args.steps, every, f"{backend:7s}", args.progress)
-    say(f"{backend}: DDP over {size} rank(s), {n_params:,} parameters "
+    progress = Progress(args.steps, every, f"{label:7s}", args.progress)
+    say(f"{label}: {'FSDP2' if fsdp else 'DDP'} over {size} rank(s), {n_params:,} parameters "
         f"({n_params * 4 / 2**20:.1f} MiB of gradients per step), batch {args.batch_size} per rank")
     times, losses = [], []
     for step in range(1, args.steps + 1):
@@ -156,12 +183,12 @@ def train(args, backend: str, group) -> dict:
     digests = [None] * size
     dist.all_gather_object(digests, weights_digest(model), group=group)
     same = len(set(digests)) == 1
-    say(f"{backend}: loss {losses[0]:.4f} -> {losses[-1]:.4f} in {args.steps} steps")
+    say(f"{label}: loss {losses[0]:.4f} -> {losses[-1]:.4f} in {args.steps} steps")
     if same:
-        say(f"{backend}: all {size} ranks hold identical weights (sha256 {digests[0][:16]})")
+        say(f"{label}: all {size} ranks hold identical weights (sha256 {digests[0][:16]})")
     else:
-        say(f"{backend}: WEIGHTS DIFFER BETWEEN RANKS: {[d[:16] for d in digests]}")
-    return {"times": times, "same": same, "first_loss": losses[0], "last_loss": losses[-1]}
+        say(f"{label}: WEIGHTS DIFFER BETWEEN RANKS: {[d[:16] for d in digests]}")
+    return {"times": times, "same": same, "first_loss": losses[0], "last_loss": losses[-1], "group": group}
 
 
 def step_stats(times: list, warmup: int, group) -> tuple:
@@ -183,25 +210,29 @@ def main(argv=None) -> int:
     if args.backend in ("gloo", "both"):
         groups["gloo"] = dist.new_group(backend="gloo")  # every rank calls new_group
     backends = ["hpccomm", "gloo"] if args.backend == "both" else [args.backend]
+    ways = {"ddp": [False], "fsdp": [True], "both": [False, True]}[args.parallel]
     rounds = args.rounds if args.bench else 1
-    results = {b: [] for b in backends}
-    for _ in range(rounds):  # alternating, so a change in machine load hits both backends alike
-        for b in backends:
-            results[b].append(train(args, b, groups[b]))
+    results = {(b, f): [] for b in backends for f in ways}
+    for fsdp in ways:
+        for _ in range(rounds):  # alternating, so a change in machine load hits both backends alike
+            for b in backends:
+                results[b, fsdp].append(train(args, b, groups[b], fsdp))
     status = 0 if all(r["same"] for runs in results.values() for r in runs) else 1
     if args.bench:
-        means = {}
-        for b in backends:
-            stats = [step_stats(r["times"], args.warmup, groups[b]) for r in results[b]]
-            mean = statistics.mean(s[0] for s in stats)
-            std = statistics.mean(s[1] for s in stats)
-            means[b] = mean
-            say(f"bench {b}: mean step time {mean * 1e3:.2f} ms (stdev {std * 1e3:.2f} ms, slowest rank, "
-                f"{rounds} x {stats[0][2]} steps after {args.warmup} warmup), "
-                f"{args.batch_size * size / mean:,.0f} samples/s")
-        if len(means) == 2:
-            say(f"bench: hpccomm/gloo step time ratio {means['hpccomm'] / means['gloo']:.2f} "
-                f"({size} ranks, hidden {args.hidden}, layers {args.layers}, batch {args.batch_size})")
+        for fsdp in ways:
+            tag = " fsdp2" if fsdp else ""
+            means = {}
+            for b in backends:
+                stats = [step_stats(r["times"], args.warmup, r["group"]) for r in results[b, fsdp]]
+                mean = statistics.mean(s[0] for s in stats)
+                std = statistics.mean(s[1] for s in stats)
+                means[b] = mean
+                say(f"bench {b}{tag}: mean step time {mean * 1e3:.2f} ms (stdev {std * 1e3:.2f} ms, slowest rank, "
+                    f"{rounds} x {stats[0][2]} steps after {args.warmup} warmup), "
+                    f"{args.batch_size * size / mean:,.0f} samples/s")
+            if len(means) == 2:
+                say(f"bench{tag}: hpccomm/gloo step time ratio {means['hpccomm'] / means['gloo']:.2f} "
+                    f"({size} ranks, hidden {args.hidden}, layers {args.layers}, batch {args.batch_size})")
     dist.destroy_process_group()
     return status
 

@@ -48,6 +48,8 @@ class DeviceView:
     """A group as the op modules see it on the device path: the same group,
     but its checks accept tensors of ``device_type``."""
 
+    host = False  # device memory: MPI buffers made with hpccomm._mpi.buffer (which orders streams)
+
     def __init__(self, group, device_type: str) -> None:
         self._group = group
         self.device_type = device_type
@@ -69,15 +71,13 @@ class CudaAwareMPI:
     """Hands device memory to MPI; see the module's docstring."""
 
     name = "mpi"
+    delegates = False  # runs hpccomm's own ops (wrap)
 
     def __init__(self, device, reason: str, streams=None) -> None:
         self.device = device
         self.reason = reason
         self.streams = streams if streams is not None else CudaStreams()
         self._said_half = False
-
-    def delegate(self, group, op, args, opts):
-        return None  # runs through hpccomm's own ops (wrap)
 
     def _widened(self, op: str, prepare):
         """``prepare`` for float32 stand-ins of the call's 16-bit tensors: the

@@ -20,7 +20,8 @@ import torch
 from .. import _compat, _work, config
 from ..errors import OpTypeError, OpValueError
 from . import probe, select
-from .cuda_mpi import CudaAwareMPI, tensors_in
+from ..ops.p2p import CHECKS
+from .cuda_mpi import CudaAwareMPI, DeviceView, tensors_in
 from .nccl_cupy import CupyNCCL
 from .nccl_torch import TorchNCCL
 from .staged import Staged
@@ -147,33 +148,40 @@ def transport(group, op: str, device):
     group: it chooses locally (from the same settings and findings) and its
     transport is kept apart until the group's first collective on that device
     confirms it (and then reuses it: an NCCL communicator is made once).
+
+    The module lock guards the tables only, never the agreement (a
+    collective): the comm thread may need the lock meanwhile (a DDP hook
+    issuing an op), and ops on one group never choose at once (a caller
+    drains the group's queued ops before agreeing, hpccomm._engine).
     """
     per_group = _transports.get(group)
     found = per_group.get(device) if per_group else None
     if found is not None:
         return found
-    with _lock:
-        per_group = _transports.setdefault(group, {})
-        if device in per_group:
-            return per_group[device]
-        local = _local.setdefault(group, {})
-        requested, mapped = config.get("HPCCOMM_GPU_TRANSPORT"), _maps.get(group)
-        if op in P2P:
+    requested, mapped = config.get("HPCCOMM_GPU_TRANSPORT"), _maps.get(group)
+    if op in P2P:
+        with _lock:
+            local = _local.setdefault(group, {})
             if device in local:
                 return local[device]
-            try:
-                choice = select.choose(requested, capabilities(), mapped)
-            except select.NoTransport as exc:
-                raise OpTypeError(op, group.where(), f"CUDA tensors cannot be sent: {exc}") from None
-            made = local[device] = BUILDERS[choice.transport](device, choice.reason)
-        else:
-            choice = decide(group, op, capabilities(), requested, mapped)
-            earlier = local.pop(device, None)
+        try:
+            choice = select.choose(requested, capabilities(), mapped)
+        except select.NoTransport as exc:
+            raise OpTypeError(op, group.where(), f"CUDA tensors cannot be sent: {exc}") from None
+        with _lock:
+            made = _local.setdefault(group, {}).setdefault(device, BUILDERS[choice.transport](device, choice.reason))
+    else:
+        choice = decide(group, op, capabilities(), requested, mapped)  # collective: no lock held
+        with _lock:
+            per_group = _transports.setdefault(group, {})
+            if device in per_group:
+                return per_group[device]
+            earlier = _local.setdefault(group, {}).pop(device, None)
             made = earlier if earlier is not None and earlier.name == choice.transport else \
                 BUILDERS[choice.transport](device, choice.reason)
             per_group[device] = made
-            if earlier is not None and earlier is not made:
-                _close(group, earlier)
+        if earlier is not None and earlier is not made:
+            _close(group, earlier)
     log.info("hpccomm: group '%s', %s: GPU transport %s (%s)", group.name, device, made.name, choice.reason)
     if made.name == select.STAGED and not _said_staged[0]:
         _said_staged[0] = True
@@ -190,10 +198,21 @@ def future_devices(device, cuda=None):
     return [device] if cuda.is_available() else None
 
 
+def check_only(group, op: str, prepare, args) -> None:
+    """The op module's checks for a call a delegating transport (NCCL) will
+    run: raises OpError before any communication, posts nothing."""
+    view = DeviceView(group, "cuda")
+    checks = CHECKS.get(op)
+    if checks is not None:  # point-to-point: prepare would post the MPI message
+        checks(view, *args)
+    else:
+        prepare(view, *args)  # a collective's prepare only checks; its run is dropped
+
+
 def delegated(made, group, op: str, args, opts):
-    """The Work of a transport that takes the whole op (NCCL), or None."""
+    """The Work of a transport that takes the whole op (NCCL)."""
     out = made.delegate(group, op, args, opts)
-    if out is None or isinstance(out, _compat.WorkBase):
+    if isinstance(out, _compat.WorkBase):
         return out
     # enqueued on the caller's stream: done from the host's view, as NCCL's own
     return _work.done(out, future_devices(made.device))

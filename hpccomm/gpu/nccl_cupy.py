@@ -46,6 +46,7 @@ class CupyNCCL:
     """
 
     name = "nccl-cupy"
+    delegates = True  # takes the whole op, after hpccomm's checks
 
     def __init__(self, device, reason: str, nccl=None, bcast=None, stream=None) -> None:
         self.device = device

@@ -73,6 +73,7 @@ CALLS = {
     "all_gather_into_tensor_coalesced": lambda b, a, o: _coalesced(
         b, "allgather_into_tensor_coalesced", "_allgather_base", a[0], a[1], _options("allgather", o)),
     "gather": lambda b, a, o: b.gather(a[0], a[1], _options("gather", o, rootRank=a[2])),
+    "gather_single": lambda b, a, o: b.gather_single(a[0], a[1], _options("gather", o, rootRank=a[2])),
     "all_to_all_single": lambda b, a, o: b.alltoall_base(a[0], a[1], list(a[2] or []), list(a[3] or []),
                                                          _options("alltoall", o)),
     "all_to_all": lambda b, a, o: b.alltoall(a[0], a[1], _options("alltoall", o)),
@@ -85,6 +86,7 @@ class TorchNCCL:
     """Delegates CUDA ops to a ``ProcessGroupNCCL`` over the group's store."""
 
     name = "nccl"
+    delegates = True  # takes the whole op, after hpccomm's checks
 
     def __init__(self, device, reason: str, make_backend=None) -> None:
         self.device = device

@@ -65,6 +65,7 @@ class Staged:
     """
 
     name = "staged"
+    delegates = False  # runs hpccomm's own ops (wrap)
 
     def __init__(self, device, reason: str, streams=None, alloc=pinned, copy=copy) -> None:
         self.device = device
@@ -73,9 +74,6 @@ class Staged:
         self.alloc = alloc
         self.copy = copy
         self.buffers = HostBuffers(alloc)
-
-    def delegate(self, group, op, args, opts):
-        return None  # runs through hpccomm's own ops (wrap)
 
     def _stand_ins(self, op: str, args, buffers):
         """``(host args, [(device tensor, host tensor, copy in, copy back)])``."""

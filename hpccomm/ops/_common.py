@@ -5,13 +5,23 @@ from typing import Sequence
 
 import torch
 
-from .. import _mpi
+from .. import _mpi, _status
 from .._compat import RedOpType, premul_sum_factor, reduce_op_type
-from ..errors import OpTypeError, OpValueError
+from ..errors import OpError, OpTypeError, OpValueError  # noqa: F401 - OpError for the op modules
 
 _R = RedOpType
 _UNSIGNED_WIDE = (torch.uint16, torch.uint32, torch.uint64)
-_VALID: set = set()  # (dtype, RedOpType) pairs reduce_op accepted: the check is done once
+#: (dtype, RedOpType value) -> :func:`reduction`'s answer, for the pairs it accepted (never PREMUL_SUM, whose
+#: factor varies).  Keyed by the enum's int: hashing or comparing torch's pybind enums costs several
+#: thousand instructions each, more than the rest of a small op's checks.
+_REDUCTIONS: dict = {}
+
+
+class NotOnCPU(OpTypeError):
+    """A tensor on a device this path does not serve: hpccomm._runner takes a
+    CUDA call to its GPU transport on catching it (so the CPU path pays
+    nothing to learn that a call is on the CPU); to a direct caller it is the
+    refusal it says."""
 
 
 def check_tensor(group, op: str, t, what: str = "tensor") -> None:
@@ -27,17 +37,46 @@ def check_tensor(group, op: str, t, what: str = "tensor") -> None:
         dev = t.device.type
         if dev == "meta":
             raise OpTypeError(op, group.where(), f"{what} is a meta tensor: it has no data to communicate")
-        raise OpTypeError(op, group.where(), f"{what} is on device {t.device}; this path moves CPU tensors only",
-                          "CUDA tensors go through torch.distributed calls, which route them to a GPU transport "
-                          "(docs/gpu.md). Move it to the CPU with .cpu()")
+        raise NotOnCPU(op, group.where(), f"{what} is on device {t.device}; this path moves CPU tensors only",
+                       "CUDA tensors go through torch.distributed calls, which route them to a GPU transport "
+                       "(docs/gpu.md). Move it to the CPU with .cpu()")
     if t.dtype not in _mpi.DTYPES:
         raise OpTypeError(op, group.where(), f"{what} has dtype {t.dtype}, which hpccomm cannot send",
                           f"Supported: {', '.join(str(d).replace('torch.', '') for d in _mpi.DTYPES)}")
 
 
+_Tensor = torch.Tensor
+_STRIDED = torch.strided
+
+
+def single(group, op: str, tensors, what: str = "tensors") -> torch.Tensor:
+    """``check_list(tensors, 1)`` and :func:`check_tensor` of its tensor in
+    one call (a plain CPU tensor of a dtype hpccomm moves passes a quick test
+    first); returns the tensor."""
+    if tensors.__class__ is list and len(tensors) == 1:
+        t = tensors[0]
+        if t.__class__ is _Tensor and t.layout is _STRIDED and t.is_cpu and t.dtype in _mpi.DTYPES:
+            return t
+    check_list(group, op, tensors, 1, what)
+    check_tensor(group, op, tensors[0])
+    return tensors[0]
+
+
 def check_tensors(group, op: str, ts, what: str = "tensor") -> None:
     for i, t in enumerate(ts):
         check_tensor(group, op, t, f"{what}[{i}]")
+
+
+def end_job(group, exc: Exception) -> None:
+    """A refusal only this rank can see while its peers may already be
+    inside MPI: print it, record it for the other ranks' lines, and end the
+    job (MPI_Abort) rather than leave them waiting."""
+    import sys
+
+    print(f"{exc}; ending the job: the other ranks of group '{group.name}' may already be waiting in MPI",
+          file=sys.stderr, flush=True)
+    _status.record_failure(f"refused {exc.op}: {exc.what}" if isinstance(exc, OpError) else str(exc))
+    _mpi.abort(1)
 
 
 def check_list(group, op: str, ts, n: int, what: str) -> None:
@@ -74,13 +113,13 @@ def check_tag(group, op: str, tag: int) -> None:
 
 
 def reduce_op(group, op: str, dtype: torch.dtype, redop):
-    """``(RedOpType, premul factor or None)`` for ``redop`` on ``dtype``, or an error."""
+    """``(RedOpType, premul factor or None)`` for ``redop`` on ``dtype``, or an
+    error.  The op path calls it through :func:`reduction`, which remembers
+    the pairs it accepted."""
     try:
         kind = reduce_op_type(redop)
     except AttributeError:
         raise OpTypeError(op, group.where(), f"{redop!r} is not a torch.distributed.ReduceOp") from None
-    if (dtype, kind) in _VALID:  # checked before (never PREMUL_SUM, whose factor varies)
-        return kind, None
     info = _mpi.DTYPES[dtype]
     if kind not in _mpi.ALLOWED_OPS[info.kind]:
         name = str(kind).split(".")[-1]
@@ -98,9 +137,7 @@ def reduce_op(group, op: str, dtype: torch.dtype, redop):
             why = f"ReduceOp.{name} is not supported for {dtype}"
         raise OpTypeError(op, group.where(), why)
     factor = None
-    if kind != _R.PREMUL_SUM:
-        _VALID.add((dtype, kind))
-    else:
+    if kind == _R.PREMUL_SUM:
         try:
             factor = premul_sum_factor(redop)
         except (AttributeError, TypeError):
@@ -109,14 +146,58 @@ def reduce_op(group, op: str, dtype: torch.dtype, redop):
     return kind, factor
 
 
+class Reduction:
+    """How an op module reduces one dtype with one ReduceOp (made by :func:`reduction`).
+
+    ``kind``: the RedOpType; ``average``: divide the SUM by the group size
+    afterwards (AVG); ``factor``: PREMUL_SUM's factor (else None); ``mop``:
+    the MPI op, looked up on first use (MPI is not asked before anything
+    communicates): read it as ``r.mop or r.resolve()``.
+    """
+
+    __slots__ = ("dtype", "kind", "average", "factor", "mop")
+
+    def __init__(self, dtype, kind, factor) -> None:
+        self.dtype, self.kind, self.factor, self.mop = dtype, kind, factor, None
+        self.average = kind == _R.AVG
+
+    def resolve(self):
+        self.mop = _mpi.mpi_op(self.dtype, self.kind)
+        return self.mop
+
+
+def reduction(group, op: str, dtype: torch.dtype, redop) -> Reduction:
+    """:class:`Reduction` of ``redop`` (a ``ReduceOp`` or ``RedOpType``) on
+    ``dtype``.  Refuses as :func:`reduce_op` does, with its messages; a pair
+    accepted once is looked up by the enum's value afterwards.
+
+    Example::
+
+        r = reduction(group, "all_reduce", t.dtype, dist.ReduceOp.AVG)
+        comm.Allreduce(_mpi.IN_PLACE, _mpi.host_buffer(t), op=r.mop or r.resolve())
+    """
+    try:
+        code = redop.value if redop.__class__ is _R else redop.op.value
+    except AttributeError:
+        code = None  # not a ReduceOp: reduce_op says so
+    hit = _REDUCTIONS.get((dtype, code))
+    if hit is not None:
+        return hit
+    kind, factor = reduce_op(group, op, dtype, redop)
+    answer = Reduction(dtype, kind, factor)
+    if factor is None:
+        _REDUCTIONS[(dtype, code)] = answer
+    return answer
+
+
 def premultiplied(t: torch.Tensor, factor, inplace: bool) -> torch.Tensor:
     """``t * factor`` for PREMUL_SUM, in ``t`` when allowed, else in a new tensor."""
     if isinstance(factor, torch.Tensor):  # NCCL's form is a 1-element tensor: make it a scalar
         factor = factor.to(device=t.device, dtype=t.dtype).reshape(())
     if inplace:
         return t.mul_(factor)
-    # contiguous, whatever t's strides
-    return torch.mul(t, factor, out=torch.empty(t.shape, dtype=t.dtype, device=t.device))
+    # contiguous, whatever t's strides, on t's own memory kind
+    return torch.mul(t, factor, out=torch.empty_like(t, memory_format=torch.contiguous_format))
 
 
 def finish_average(t: torch.Tensor, n: int) -> None:
@@ -178,6 +259,14 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     a1 = a0 + a.numel() * a.element_size()
     b1 = b0 + b.numel() * b.element_size()
     return a0 < b1 and b0 < a1
+
+
+def disjoint(a, b) -> bool:
+    """Whether MPI buffers (``mpi4py.MPI.buffer``) ``a`` and ``b`` share no
+    byte (:func:`overlaps` for the buffers of :func:`hpccomm._mpi.host_buffer`,
+    without asking the tensors again)."""
+    a0, b0 = a.address, b.address
+    return a0 + a.nbytes <= b0 or b0 + b.nbytes <= a0 or not a.nbytes or not b.nbytes
 
 
 def chunks(count: int, limit: int):

@@ -14,6 +14,32 @@ def _layout(counts):
     return list(counts), [0, *itertools.accumulate(counts)][:-1]
 
 
+def _fits(counts, limit: int) -> str:
+    """Why ``counts`` (laid end to end) cannot be described to MPI within
+    ``limit`` (empty: they can)."""
+    counts, displs = _layout(counts)
+    top = max([*counts, *displs, 0])
+    if top <= limit:
+        return ""
+    g = math.gcd(*counts, *displs)
+    if g and top // g <= limit:
+        return ""
+    return (f"a count or offset of {top} elements is past the MPI count limit {limit}, and the counts and "
+            "offsets (in elements) share no common block size that brings them under it")
+
+
+def _check_counts(group, op: str, scounts, rcounts) -> None:
+    """Counts MPI cannot be given, found before any communication.  Only a
+    rank with peers can meet them (one count always has a block: itself),
+    and its peers (what it sends they receive: their counts are past the
+    limit too) may have found a block and be inside MPI already: so the job
+    ends with the reason rather than leaving them waiting."""
+    why = _fits(scounts, group.max_count) or _fits(rcounts, group.max_count)
+    if why:
+        c.end_job(group, c.OpValueError(op, group.where(), why,
+                                        "Use split sizes with a common factor, such as a row length"))
+
+
 def _spec(t: torch.Tensor, counts, displs, limit: int, group, op: str):
     """``[memory, (counts, displs), datatype]``; past MPI's int counts the unit
     becomes a contiguous block of g elements (g = gcd of counts and displs).
@@ -73,6 +99,7 @@ def all_to_all_single(group, output, input, output_splits, input_splits, op: str
         raise c.OpTypeError(op, group.where(), f"input has dtype {input.dtype} but output has {output.dtype}")
     scounts = _splits(group, op, input, input_splits, "input")
     rcounts = _splits(group, op, output, output_splits, "output")
+    _check_counts(group, op, scounts, rcounts)
 
     def run():
         send = c.contiguous(input)
@@ -94,6 +121,7 @@ def alltoall(group, outputs, inputs, op: str = "all_to_all"):
     dtype = inputs[0].dtype
     c.check_same_dtype(group, op, inputs, dtype, "input_tensor_list")
     c.check_same_dtype(group, op, outputs, dtype, "output_tensor_list")
+    _check_counts(group, op, [t.numel() for t in inputs], [t.numel() for t in outputs])
 
     def run():
         scounts = [t.numel() for t in inputs]

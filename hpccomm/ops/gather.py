@@ -16,7 +16,20 @@ def _displs(counts):
 
 def _allgatherv(group, send: torch.Tensor, recv: torch.Tensor, counts) -> None:
     """Allgather(v) of contiguous ``send`` into contiguous ``recv`` (any shape)
-    laid out by ``counts``; ``send`` may be the rank's own slot of ``recv`` (in place)."""
+    laid out by ``counts``; ``send`` may be the rank's own slot of ``recv`` (in
+    place), or overlap it elsewhere (then MPI reads a copy: it forbids aliased
+    buffers)."""
+    if group.host:  # the common case first, from the two buffers alone: equal counts, within the limit
+        sb, rb = _mpi.host_buffer(send), _mpi.host_buffer(recv)
+        n, mem = sb[1], sb[0]
+        if n and rb[1] <= group.max_count and counts.count(n) == group.size == len(counts):
+            if mem.address == rb[0].address + group.rank * mem.nbytes:
+                sb = _mpi.IN_PLACE  # this rank's slot of the output
+            elif not c.disjoint(mem, rb[0]):
+                sb = _mpi.host_buffer(send.clone())  # aliased elsewhere than this rank's slot
+            rb[1] = n  # mpi4py counts the receive side per rank
+            group.comm.Allgather(sb, rb)
+            return
     comm, MPI = group.comm, _mpi.mpi()
     in_place = send.numel() > 0 and send.data_ptr() == recv.data_ptr() + sum(counts[:group.rank]) * recv.element_size()
     if max(counts, default=0) > group.max_count or sum(counts) > group.max_count:
@@ -48,6 +61,11 @@ def all_gather_single(group, output, input, op: str = "all_gather_into_tensor"):
                              f"{input.numel()} × group size {group.size} = {input.numel() * group.size}")
 
     def run():
+        if group.host and output.is_contiguous() and input.is_contiguous():
+            # The common case (latency-bound when small): MPI reads the input and writes the
+            # output in place (_allgatherv tells in place, disjoint and aliased apart).
+            _allgatherv(group, input, output, [input.numel()] * group.size)
+            return [output]
         out = c.out_buffer(output)
         send = c.contiguous(input)
         n = send.numel()
@@ -90,8 +108,14 @@ def allgather(group, output_lists, inputs, op: str = "all_gather"):
 
 
 def allgather_coalesced(group, output_lists, inputs, op: str = "all_gather_coalesced"):
-    c.check_list(group, op, output_lists, len(inputs), "output_lists")
-    runs = [allgather(group, [outs], [inp], op) for outs, inp in zip(output_lists, inputs)]
+    """``dist.all_gather_coalesced``: several inputs gathered at once.  torch's
+    layout (as gloo reads it): ``output_lists[r][i]`` receives rank r's
+    ``inputs[i]``."""
+    c.check_list(group, op, inputs, len(inputs), "input_tensor_list")
+    c.check_list(group, op, output_lists, group.size, "output_tensor_lists")
+    for r, outs in enumerate(output_lists):
+        c.check_list(group, op, outs, len(inputs), f"output_tensor_lists[{r}]")
+    runs = [allgather(group, [[outs[i] for outs in output_lists]], [inp], op) for i, inp in enumerate(inputs)]
 
     def run():
         for r in runs:
@@ -133,6 +157,33 @@ def gather(group, output_lists, inputs, root: int, op: str = "gather"):
             raise c.OpValueError(op, group.where(), f"gather_list[{i}] has {t.numel()} elements but the input "
                                  f"has {input.numel()}", "gather needs tensors of one size on every rank")
     return lambda: _gather_recv(group, input, root, outputs, output_lists)
+
+
+def gather_single(group, output, input, root: int, op: str = "gather_single"):
+    """``dist.gather_single`` (torch >= 2.14): every rank's ``input`` into one
+    flat ``output`` on ``root`` (group rank order), received in place when the
+    output is contiguous.  Non-roots' ``output`` is ignored (torch passes an
+    empty placeholder)."""
+    c.check_tensor(group, op, input, "input")
+    c.check_root(group, op, root, "dst")
+    if group.rank != root:
+        return lambda: _gather_send(group, input, root, [output])
+    c.check_tensor(group, op, output, "output")
+    if input.dtype != output.dtype:
+        raise c.OpTypeError(op, group.where(), f"input has dtype {input.dtype} but output has {output.dtype}")
+    if output.numel() != input.numel() * group.size:
+        raise c.OpValueError(op, group.where(), f"output has {output.numel()} elements, expected input's "
+                             f"{input.numel()} × group size {group.size} = {input.numel() * group.size}")
+
+    def run():
+        out = c.out_buffer(output)
+        flat, n = out.view(-1), input.numel()
+        parts = [flat[r * n:(r + 1) * n] for r in range(group.size)]  # views laid end to end: received in place
+        _gather_recv(group, input, root, parts, None)
+        c.write_back(output, out)
+        return [output]
+
+    return run
 
 
 def _gather_send(group, input, root, output_lists):

@@ -10,10 +10,13 @@ thread runs it.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import _mpi
 from .._compat import RedOpType
+from ..errors import HpccommError
 from . import _common as c
 
 _R = RedOpType
@@ -25,30 +28,53 @@ _FLATTEN_BYTES = 1 << 18  # coalesced ops below this total go as one message
 _ALLREDUCE_PIECE_BYTES = 64 << 20
 
 
-def _allreduce_flat(group, t: torch.Tensor, mop) -> None:
-    """In-place MPI_Allreduce over contiguous ``t``, in pieces past the count
-    limit or past ``_ALLREDUCE_PIECE_BYTES``."""
-    comm, IN_PLACE, count = group.comm, _mpi.in_place(), t.numel()
+def _allreduce_flat(group, t: torch.Tensor, mop, send=None) -> None:
+    """MPI_Allreduce into contiguous ``t`` (in place, or from contiguous
+    ``send`` of the same size), in pieces past the count limit or past
+    ``_ALLREDUCE_PIECE_BYTES``."""
+    comm, count = group.comm, t.numel()
     limit = min(group.max_count, max(_ALLREDUCE_PIECE_BYTES // t.element_size(), 1))
     if count <= limit:  # the common case, without the chunk generator
-        comm.Allreduce(IN_PLACE, _mpi.buffer(t, 0, count), op=mop)
+        comm.Allreduce(_mpi.in_place() if send is None else _mpi.buffer(send), _mpi.buffer(t, 0, count), op=mop)
         return
     for off, n in c.chunks(count, limit):
-        comm.Allreduce(IN_PLACE, _mpi.buffer(t, off, n), op=mop)
+        comm.Allreduce(_mpi.in_place() if send is None else _mpi.buffer(send, off, n), _mpi.buffer(t, off, n),
+                       op=mop)
 
 
-def allreduce(group, tensors, redop, op: str = "all_reduce"):
-    c.check_list(group, op, tensors, 1, "tensors")
-    t = tensors[0]
-    c.check_tensor(group, op, t)
-    kind, factor = c.reduce_op(group, op, t.dtype, redop)
+def allreduce(group, tensors, redop, op: str = "all_reduce", sparse: bool = False):
+    """``sparse``: take a sparse COO tensor to :func:`allreduce_sparse`
+    (torch's allreduce carries DDP's sparse gradients) instead of refusing
+    it; learned from the refusal, so a dense tensor pays nothing for it."""
+    try:
+        t = c.single(group, op, tensors)
+    except c.OpTypeError:
+        t = tensors[0] if isinstance(tensors, (list, tuple)) and len(tensors) == 1 else None
+        if sparse and isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo:
+            return allreduce_sparse(group, tensors, redop, op)
+        raise
+    r = c.reduction(group, op, t.dtype, redop)
 
     def run():
-        work = c.contiguous(t)
-        if factor is not None:
-            c.premultiplied(work, factor, inplace=True)
-        _allreduce_flat(group, work, _mpi.mpi_op(t.dtype, kind))
-        if kind == _R.AVG:
+        mop = r.mop or r.resolve()
+        if r.factor is None and group.host and t.is_contiguous():
+            # The common case: in place on the user's memory, one MPI call (the blocking
+            # path is latency-bound: no helper calls but the buffer's).
+            buf = _mpi.host_buffer(t)
+            if buf[1] <= group.max_count and buf[0].nbytes <= _ALLREDUCE_PIECE_BYTES:
+                group.comm.Allreduce(_mpi.IN_PLACE, buf, op=mop)
+            else:
+                _allreduce_flat(group, t, mop)
+            if r.average:
+                c.finish_average(t, group.size)
+            return tensors
+        work = c.out_buffer(t)
+        # PREMUL_SUM scales a copy: should MPI fail, the user's tensor is as it was
+        send = c.premultiplied(t, r.factor, inplace=False) if r.factor is not None else None
+        if send is None and work is not t:
+            work.copy_(t)
+        _allreduce_flat(group, work, mop, send)
+        if r.average:
             c.finish_average(work, group.size)
         c.write_back(t, work)
         return tensors
@@ -56,12 +82,18 @@ def allreduce(group, tensors, redop, op: str = "all_reduce"):
     return run
 
 
+def allreduce_or_sparse(group, tensors, redop, op: str = "all_reduce"):
+    """:func:`allreduce`, taking a sparse COO tensor to :func:`allreduce_sparse`
+    (torch's allreduce carries DDP's sparse gradients on torch 2.13)."""
+    return allreduce(group, tensors, redop, op, True)
+
+
 def allreduce_coalesced(group, tensors, redop, op: str = "all_reduce_coalesced"):
     if not isinstance(tensors, (list, tuple)):
         c.check_list(group, op, tensors, 0, "tensors")
     c.check_tensors(group, op, tensors)
     for t in tensors:  # every check before the first message
-        c.reduce_op(group, op, t.dtype, redop)
+        c.reduction(group, op, t.dtype, redop)
 
     def run():
         # Small tensors of one dtype travel as one message: one latency, not many.
@@ -89,18 +121,22 @@ def reduce(group, tensors, root: int, redop, op: str = "reduce"):
     t = tensors[0]
     c.check_tensor(group, op, t)
     c.check_root(group, op, root, "dst")
-    kind, factor = c.reduce_op(group, op, t.dtype, redop)
+    r = c.reduction(group, op, t.dtype, redop)
+    factor = r.factor
 
     def run():
-        mop = _mpi.mpi_op(t.dtype, kind)
+        mop = r.mop or r.resolve()
         comm = group.comm
         if group.rank == root:
-            work = c.contiguous(t)
-            if factor is not None:
-                c.premultiplied(work, factor, inplace=True)
+            work = c.out_buffer(t)
+            # PREMUL_SUM scales a copy: should MPI fail, the user's tensor is as it was
+            send = c.premultiplied(t, factor, inplace=False) if factor is not None else None
+            if send is None and work is not t:
+                work.copy_(t)
             for off, n in c.chunks(work.numel(), group.max_count):
-                comm.Reduce(_mpi.in_place(), _mpi.buffer(work, off, n), op=mop, root=root)
-            if kind == _R.AVG:
+                sendbuf = _mpi.in_place() if send is None else _mpi.buffer(send, off, n)
+                comm.Reduce(sendbuf, _mpi.buffer(work, off, n), op=mop, root=root)
+            if r.average:
                 c.finish_average(work, group.size)
             c.write_back(t, work)
         else:
@@ -128,8 +164,8 @@ def _reduce_scatter_flat(group, send: torch.Tensor, out: torch.Tensor, mop) -> N
             comm.Reduce(_mpi.buffer(send, r * n + off, k), recv, op=mop, root=r)
 
 
-def _finish_reduce_scatter(group, out, kind, user_out):
-    if kind == _R.AVG:
+def _finish_reduce_scatter(group, out, r, user_out):
+    if r.average:
         c.finish_average(out, group.size)
     c.write_back(user_out, out)
 
@@ -142,15 +178,26 @@ def reduce_scatter_single(group, output, input, redop, op: str = "reduce_scatter
     if input.numel() != output.numel() * group.size:
         raise c.OpValueError(op, group.where(), f"input has {input.numel()} elements, expected output's "
                              f"{output.numel()} × group size {group.size} = {output.numel() * group.size}")
-    kind, factor = c.reduce_op(group, op, input.dtype, redop)
+    r = c.reduction(group, op, input.dtype, redop)
 
     def run():
-        send = c.premultiplied(input, factor, inplace=False) if factor is not None else c.contiguous(input)
+        mop = r.mop or r.resolve()
+        if r.factor is None and group.host and input.is_contiguous() and output.is_contiguous():
+            # The common case (latency-bound when small): MPI reads the input and writes the output in place.
+            send, recv = _mpi.host_buffer(input), _mpi.host_buffer(output)
+            n = recv[1]
+            if n <= group.max_count and c.disjoint(send[0], recv[0]):
+                send[1] = n  # mpi4py counts the send side per block
+                group.comm.Reduce_scatter_block(send, recv, op=mop)
+                if r.average:
+                    c.finish_average(output, group.size)
+                return [output]
+        send = c.premultiplied(input, r.factor, inplace=False) if r.factor is not None else c.contiguous(input)
         if c.overlaps(send, output):
             send = send.clone()  # MPI forbids aliased send and receive buffers
         out = c.out_buffer(output)
-        _reduce_scatter_flat(group, send, out, _mpi.mpi_op(input.dtype, kind))
-        _finish_reduce_scatter(group, out, kind, output)
+        _reduce_scatter_flat(group, send, out, mop)
+        _finish_reduce_scatter(group, out, r, output)
         return [output]
 
     return run
@@ -168,7 +215,8 @@ def reduce_scatter(group, outputs, input_lists, redop, op: str = "reduce_scatter
         if t.numel() != output.numel():
             raise c.OpValueError(op, group.where(), f"input_list[{i}] has {t.numel()} elements but output has "
                                  f"{output.numel()}", "Every input must have the output's size")
-    kind, factor = c.reduce_op(group, op, output.dtype, redop)
+    r = c.reduction(group, op, output.dtype, redop)
+    factor = r.factor
 
     def run():
         send = c.flat_view(inputs)
@@ -177,8 +225,8 @@ def reduce_scatter(group, outputs, input_lists, redop, op: str = "reduce_scatter
             if factor is not None:
                 c.premultiplied(send, factor, inplace=True)
         out = c.out_buffer(output)
-        _reduce_scatter_flat(group, send, out, _mpi.mpi_op(output.dtype, kind))
-        _finish_reduce_scatter(group, out, kind, output)
+        _reduce_scatter_flat(group, send, out, r.mop or r.resolve())
+        _finish_reduce_scatter(group, out, r, output)
         return outputs
 
     return run
@@ -192,5 +240,55 @@ def reduce_scatter_single_coalesced(group, outputs, inputs, redop, op: str = "re
         for r in runs:
             r()
         return outputs
+
+    return run
+
+
+def allreduce_sparse(group, tensors, redop, op: str = "all_reduce"):
+    """SUM of a sparse COO tensor over the group, as torch's gloo backend does
+    it (DDP with ``nn.Embedding(sparse=True)`` needs it): every rank's
+    coalesced indices and values are gathered, summed and coalesced; the
+    result is copied into the user's tensor (a sparse copy, which takes the
+    sum's indices).  Only SUM, as gloo."""
+    c.check_list(group, op, tensors, 1, "tensors")
+    t = tensors[0]
+    if not isinstance(t, torch.Tensor) or t.layout != torch.sparse_coo:
+        layout = getattr(t, "layout", type(t).__name__)
+        raise c.OpTypeError(op, group.where(), f"a sparse all_reduce needs a sparse COO tensor, got {layout}")
+    if t.dtype not in _mpi.DTYPES or _mpi.DTYPES[t.dtype].kind not in ("float", "half", "int", "complex"):
+        raise c.OpTypeError(op, group.where(), f"sparse tensors of dtype {t.dtype} cannot be summed")
+    if not t.is_cpu:
+        raise c.OpTypeError(op, group.where(), f"sparse tensor on {t.device}; sparse all_reduce moves CPU tensors")
+    try:
+        kind = c.reduce_op_type(redop)
+    except AttributeError:
+        raise c.OpTypeError(op, group.where(), f"{redop!r} is not a torch.distributed.ReduceOp") from None
+    if kind != _R.SUM:
+        raise c.OpTypeError(op, group.where(), f"sparse tensors reduce with ReduceOp.SUM only (as gloo), "
+                            f"not {str(kind).split('.')[-1]}", "Call .to_dense() first for other ReduceOps")
+
+    def run():
+        local = t.coalesce()
+        indices = local.indices().contiguous()  # int64 [sparse_dim, nnz]
+        values = local.values().contiguous()  # [nnz, *dense sizes]
+        facts = group.comm.allgather((tuple(t.shape), t.sparse_dim(), str(t.dtype), local._nnz()))
+        shapes = {f[:3] for f in facts}
+        if len(shapes) > 1:
+            raise HpccommError(f"hpccomm {op} ({group.where()}): the ranks' sparse tensors differ in shape, "
+                                 f"sparse dimensions or dtype: {[f[:3] for f in facts]}")
+        nnzs = [f[3] for f in facts]
+        row = math.prod(values.shape[1:])  # elements per value (1: no dense dimensions)
+        all_indices = torch.empty(indices.shape[0], sum(nnzs), dtype=torch.int64)
+        all_values = torch.empty((sum(nnzs), *values.shape[1:]), dtype=values.dtype)
+        # indices are [sparse_dim, nnz]: gather their transpose so each rank's part is contiguous
+        gathered_idx = torch.empty(sum(nnzs), indices.shape[0], dtype=torch.int64)
+        from .gather import _allgatherv
+
+        _allgatherv(group, indices.t().contiguous(), gathered_idx, [n * indices.shape[0] for n in nnzs])
+        _allgatherv(group, values, all_values, [n * row for n in nnzs])
+        all_indices.copy_(gathered_idx.t())
+        total = torch.sparse_coo_tensor(all_indices, all_values, t.shape, dtype=t.dtype).coalesce()
+        t.copy_(total)
+        return tensors
 
     return run

@@ -8,12 +8,16 @@ from . import _common as c
 
 
 def broadcast(group, tensors, root: int, op: str = "broadcast"):
-    c.check_list(group, op, tensors, 1, "tensors")
-    t = tensors[0]
-    c.check_tensor(group, op, t)
-    c.check_root(group, op, root, "src")
+    t = c.single(group, op, tensors)
+    if not (root.__class__ is int and 0 <= root < group.size):  # (check_root's test, without its call)
+        c.check_root(group, op, root, "src")
 
     def run():
+        if group.host and t.is_contiguous():  # the common case: one call on the user's memory
+            buf = _mpi.host_buffer(t)
+            if buf[1] <= group.max_count:
+                group.comm.Bcast(buf, root=root)
+                return tensors
         buf = c.contiguous(t)
         for off, n in c.chunks(buf.numel(), group.max_count):
             group.comm.Bcast(_mpi.buffer(buf, off, n), root=root)

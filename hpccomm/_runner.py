@@ -1,0 +1,237 @@
+"""The op path: how every torch call becomes MPI calls, whichever adapter
+(torch 2.13's ProcessGroup or torch >= 2.14's Backend) torch called.
+
+:func:`run` takes the adapter's call (an op name, the op module's prepare
+function, the op's arguments and torch's options) and returns a
+:class:`hpccomm._work.Work`:
+
+1. CUDA tensors are routed to the group's GPU transport (chosen once per
+   group and device); the op module's checks run on every path.
+2. The op module's ``prepare(group, *args)`` checks everything and raises
+   :class:`hpccomm.errors.OpError` before any communication; it returns the
+   function that communicates, or a posted point-to-point op (``Pending``).
+3. Blocking collectives run here, in the calling thread; ``async_op=True``
+   ones (and blocking ones queued behind them) run on the comm thread
+   (:mod:`hpccomm._engine`), in issue order.
+4. :func:`execute` numbers the collective (in the thread that runs it: see
+   :mod:`hpccomm._group`), runs debug mode's cross-rank check, and runs the
+   communication under the watchdog and the tracer; an MPI error becomes an
+   :class:`hpccomm.errors.HpccommError` naming the op.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from . import _debug, _engine, _ft, _mpi, _status, _trace, _work
+from ._watchdog import watchdog
+from .errors import HpccommError, OpError
+from .gpu import dispatch as _gpu
+from .ops._common import NotOnCPU
+from .ops.p2p import Pending as _Pending
+
+_monotonic = time.monotonic
+_last_group = _status.last_group
+_Done = _work.Done
+_Job = _engine.Job
+_Work = _work.Work
+_get_ident = threading.get_ident
+_DEBUG = logging.DEBUG
+
+log = logging.getLogger("hpccomm")
+
+
+def nbytes(args) -> int:
+    """Bytes in the tensors among an op's arguments (for the trace)."""
+    total = 0
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            total += nbytes(a)
+        elif hasattr(a, "element_size") and hasattr(a, "numel"):
+            total += a.numel() * a.element_size()
+    return total
+
+
+def run(g, op: str, prepare, args, opts=None):
+    """Check and run op ``op`` of group ``g``; see the module docstring."""
+    if g.comm is None:
+        raise HpccommError(f"hpccomm {op} (group '{g.name}'): the process group was destroyed")
+    devices = None
+    try:
+        try:
+            call = prepare(g, *args)  # raises OpError before any communication
+        except NotOnCPU:  # a device tensor (its check is the only cost of this branch on the CPU path)
+            device = _gpu.cuda_device(g, op, args)  # OpValueError when the call mixes devices
+            if device is None:
+                raise  # not a CUDA tensor: refused as it stands
+            devices = _gpu.future_devices(device)
+            transport = _gpu.transport(g, op, device)
+            if transport.delegates:  # NCCL takes the whole op, after the op module's checks
+                _gpu.check_only(g, op, prepare, args)
+                return _gpu.delegated(transport, g, op, args, opts)
+            call = transport.wrap(op, prepare)(g, *args)  # the op module's checks run inside
+    except OpError as exc:
+        refused(g, op, args, exc)  # the other ranks must not wait for this op
+        raise
+    if call.__class__ is _Pending:  # point-to-point: already posted, nonblocking
+        return posted(g, op, call, args[0], devices)
+    asynchronous = opts is not None and getattr(opts, "asyncOp", False)
+    if asynchronous or g.queued:
+        engine = _engine.engine
+        # On the comm thread (a callback of a finished op, such as a DDP hook) an op
+        # runs at once: queuing it behind the thread's own work would deadlock.
+        ident = _get_ident()  # engine.on_comm_thread(), without its call
+        if (engine._usable or engine.usable()) and ident != engine._ident and ident != engine._stealer:
+            job = _Job(g, _run_job, op, call, args)
+            work = _Work(None, job, "", devices)
+            job.work = work
+            engine.submit(job)
+            if not asynchronous:  # queued only to keep this group's issue order
+                work.wait()
+            return work
+    # The blocking path (latency-bound): call directly, no closure.  Every
+    # microsecond here costs several in front of a cache-hot shared-memory
+    # collective (docs/benchmarks.md), so nothing is formatted unless needed,
+    # and the finished Work is filled in here (no Python constructor frame).
+    work = _Done()
+    work._outputs = execute(op, g, call, args)  # the future's value; also keeps the tensors alive
+    work._devices = devices
+    work._future = None
+    return work
+
+
+def _run_job(job):
+    """What the comm thread runs for a queued op (``hpccomm._engine.Job.run``)."""
+    return execute(job.op, job.group, job.call, job.args, job)
+
+
+#: Point-to-point ops, whose peer waits for this rank.
+_P2P = ("send", "recv")
+
+
+def refused(g, op: str, args, exc: OpError) -> None:
+    """This rank's checks refused op ``op`` (``exc``, which the caller
+    raises); the other ranks may call it correctly and wait.  Make sure they
+    learn of it: in debug mode every rank raises it together (the refusal
+    joins the cross-rank comparison, which raises here too); otherwise it is
+    announced in the group's store, where a waiting rank's watchdog finds it
+    within a second or two and ends the job with this message
+    (hpccomm._watchdog) instead of waiting for the timeout."""
+    if g.size > 1 and g.store is not None:
+        if op not in _P2P and g.debug:
+            engine = _engine.engine
+            if not engine.on_comm_thread():
+                engine.flush(g)  # the comparison runs in issue order, like the op would have
+            seq = g.next_seq()
+            token = watchdog.begin(g, op + " (debug-mode fingerprint check)", seq)
+            try:
+                _debug.check(g, op, args, seq, refused=exc)
+            finally:
+                watchdog.end(token)
+        else:
+            announce_refusal(g, op, args, exc)
+
+
+def announce_refusal(g, op: str, args, exc: OpError) -> None:
+    """Record in the group's store that this rank refused op ``op`` (see :func:`refused`)."""
+    from ._watchdog import refusal_key
+
+    me = g.global_ranks[g.rank]
+    try:
+        if op in _P2P:  # the peer waits in the matching receive or send
+            peer = args[1] if len(args) > 1 and isinstance(args[1], int) else None
+            if peer is not None and 0 <= peer < g.size:
+                g.store.set(refusal_key(g, "p2p", from_rank=me, to_rank=g.global_ranks[peer]), str(exc))
+        else:
+            g.store.set(refusal_key(g, "collective", seq=g.seq + 1), f"rank {me}: {exc}")
+    except Exception:  # noqa: BLE001 - the refusal itself is raised either way
+        pass
+
+
+def execute(op: str, g, call, args, job=None):
+    """Run a checked collective's communication ``call()`` (in the thread
+    that runs it): number it, compare it across ranks in debug mode, and run
+    it while ``g.running`` says so (the watchdog and the SIGTERM reporter
+    read it: hpccomm._status) and under the tracer."""
+    g.seq = seq = next(g._seqs)  # Group.next_seq, without its call
+    if job is not None:
+        job.seq = seq
+    if g.debug:  # the fingerprint exchange is itself a collective: the timeout covers it
+        token = watchdog.begin(g, op + " (debug-mode fingerprint check)", seq)
+        try:
+            _debug.check(g, op, args, seq)
+        except _mpi.mpi().Exception as exc:
+            raise mpi_error(op + " (debug-mode fingerprint check)", g, seq, exc) from exc
+        except HpccommError:
+            raise
+        except Exception as exc:  # a message that does not unpickle: a rank died in the exchange?
+            if not _ft.state.enabled:
+                raise
+            failure = _ft.damaged(f"{op} (debug-mode fingerprint check) ({g.where(seq)})", exc)
+            if failure is None:
+                raise
+            raise failure from exc
+        finally:
+            watchdog.end(token)
+    debug = log.isEnabledFor(_DEBUG)
+    t0 = time.perf_counter() if debug else 0.0
+    tracer = _trace._tracer
+    start = _trace.now_ns() if tracer else 0
+    g.running = g.last = (op, seq, _monotonic())
+    _last_group[0] = g
+    try:
+        result = call()
+    except OpError:
+        raise
+    except _mpi.mpi().Exception as exc:
+        raise mpi_error(op, g, seq, exc) from exc
+    finally:
+        g.running = None
+        if tracer:  # a queued op on the comm thread's track, whichever thread ran it (Engine.steal)
+            tracer.record(op, g.name, seq, nbytes(args), start, _trace.now_ns(),
+                          None if job is None else _engine.THREAD_NAME)
+    if debug:
+        log.debug("%s (%s): %.1f us", op, g.where(seq), (time.perf_counter() - t0) * 1e6)
+    return result
+
+
+def mpi_error(op: str, g, seq: int, exc) -> HpccommError:
+    """What MPI error ``exc`` in collective ``op`` (number ``seq`` of group
+    ``g``) raises: :class:`hpccomm.RankFailure` when a rank died and fault
+    tolerance is on (hpccomm._ft), else :class:`HpccommError` naming the op."""
+    failure = _ft.failure(f"{op} ({g.where(seq)})", exc) if _ft.state.enabled else None
+    if failure is not None:
+        return failure
+    return HpccommError(f"hpccomm {op} ({g.where(seq)}): MPI failed: {exc}")
+
+
+def posted(g, op: str, pending, tensor, devices):
+    """The Work of a posted point-to-point op: numbered, watched by the
+    watchdog until it completes (the Pending is its own record in
+    :mod:`hpccomm._status`), and collected when torch coalesces."""
+    g.p2p_seq = pending.seq = next(g._p2p_seqs)  # Group.next_p2p_seq, without its call
+    pending.group = g
+    pending.start = start = _monotonic()
+    seconds = g.timeout_s
+    if seconds:
+        pending.deadline = start + seconds
+        if watchdog._thread is None:
+            watchdog.start()
+    pending.token = _status.watch(pending)
+    work = _Work(tensor, pending, "", devices)
+    if g.coalescing is not None:
+        g.coalescing.append(work)
+    return work
+
+
+def start_coalescing(g) -> None:
+    """torch's coalescing window opens (``batch_isend_irecv``): collect the
+    point-to-point ops posted until :func:`end_coalescing`."""
+    g.coalescing = []
+
+
+def end_coalescing(g):
+    """The Work completing when every op posted since :func:`start_coalescing` has."""
+    works, g.coalescing = g.coalescing or [], None
+    return _work.Work(None, _work.AllOf(works), f"batch of {len(works)} point-to-point op(s) ({g.where_p2p()})")

@@ -1,0 +1,293 @@
+"""How the tests start MPI jobs, for the MPI family in use: the one place
+that knows each family's launcher, flags and output format.
+
+The family is the one of the MPI library mpi4py loads in this Python (found
+without starting MPI: hpccomm._mpi.family()), or ``HPCCOMM_TEST_MPI``
+(``openmpi``, ``mpich`` or ``impi``) when set, which must then match it.
+The launcher is the family's own, beside the library (a pip-installed MPI
+wheel puts it in the venv's bin/), else the first on PATH.
+
+    from mpilaunch import LAUNCH
+    cmd = LAUNCH.argv(3, sys.executable, "job.py", tag=True)   # [.../mpirun, -n, 3, --oversubscribe, ...]
+    subprocess.run(cmd, env=LAUNCH.env(HPCCOMM_LOG="INFO"))
+    for rank, text in LAUNCH.tagged(stdout): ...
+
+tests/run.sh asks this module for the same launch (``python tests/mpilaunch.py
+shell``), so the suite and the jobs the tests start use one launcher.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from hpccomm import _mpi  # noqa: E402
+from hpccomm.launcher import FAMILIES  # noqa: E402
+
+#: HPCCOMM_TEST_MPI's values (the names of hpccomm's pip extras) -> family names.
+CHOICES = {"openmpi": "openmpi", "mpich": "mpich", "impi": "intelmpi"}
+
+#: Launcher and process-manager variables a launch must not inherit (a launcher
+#: that sees them thinks it is nested in another job).
+LAUNCH_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "PRTE_", "SLURM_", "HYDI_", "HYDRA_", "MPI_LOCAL", "I_MPI_HYDRA_UUID",
+                   "I_MPI_MPIRUN", "I_MPI_PIN_MAPPING", "I_MPI_INFO_", "TORCHELASTIC_", "MASTER_")
+#: Variables of the test run itself (or of torchrun) that a launched job must not inherit.
+TEST_VARIABLES = ("HPCCOMM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                  "GROUP_WORLD_SIZE", "ROLE_")
+
+#: What each family needs to run the tests here (root, oversubscribed 2-core machines):
+#: Open MPI refuses root without the two variables and spins unless told to yield; Intel
+#: MPI pins every rank to a core by default (ranks sharing a core then spin against each
+#: other: off), on one node needs only its shared-memory transport (no network provider
+#: is looked for), and busy-polls unless told to sleep while it waits (I_MPI_THREAD_YIELD=3:
+#: a 1 KiB all_reduce at 4 ranks on 2 busy cores took 4-7 ms without it, 0.25 ms with it;
+#: MPICH 0.1-0.4 ms).  MPICH needs nothing.
+SETTINGS = {
+    "openmpi": {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                "OMPI_MCA_mpi_yield_when_idle": "1"},
+    "mpich": {},
+    "intelmpi": {"I_MPI_PIN": "0", "I_MPI_FABRICS": "shm", "I_MPI_THREAD_YIELD": "3"},
+}
+
+#: What MPI libraries print when a job goes wrong, for every family (Open MPI: MPI_ERR_*,
+#: PRTE; MPICH and Intel MPI: "Fatal error in", "error stack", BAD TERMINATION).
+MPI_ERROR_TEXT = (r"MPI_ERR|PRTE has lost|MPI_ABORT|Fatal error in|error stack|BAD TERMINATION|"
+                  r"application called MPI_Abort")
+
+#: Named sets of test files (``HPCCOMM_TEST_SUITES="ops training"`` in tests/run.sh), for
+#: runs that need part of the suite; every test file is in exactly one.
+SUITES = {
+    "ops": ["test_reduce.py", "test_gather.py", "test_scatter.py", "test_alltoall.py", "test_p2p.py",
+            "test_objects.py", "test_groups.py", "test_async.py", "test_errors.py", "test_debug.py",
+            "test_properties.py", "test_large.py", "test_routes.py"],
+    "training": ["test_ddp.py", "test_fsdp.py", "test_mesh.py"],
+    "failures": ["test_failures.py"],
+    "exit": ["test_exit.py", "test_soak.py"],
+    "init": ["test_init.py"],
+    # fault tolerance (ULFM): real jobs started by the tests, Open MPI only; under MPICH and Intel MPI the
+    # same jobs check the refusal at init
+    "ft": ["test_fault_tolerance.py"],
+    "launch": ["test_launcher.py", "test_cli.py", "test_examples.py"],
+    "docs": ["test_docs.py"],
+    "horovod": ["test_horovod.py", "test_horovod_examples.py"],
+    "bench": ["test_bench.py"],
+    "tools": ["test_jobs.py", "test_slurm.py", "test_torch_suite_runner.py"],
+    "unit": ["test_unit.py", "test_unit_compile.py"],
+    "gpu": ["test_gpu_unit.py", "test_cuda.py"],
+}
+
+
+def suite_files(names) -> list:
+    """The test files (paths from the repository root) of the named suites."""
+    unknown = [n for n in names if n not in SUITES]
+    if unknown:
+        raise KeyError(f"no test suite {', '.join(map(repr, unknown))} (suites: {', '.join(SUITES)})")
+    return [f"tests/{f}" for n in names for f in SUITES[n]]
+
+
+_TAGS = {
+    "openmpi": re.compile(r"^\[\d+,(\d+)\]<std(?:out|err)>: ?(.*)$"),  # --output tag
+    "hydra": re.compile(r"^\[(\d+)\] ?(.*)$"),                            # -prepend-rank
+}
+
+
+class FamilyMismatch(RuntimeError):
+    pass
+
+
+def family_name(env=None) -> str:
+    """The family of the MPI library mpi4py loads; HPCCOMM_TEST_MPI, when set, must agree."""
+    env = os.environ if env is None else env
+    found = _mpi.family()
+    wanted = env.get("HPCCOMM_TEST_MPI", "").strip()
+    if wanted:
+        if wanted not in CHOICES:
+            raise FamilyMismatch(f"HPCCOMM_TEST_MPI={wanted!r}: expected one of {', '.join(CHOICES)}")
+        if found is None or found.name != CHOICES[wanted]:
+            probe = _mpi.probe()
+            raise FamilyMismatch(
+                f"HPCCOMM_TEST_MPI={wanted} but mpi4py in {sys.executable} loads "
+                f"{probe.library or 'no MPI library'} ({probe.path or probe.reason}): install hpccomm with the "
+                f"'{wanted}' extra in this venv, or point MPI4PY_LIBMPI at that family's libmpi")
+        return CHOICES[wanted]
+    if found is None:
+        probe = _mpi.probe()
+        raise FamilyMismatch(f"the MPI library mpi4py loads is not Open MPI, MPICH or Intel MPI: "
+                             f"{probe.library or probe.reason}")
+    return found.name
+
+
+@dataclass
+class Launch:
+    """The launch of one MPI family, as the tests use it."""
+
+    family: str
+    launcher: str
+    settings: dict = field(default_factory=dict)
+
+    @property
+    def spec(self):
+        return FAMILIES[self.family]
+
+    @property
+    def hydra(self) -> bool:
+        return self.family in ("mpich", "intelmpi")
+
+    @property
+    def rank_variable(self) -> str:
+        """The variable that holds a rank's own rank under this launcher."""
+        return "OMPI_COMM_WORLD_RANK" if self.family == "openmpi" else "PMI_RANK"
+
+    @property
+    def size_variable(self) -> str:
+        return "OMPI_COMM_WORLD_SIZE" if self.family == "openmpi" else "PMI_SIZE"
+
+    @property
+    def local_rank_variable(self) -> str:
+        return "OMPI_COMM_WORLD_LOCAL_RANK" if self.family == "openmpi" else "MPI_LOCALRANKID"
+
+    @property
+    def local_size_variable(self) -> str:
+        return "OMPI_COMM_WORLD_LOCAL_SIZE" if self.family == "openmpi" else "MPI_LOCALNRANKS"
+
+    @property
+    def command_name(self) -> str:
+        """What hpccomm.launcher() calls this launcher (Launch.command)."""
+        return Path(self.launcher).name
+
+    def argv(self, n: int, *command: str, tag: bool = False, pass_env=()) -> list:
+        """``[launcher, -n, n, <oversubscribe>, <rank tags>, <env>, *command]``:
+        ``n`` ranks (more than cores is fine), each output line prefixed with its
+        rank when ``tag``, the variables ``pass_env`` forwarded to every rank
+        (Hydra forwards the whole environment anyway)."""
+        cmd = [self.launcher, "-n", str(n), *self.spec.oversubscribe]
+        if tag:
+            cmd += self.spec.rank_output
+        if not self.hydra:
+            for name in pass_env:
+                cmd += ["-x", name]
+        return cmd + list(command)
+
+    def env(self, base=None, **extra) -> dict:
+        """The environment of a launch: ``base`` (default os.environ) without
+        launcher, SLURM or test-run variables, plus the family's settings, this
+        checkout first on PYTHONPATH, unbuffered Python (not under Hydra), and
+        ``extra``.  PATH is left alone: the launcher is called by its full path
+        and finds its helpers itself (Intel's ``mpirun`` script would need its
+        folder on PATH, which is one reason the tests run Intel's ``mpiexec``)."""
+        base = os.environ if base is None else base
+        env = {k: v for k, v in base.items() if not k.startswith(LAUNCH_PREFIXES + TEST_VARIABLES)}
+        env.update(self.settings)
+        env.update(PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1", TORCH_CPP_LOG_LEVEL="ERROR",
+                   PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+        env.update({k: str(v) for k, v in extra.items()})
+        if self.hydra:
+            # Hydra's -prepend-rank prefixes every write, not every line: an unbuffered
+            # Python writes a print's text and its newline separately, and two ranks'
+            # lines then run together.  Buffered, a print(..., flush=True) is one write
+            # (and stderr is line-buffered).
+            env.pop("PYTHONUNBUFFERED", None)
+        return env
+
+    def survivors_get_sigterm(self, env=None) -> bool:
+        """Whether the launcher ends the other ranks of a failed job with SIGTERM
+        first, so hpccomm's handler on each survivor can say where it was: Open
+        MPI (SIGTERM, then SIGKILL); Intel MPI only with I_MPI_JOB_ABORT_SIGNAL=15
+        in ``env`` (the launch's extra variables).  Hydra otherwise sends
+        SIGKILL, which no process can catch."""
+        env = {} if env is None else env
+        return self.family == "openmpi" or (self.family == "intelmpi" and env.get("I_MPI_JOB_ABORT_SIGNAL") == "15")
+
+    def names_killed_rank(self, output: str, rank: int, pid: int) -> bool:
+        """Whether the launcher's own report (``output``: stdout and stderr)
+        says that rank ``rank`` (process ``pid``) was killed by SIGKILL: Open
+        MPI "process rank 2 with PID 123 ... signal 9"; Intel MPI "RANK 2 PID
+        123 RUNNING AT ... KILLED BY SIGNAL: 9".  MPICH's Hydra names neither
+        the rank nor, reliably, the process (it printed the PID of another
+        rank here), only "EXIT STRING: Killed (signal 9)"."""
+        text = " ".join(output.split())
+        if self.family == "openmpi":
+            return f"rank {rank} with PID {pid} " in text and "signal 9" in text
+        if self.family == "intelmpi":
+            return f"RANK {rank} PID {pid} RUNNING AT" in text and "KILLED BY SIGNAL: 9" in text
+        return "BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES" in text and "Killed (signal 9)" in text
+
+    def tagged(self, output: str) -> list:
+        """``(rank, text)`` for every rank-tagged line of a launch's stdout or stderr."""
+        pattern = _TAGS["hydra" if self.hydra else "openmpi"]
+        return [(int(m.group(1)), m.group(2)) for m in map(pattern.match, output.splitlines()) if m]
+
+    def lines_of(self, rank: int, output: str) -> list:
+        return [text for r, text in self.tagged(output) if r == rank]
+
+
+def current(env=None) -> Launch:
+    """The launch for the MPI library mpi4py loads in this Python."""
+    name = family_name(env)
+    fam = FAMILIES[name]
+    where = _mpi.launcher_path(fam)
+    if where is None:
+        raise FamilyMismatch(f"no {fam.launcher} for {fam.title} beside {_mpi.probe().path} or on PATH")
+    return Launch(name, where, dict(SETTINGS[name]))
+
+
+def shell(launch: Launch) -> str:
+    """Bash lines for tests/run.sh: the family, the launcher, its flags, its settings."""
+    lines = [f"MPI_FAMILY={launch.family}", f"MPI_LAUNCHER={shlex.quote(launch.launcher)}",
+             f"MPI_FLAGS=({' '.join(shlex.quote(f) for f in launch.spec.oversubscribe)})"]
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in launch.settings.items()]
+    return "\n".join(lines)
+
+
+try:
+    LAUNCH = current()
+    WHY_NOT = ""
+except FamilyMismatch as exc:  # reported by the tests that launch, and by run.sh
+    LAUNCH = None
+    WHY_NOT = str(exc)
+
+
+def require() -> Launch:
+    """LAUNCH, or fail the calling test with the reason there is none."""
+    if LAUNCH is None:
+        import pytest
+
+        pytest.fail(f"cannot launch MPI jobs: {WHY_NOT}")
+    return LAUNCH
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["files"]:
+        try:
+            print(" ".join(suite_files(sys.argv[2:])))
+        except KeyError as exc:
+            sys.exit(f"tests/mpilaunch.py: {exc.args[0]}")
+    elif sys.argv[1:] == ["shell"]:
+        if LAUNCH is None:
+            sys.exit(f"tests/mpilaunch.py: {WHY_NOT}")
+        print(shell(LAUNCH))
+    else:
+        sys.exit("usage: python tests/mpilaunch.py shell | files SUITE...")
+
+
+def no_orphans(tmp_path) -> bool:
+    """No process of a test's job is left once its launcher returned (matched
+    by the job script's unique path, ``tmp_path / "job.py"``).  The launcher
+    reaps its children right after it exits; there is nothing to wait on for
+    that from here, so this polls pgrep for at most 5 s."""
+    script = str(tmp_path / "job.py")
+    deadline = time.monotonic() + 5
+    while True:
+        out = subprocess.run(["pgrep", "-f", script], capture_output=True, text=True).stdout.split()
+        left = [p for p in out if int(p) != os.getpid()]
+        if not left or time.monotonic() > deadline:
+            return not left
+        time.sleep(0.2)
