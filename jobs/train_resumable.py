@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -44,10 +45,13 @@ def main(argv=None) -> int:
     parser.add_argument("--checkpoint", required=True, help="checkpoint file (shared by all nodes)")
     parser.add_argument("--step-seconds", type=float, default=0.1, help="simulated work per step (default 0.1)")
     parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between regular checkpoints")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds any collective may take before hpccomm ends the job, naming it (default: "
+                             "torch's 30 minutes)")
     args = parser.parse_args(argv)
 
     signal.signal(signal.SIGUSR2, on_signal)
-    hpccomm.init_process_group()
+    hpccomm.init_process_group(timeout=None if args.timeout is None else timedelta(seconds=args.timeout))
     rank, size = dist.get_rank(), dist.get_world_size()
     lr = 0.01
     weights = torch.zeros(8, dtype=torch.float64)

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "tests" / "slurm" / "cluster.sh"
 CHECK = ROOT / "tests" / "slurm" / "check_job.py"
 TRAIN = ROOT / "jobs" / "train_resumable.py"
-SLURM_DIR = os.environ.get("HPCCOMM_SLURM_DIR", "/tmp/hpccomm-slurm")
+SLURM_DIR = os.environ.get("HPCCOMM_TEST_SLURM_DIR", "/tmp/hpccomm-slurm")
 JOB_TIMEOUT = 240  # seconds a job may take, queueing included (2 busy cores)
 FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 
@@ -60,7 +60,7 @@ def slurm():
         pytest.skip(reason)
     env = dict(os.environ)
     env.update({
-        "HPCCOMM_SLURM_DIR": SLURM_DIR,
+        "HPCCOMM_TEST_SLURM_DIR": SLURM_DIR,
         "SLURM_CONF": f"{SLURM_DIR}/slurm.conf",
         # sbatch passes the submitter's environment on: jobs find this Python and this hpccomm.
         "PATH": os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""),
@@ -74,6 +74,11 @@ def slurm():
     })
     if (Path(sys.prefix) / "bin" / "prted").exists():
         env["OPAL_PREFIX"] = sys.prefix  # the pip Open MPI wheel finds its help texts and prted
+    if require().family == "mpich":
+        # What the templates tell pip-MPICH users under srun --mpi=pmi2: SLURM's pmi2 plugin reads a PMI-1
+        # request of at most 1024 bytes, and the wheel's UCX addresses are longer (MPI_Init hung in about
+        # two of three 4-rank jobs here, "mpi/pmi2: value not properly terminated in client request").
+        env.setdefault("UCX_TLS", "self,sm,tcp")
     for var in [v for v in env if v.startswith("SLURM_") and v != "SLURM_CONF"]:
         del env[var]  # run from inside a job: do not leak its allocation into the test's jobs
     proc = subprocess.run(["bash", str(CLUSTER), "start"], env=env, capture_output=True, text=True, timeout=600)
@@ -113,9 +118,36 @@ def wait_for(env, job: str, until=lambda info: info.get("JobState") in FINAL, ti
         if until(info):
             return info
         if time.monotonic() > deadline:
+            state = f"{info.get('JobState')} {info.get('Reason')}"
+            seen = stuck_job_report(env, job, info)  # before scancel: what the job's processes are doing
             subprocess.run(["scancel", job], env=env, timeout=30)
-            pytest.fail(f"job {job} not done after {timeout}s: {info.get('JobState')} {info.get('Reason')}")
+            pytest.fail(f"job {job} not done after {timeout}s: {state}\n{seen}")
         time.sleep(0.3)
+
+
+def stuck_job_report(env, job: str, info: dict) -> str:
+    """What a job that outlived its test's wait left to see: its output so far,
+    its steps, the processes on this machine that belong to it (state and
+    kernel wait channel) and the tail of each slurmd's log."""
+    parts = []
+    work = info.get("WorkDir", "")
+    out = info.get("StdOut", "")
+    if out and os.path.exists(out):
+        parts.append(f"-- its output ({out}):\n{Path(out).read_text(errors='replace')[-4000:]}")
+    else:
+        parts.append(f"-- no output file yet (StdOut={out!r}, WorkDir={work!r})")
+    steps = subprocess.run(["squeue", "-s", "-j", job, "-o", "%i %j %M %N"], env=env, capture_output=True,
+                           text=True, timeout=30).stdout
+    parts.append(f"-- its steps:\n{steps}")
+    ps = subprocess.run(["ps", "-eo", "pid,ppid,etimes,pcpu,stat,wchan:24,args"], capture_output=True, text=True,
+                        timeout=30).stdout.splitlines()
+    keep = [line for line in ps[1:] if any(k in line for k in ("slurmstepd", "srun", "python", "hydra", "mpiexec"))]
+    parts.append("-- processes:\n" + "\n".join([ps[0], *keep][:60]))
+    for node in ("n1", "n2"):
+        log = Path(SLURM_DIR) / "log" / f"slurmd-{node}.log"
+        if log.exists():
+            parts.append(f"-- {log} (tail):\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:]))
+    return "\n".join(parts)
 
 
 def output(workdir: Path, prefix: str, job: str) -> str:
@@ -229,7 +261,8 @@ def test_tests_template_runs_pytest_mpi(slurm, tmp_path):
 def test_preempt_checkpoints_requeues_and_resumes(slurm, tmp_path):
     steps = 40
     script = render("preempt", "--nodes", "2", "--ntasks-per-node", "2", "--time", "10", "--", sys.executable,
-                    str(TRAIN), "--steps", str(steps), "--step-seconds", "0.2", "--checkpoint", "ckpt.pt")
+                    str(TRAIN), "--steps", str(steps), "--step-seconds", "0.2", "--checkpoint", "ckpt.pt",
+                    "--timeout", "60")  # a hang in an op ends the job with hpccomm's diagnosis in its output
     job = sbatch(slurm, script, tmp_path)
     log = tmp_path / f"hpccomm-preempt-{job}.out"
     wait_for(slurm, job, until=lambda info: log.exists() and "\nstep 10\n" in log.read_text()

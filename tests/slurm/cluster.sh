@@ -5,9 +5,9 @@
 #   bash tests/slurm/cluster.sh stop     # stop the daemons it started (by recorded PID)
 #   bash tests/slurm/cluster.sh env      # the SLURM_CONF line for clients
 #
-# Everything lives under $HPCCOMM_SLURM_DIR (default /tmp/hpccomm-slurm): config,
+# Everything lives under $HPCCOMM_TEST_SLURM_DIR (default /tmp/hpccomm-slurm): config,
 # munge key and socket, state, spool, logs, PID files.  Clients find the cluster
-# with SLURM_CONF=$HPCCOMM_SLURM_DIR/slurm.conf.  Ports: $HPCCOMM_SLURM_PORT (the
+# with SLURM_CONF=$HPCCOMM_TEST_SLURM_DIR/slurm.conf.  Ports: $HPCCOMM_TEST_SLURM_PORT (the
 # controller's, default 6917) and the next two for the nodes.
 #
 # Needs root (slurmd runs jobs as their user) and, when SLURM is not installed,
@@ -16,8 +16,8 @@
 # the reason on stderr (the tests print it when they skip).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-DIR=${HPCCOMM_SLURM_DIR:-/tmp/hpccomm-slurm}
-PORT=${HPCCOMM_SLURM_PORT:-6917}
+DIR=${HPCCOMM_TEST_SLURM_DIR:-/tmp/hpccomm-slurm}
+PORT=${HPCCOMM_TEST_SLURM_PORT:-6917}
 PACKAGES="slurmctld slurmd slurm-client munge libpmix-dev"
 export SLURM_CONF=$DIR/slurm.conf
 
@@ -68,7 +68,7 @@ start() {
     mkdir -p "$DIR"
     install_packages
     for p in $PORT $((PORT + 1)) $((PORT + 2)); do
-        port_free "$p" || die "port $p is in use; set HPCCOMM_SLURM_PORT to another base port"
+        port_free "$p" || die "port $p is in use; set HPCCOMM_TEST_SLURM_PORT to another base port"
     done
     # A fresh cluster each time: no node states or jobs left from an earlier run.
     rm -rf "$DIR"/{state,spool,tmp}
