@@ -87,6 +87,7 @@ class Job:
     error: Optional[BaseException] = None
     work = None  # the Work to complete (set by the submitter; let go of once complete)
     seq = None  # the op's number, taken when it runs
+    asynchronous = False  # issued with async_op=True (debug mode compares it across ranks)
 
     def __init__(self, group, run, op: str = "", call=None, args=()) -> None:
         self.group = group
