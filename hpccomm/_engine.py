@@ -23,12 +23,12 @@ has the whole story):
     waiter whose op is the only one queued and not yet started runs it in
     this thread's place (:meth:`Engine.steal`): the queue is the same, and
     this thread runs nothing meanwhile.  Posted collectives: it waits on the
-    request of one whose future was asked for or that is large (>= 64 KiB, so
-    that MPI progresses it while the caller computes), as a queued job (a
+    request of one whose future was asked for, as a queued job (a
     Work is completed once: whoever holds its lock first, and never by the
     caller after the hand-over); behind queued ops it posts an async
     collective of those four kinds itself, in the same nonblocking form, and
-    waits.  Whether an op is nonblocking is decided only from what is equal
+    waits (async ops past 64 KiB keep the blocking form here, for overlap:
+    hpccomm.ops._common.NONBLOCKING_MAX_BYTES).  Whether an op is nonblocking is decided only from what is equal
     on every rank (op, ``async_op``, dtype, ReduceOp, element counts), never
     from which thread runs it: MPI never matches a nonblocking collective
     with a blocking one, so ``async_op`` must be the same on every rank;

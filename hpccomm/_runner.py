@@ -146,10 +146,10 @@ def post_collective(g, op: str, posting, args):
     - the group has queued ops: then it queues behind them, and the comm
       thread posts it and waits in its turn (the same MPI calls, in issue order);
     - the caller is the comm thread (a callback of a completed op): posted and
-      waited at once, as every op issued there runs;
-    - it is large (``Posted.drive``): posted here, then handed to the comm
-      thread, which waits on it, so that MPI progresses it during the
-      caller's compute (overlap).
+      waited at once, as every op issued there runs.
+
+    (Large ops never come here: past ``NONBLOCKING_MAX_BYTES`` they keep the
+    blocking form on the comm thread, which overlaps compute better.)
 
     A Work only ``wait()``-ed completes in its waiter; asking for its future
     hands it to the comm thread (hpccomm._work.Work.get_future), so callbacks
@@ -187,10 +187,7 @@ def post_collective(g, op: str, posting, args):
     except _mpi.mpi().Exception as exc:
         raise mpi_error(op, g, seq, exc) from exc
     posting.token = _status.watch(posting)  # the watchdog's record until the Work completes
-    work = _Work(posting.outputs, posting, "", None)
-    if posting.drive:
-        work._hand_to_engine()
-    return work
+    return _Work(posting.outputs, posting, "", None)
 
 
 #: Point-to-point ops, whose peer waits for this rank.

@@ -183,8 +183,7 @@ class Work(WorkBase):
         completed by the comm thread: a queued job waits on its request and
         completes this Work, callbacks included, at its place in the group's
         op order (ops issued later on the group queue behind it on every
-        rank).  Asked for by :meth:`get_future`, and by the op path for a large
-        op (the comm thread's wait drives its progress)."""
+        rank).  Asked for by :meth:`get_future`."""
         with self._lock:  # not while a waiter or the progress thread is in the request
             if self._done or self._engine_completes:
                 return

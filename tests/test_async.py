@@ -221,8 +221,8 @@ def test_posted_back_to_back_waited_in_reverse(world):
 
 def test_posted_mixed_with_blocking_and_comm_thread_ops(world, groups):
     """Posted async ops interleaved with blocking ones and with async ops that
-    stay on the comm thread (all_to_all, a large all_reduce handed to it,
-    float16 with its user-defined MPI op): issue order holds on every rank."""
+    stay on the comm thread (all_to_all, an all_reduce past 64 KiB, float16
+    with its user-defined MPI op): issue order holds on every rank."""
     rank, size = world
     for g in groups:
         if not g.member:
@@ -237,7 +237,7 @@ def test_posted_mixed_with_blocking_and_comm_thread_ops(world, groups):
         w2 = dist.all_to_all(a2a_out, a2a_in, group=g.pg, async_op=True)  # comm thread
         x3 = torch.full((3,), float(r + 1))
         dist.all_reduce(x3, group=g.pg)  # blocking, behind the queued all_to_all
-        big = torch.full((40000,), float(r))  # 160 KB: handed to the comm thread
+        big = torch.full((40000,), float(r))  # 160 KB: past 64 KiB, the blocking form on the comm thread
         w4 = dist.all_reduce(big, group=g.pg, async_op=True)
         h = torch.full((7,), float(r), dtype=torch.float16)
         w5 = dist.all_reduce(h, group=g.pg, async_op=True)  # float16: its blocking form on the comm thread
@@ -363,7 +363,9 @@ def test_posted_non_contiguous(world):
 def test_posted_gather_and_broadcast_dtypes(world, dtype):
     """all_gather_into_tensor and broadcast move every dtype in their async form."""
     rank, size = world
-    val = lambda r: torch.tensor([r % 2 == 1] * 3) if dtype == torch.bool else torch.full((3,), r + 1).to(dtype)  # noqa: E731
+
+    def val(r):
+        return torch.tensor([r % 2 == 1] * 3) if dtype == torch.bool else torch.full((3,), r + 1).to(dtype)
     out = torch.empty(3 * size, dtype=dtype)
     w1 = dist.all_gather_into_tensor(out, val(rank), async_op=True)
     b = val(rank)

@@ -280,10 +280,14 @@ def chunks(count: int, limit: int):
         yield off, min(limit, count - off)
 
 
-#: A posted collective at least this large is handed to the comm thread, which
-#: waits on its request: with Open MPI nothing else drives a nonblocking
-#: collective's progress until someone waits (docs/design.md, "async ops").
-DRIVE_BYTES = 64 << 10
+#: The largest async collective (bytes per rank's tensor) that takes the
+#: nonblocking form.  Larger ones keep the blocking form on the comm thread:
+#: with Open MPI nothing progresses a posted collective until someone tests or
+#: waits, and even with the comm thread waiting on it, a posted 64 MiB
+#: all_reduce overlapped compute far worse (both 280 ms for 100 ms of comm and
+#: 60 ms of compute) than the blocking call on the comm thread (both 110 ms):
+#: docs/benchmarks.md.  The size is equal on every rank, so the form is too.
+NONBLOCKING_MAX_BYTES = 64 << 10
 
 
 class Posted:
@@ -325,7 +329,6 @@ class Posted:
         self.keep = keep  # the buffers MPI reads or writes: alive until the request completes
         self.after = after
         self.nbytes = nbytes
-        self.drive = nbytes >= DRIVE_BYTES  # large: the comm thread waits on it (progress, overlap)
 
     def where(self) -> str:
         return self.group.where(self.seq) if self.group is not None else f"{self.op} not posted"

@@ -297,9 +297,9 @@ def allreduce_sparse(group, tensors, redop, op: str = "all_reduce"):
 # -- nonblocking forms (async_op=True; hpccomm._runner) ------------------------
 # Each takes the op's arguments after its checks passed and returns a
 # c.Posted, or None when the op keeps its blocking form (run on the comm
-# thread).  Which form an op takes is decided only from what is equal on every
-# rank (dtype, ReduceOp, element counts against the group's limits), never from
-# strides or timing: MPI never matches a nonblocking collective with a blocking
+# thread): past c.NONBLOCKING_MAX_BYTES, or a user-defined MPI op.  Which form
+# an op takes is decided only from what is equal on every rank (dtype,
+# ReduceOp, element counts), never from strides or timing: MPI never matches a nonblocking collective with a blocking
 # one.  A strided tensor is staged through a contiguous buffer instead.
 
 def _predefined(r):
@@ -317,7 +317,7 @@ def iallreduce(group, tensors, redop, op: str = "all_reduce"):
     r = c.reduction(group, op, t.dtype, redop)
     mop = _predefined(r)
     count, size = t.numel(), t.element_size()
-    if mop is None or count > group.max_count or count * size > _ALLREDUCE_PIECE_BYTES:
+    if mop is None or count > group.max_count or count * size > c.NONBLOCKING_MAX_BYTES:
         return None
     comm = group.comm
     if r.factor is None and t.is_contiguous():
@@ -341,6 +341,8 @@ def iallreduce(group, tensors, redop, op: str = "all_reduce"):
 
 
 def ireduce_scatter_single(group, output, input, redop, op: str = "reduce_scatter_tensor"):
+    if input.numel() * input.element_size() > c.NONBLOCKING_MAX_BYTES:
+        return None
     r = c.reduction(group, op, input.dtype, redop)
     mop = _predefined(r)
     n = output.numel()

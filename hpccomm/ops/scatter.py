@@ -91,10 +91,10 @@ def _scatter_send(group, output, inputs, root, outputs):
 
 
 def ibroadcast(group, tensors, root: int, op: str = "broadcast"):
-    """broadcast's nonblocking form (MPI_Ibcast), or None past the count limit
+    """broadcast's nonblocking form (MPI_Ibcast), or None past the size limits
     (see hpccomm.ops.reduce's note on nonblocking forms)."""
     t = tensors[0]
-    if t.numel() > group.max_count:
+    if t.numel() > group.max_count or t.numel() * t.element_size() > c.NONBLOCKING_MAX_BYTES:
         return None
     buf = c.contiguous(t)
     spec = _mpi.buffer(buf)
