@@ -84,10 +84,11 @@ def run(g, op: str, prepare, args, opts=None):
         engine = _engine.engine
         if engine._usable or engine.usable():
             if asynchronous and devices is None:
-                # The four ops with a nonblocking form take it on every rank alike (see
-                # hpccomm._engine's thread rule: MPI never matches a nonblocking collective
-                # with a blocking one); fault tolerance and debug mode keep the blocking one.
-                form = _NONBLOCKING.get(prepare)
+                # With HPCCOMM_ASYNC_NONBLOCKING, the four ops with a nonblocking form take it
+                # on every rank alike (see hpccomm._engine's thread rule: MPI never matches a
+                # nonblocking collective with a blocking one); fault tolerance and debug mode
+                # keep the blocking one.
+                form = _NONBLOCKING.get(prepare) if getattr(g, "nonblocking", False) else None
                 if form is not None and not (g.debug or _ft.state.enabled):
                     posting = form(g, *args)
                     if posting is not None:
@@ -245,7 +246,11 @@ def execute(op: str, g, call, args, job=None, asynchronous=False):
     if g.debug:  # the fingerprint exchange is itself a collective: the timeout covers it
         token = watchdog.begin(g, op + " (debug-mode fingerprint check)", seq)
         try:
-            flag = bool(asynchronous or (job is not None and job.asynchronous))
+            # (compared only where it decides the MPI form: HPCCOMM_ASYNC_NONBLOCKING; torch's own
+            # DDP Join passes async_op=True on some ranks and False on others)
+            flag = None
+            if getattr(g, "nonblocking", False):
+                flag = bool(asynchronous or (job is not None and job.asynchronous))
             _debug.check(g, op, args, seq, asynchronous=flag)
         except _mpi.mpi().Exception as exc:
             raise mpi_error(op + " (debug-mode fingerprint check)", g, seq, exc) from exc

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import fill, same_on_all_ranks
+from helpers import fill, nonblocking_async, same_on_all_ranks
 
 pytestmark = pytest.mark.mpi
 
@@ -176,6 +176,13 @@ def test_ddp_comm_hooks(world):
 
 # -- posted collectives (async_op=True as nonblocking MPI: hpccomm._runner.post_collective) ------------
 
+
+@pytest.fixture
+def posted(world):
+    """HPCCOMM_ASYNC_NONBLOCKING on every group, on every rank together."""
+    with nonblocking_async():
+        yield
+
 def _tri(size):
     return size * (size - 1) // 2
 
@@ -206,7 +213,7 @@ def _posted_ops(rank, size, k, n=9):
     return works, check
 
 
-def test_posted_back_to_back_waited_in_reverse(world):
+def test_posted_back_to_back_waited_in_reverse(world, posted):
     """Many async ops of the four posted kinds in flight at once, waited in the
     reverse of issue order: every result right, and equal on every rank."""
     rank, size = world
@@ -219,7 +226,7 @@ def test_posted_back_to_back_waited_in_reverse(world):
     assert same_on_all_ranks(flat)
 
 
-def test_posted_mixed_with_blocking_and_comm_thread_ops(world, groups):
+def test_posted_mixed_with_blocking_and_comm_thread_ops(world, posted, groups):
     """Posted async ops interleaved with blocking ones and with async ops that
     stay on the comm thread (all_to_all, an all_reduce past 64 KiB, float16
     with its user-defined MPI op): issue order holds on every rank."""
@@ -261,7 +268,7 @@ def test_posted_mixed_with_blocking_and_comm_thread_ops(world, groups):
         assert same_on_all_ranks(torch.cat([x1, x3, big[:3], h.float(), x6, base[:, ::2].reshape(-1)]), g.ranks)
 
 
-def test_posted_future_callback_issues_collectives(world):
+def test_posted_future_callback_issues_collectives(world, posted):
     """get_future().then(callback issuing a collective), as PowerSGD does,
     interleaved with later ops: the callback's op runs at one point of the op
     order on every rank, and every result is right."""
@@ -300,7 +307,7 @@ def test_posted_future_callback_issues_collectives(world):
     assert same_on_all_ranks(torch.cat([inner, done, later, gathered, blocking]))
 
 
-def test_posted_wait_with_timeout_and_polling(world):
+def test_posted_wait_with_timeout_and_polling(world, posted):
     """wait(timeout) on a posted collective whose peers come late raises
     TimeoutError and leaves it pending; is_completed() polls it to completion."""
     from datetime import timedelta
@@ -332,7 +339,7 @@ def test_posted_wait_with_timeout_and_polling(world):
     assert flags[0] == (size > 1)
 
 
-def test_posted_non_contiguous(world):
+def test_posted_non_contiguous(world, posted):
     """Strided tensors in the four posted ops: staged through a contiguous
     buffer and written back; what is not part of the tensor is untouched."""
     rank, size = world
@@ -360,7 +367,7 @@ def test_posted_non_contiguous(world):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8,
                                    torch.bool, torch.complex64, torch.float16, torch.bfloat16])
-def test_posted_gather_and_broadcast_dtypes(world, dtype):
+def test_posted_gather_and_broadcast_dtypes(world, posted, dtype):
     """all_gather_into_tensor and broadcast move every dtype in their async form."""
     rank, size = world
 

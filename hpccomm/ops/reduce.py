@@ -349,10 +349,13 @@ def ireduce_scatter_single(group, output, input, redop, op: str = "reduce_scatte
     if mop is None or n > group.max_count:
         return None
     comm = group.comm
-    if r.factor is None and input.is_contiguous() and output.is_contiguous() and not c.overlaps(input, output):
+    send = None
+    if r.factor is None and input.is_contiguous() and output.is_contiguous():
         send, recv, out = _mpi.host_buffer(input), _mpi.host_buffer(output), output
         keep = (input, output)
-    else:
+        if not c.disjoint(send[0], recv[0]):
+            send = None  # aliased: MPI forbids it (staged below)
+    if send is None:
         src = c.premultiplied(input, r.factor, inplace=False) if r.factor is not None else c.contiguous(input)
         if c.overlaps(src, output):
             src = src.clone()  # MPI forbids aliased send and receive buffers
