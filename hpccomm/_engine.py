@@ -9,7 +9,9 @@ has the whole story):
   * the calling thread: checks every op, runs blocking collectives on the
     group's ``comm`` when the group has no queued async op, posts
     point-to-point ops (MPI_Isend/Irecv on the group's ``p2p`` communicator)
-    and waits on them, and posts ``async_op=True`` all_reduce,
+    and waits on them, and (``HPCCOMM_ASYNC_NONBLOCKING=1``, off by
+    default: DDP's Join passes async_op=True on some ranks and False on
+    others) posts ``async_op=True`` all_reduce,
     all_gather_into_tensor, reduce_scatter_tensor and broadcast as
     nonblocking collectives (MPI_Iallreduce, MPI_Iallgather,
     MPI_Ireduce_scatter_block, MPI_Ibcast on ``comm``) when the group has no
@@ -31,7 +33,8 @@ has the whole story):
     hpccomm.ops._common.NONBLOCKING_MAX_BYTES).  Whether an op is nonblocking is decided only from what is equal
     on every rank (op, ``async_op``, dtype, ReduceOp, element counts), never
     from which thread runs it: MPI never matches a nonblocking collective
-    with a blocking one, so ``async_op`` must be the same on every rank;
+    with a blocking one, so (with it on) ``async_op`` must be the same on
+    every rank;
   * ``hpccomm-progress`` (hpccomm._work): MPI_Test on pending point-to-point
     requests whose future someone asked for; a request is touched by one
     thread at a time (the Work's lock).

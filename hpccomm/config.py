@@ -123,7 +123,7 @@ OPTIONS: dict[str, Option] = {
         ),
         Option(
             "HPCCOMM_ASYNC_NONBLOCKING", _bool, False,
-            "1: async_op=True all_reduce, all_gather_into_tensor, reduce_scatter_tensor and broadcast "
+            "On: async_op=True all_reduce, all_gather_into_tensor, reduce_scatter_tensor and broadcast "
             "of up to 64 KiB are posted as nonblocking MPI collectives from the calling thread (no "
             "comm-thread wake: a few us faster per op). Every rank must then pass the same async_op "
             "for a collective (MPI never matches a nonblocking collective with a blocking one), which "

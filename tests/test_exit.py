@@ -235,7 +235,8 @@ def test_job_exiting_with_posted_collectives_never_waited_exits_0(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "HPCCOMM_"))}
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_mpi_yield_when_idle="1",
                PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+               HPCCOMM_ASYNC_NONBLOCKING="1")  # the nonblocking form (off by default)
     for run in range(2):
         proc = subprocess.run(["timeout", "--kill-after=10", "120", "mpirun", "-n", "2", "--oversubscribe",
                                sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path)
