@@ -102,29 +102,44 @@ def describe(op: str, args, size: int = 0):
     return f"{op}({', '.join(parts)})", mine
 
 
-def check(group, op: str, args, seq: int, refused=None) -> None:
+def check(group, op: str, args, seq: int, refused=None, asynchronous=None) -> None:
     """Compare op number ``seq`` across the group's ranks; raise on every
     rank if they differ.  ``refused``: the OpError this rank's own checks
     raised for the op (it joins the comparison so that every rank raises it,
-    naming this rank, instead of the others waiting in MPI)."""
+    naming this rank, instead of the others waiting in MPI).
+    ``asynchronous``: the op's ``async_op`` (None: not known here), which
+    must be equal on every rank: outside debug mode an ``async_op=True``
+    collective may be a nonblocking MPI call, which never matches a
+    blocking one (the ranks would wait for each other forever)."""
     common, mine = describe(op, args, group.size)
     verdict = None if refused is None else (type(refused).__name__, str(refused))
-    everyone = group.p2p.allgather((seq, common, mine, verdict))
-    refusals = [(r, v) for r, (_, _, _, v) in enumerate(everyone) if v is not None]
+    everyone = group.p2p.allgather((seq, common, mine, verdict, asynchronous))
+    refusals = [(r, v) for r, (_, _, _, v, _) in enumerate(everyone) if v is not None]
     if refusals:
         r, (kind, text) = next(((r, v) for r, v in refusals if r == group.rank), refusals[0])
         if r == group.rank:
             raise refused
         raise HpccommError(f"hpccomm debug: {common} (op #{seq} on group '{group.name}', rank {group.rank}/"
                            f"{group.size}): rank {group.global_ranks[r]} refused this op ({kind}: {text})")
-    first_seq, first, _, _ = everyone[0]
-    for r, (s, what, _, _) in enumerate(everyone):
+    first_seq, first, _, _, _ = everyone[0]
+    for r, (s, what, _, _, _) in enumerate(everyone):
         if (s, what) != (first_seq, first):
             raise HpccommError(
                 f"hpccomm debug: rank {group.global_ranks[r]} called {what} (op #{s} on group '{group.name}') "
                 f"but rank {group.global_ranks[0]} called {first} (op #{first_seq}); this rank "
                 f"({group.global_ranks[group.rank]}) called {common}. Every rank of a group must issue the same "
                 "collectives in the same order with matching dtypes, sizes, roots and ReduceOps")
+    flags = {e[4] for e in everyone if e[4] is not None}
+    if len(flags) > 1:
+        g = group.global_ranks
+        on = [g[r] for r, e in enumerate(everyone) if e[4] is True]
+        off = [g[r] for r, e in enumerate(everyone) if e[4] is False]
+        raise HpccommError(
+            f"hpccomm debug: {common} (op #{seq} on group '{group.name}', rank {group.rank}/{group.size}): "
+            f"async_op differs across ranks: rank(s) {', '.join(map(str, on))} passed async_op=True, rank(s) "
+            f"{', '.join(map(str, off))} async_op=False. Pass the same async_op on every rank: hpccomm may run an "
+            "async collective as a nonblocking MPI call, which MPI never matches with a blocking one "
+            "(torch's gloo and NCCL do not require this; MPI does)")
     problem = _sizes_fit(group, [e[2] for e in everyone])
     if problem:
         raise HpccommError(f"hpccomm debug: {common} (op #{seq} on group '{group.name}', rank {group.rank}/"

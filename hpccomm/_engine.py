@@ -9,7 +9,14 @@ has the whole story):
   * the calling thread: checks every op, runs blocking collectives on the
     group's ``comm`` when the group has no queued async op, posts
     point-to-point ops (MPI_Isend/Irecv on the group's ``p2p`` communicator)
-    and waits on them;
+    and waits on them, and (``HPCCOMM_ASYNC_NONBLOCKING=1``, off by
+    default: DDP's Join passes async_op=True on some ranks and False on
+    others) posts ``async_op=True`` all_reduce,
+    all_gather_into_tensor, reduce_scatter_tensor and broadcast as
+    nonblocking collectives (MPI_Iallreduce, MPI_Iallgather,
+    MPI_Ireduce_scatter_block, MPI_Ibcast on ``comm``) when the group has no
+    queued op, then tests (``is_completed``) and waits (``wait``) on such a
+    request itself, unless it was handed to ``hpccomm-comm``;
   * ``hpccomm-comm`` (one daemon thread, this module): runs ``async_op=True``
     collectives, and blocking ones queued behind them, in issue order on the
     group's ``comm``; a group with queued ops is never used by the caller at
@@ -17,7 +24,17 @@ has the whole story):
     sub-communicator or free of a communicator first drains its queue.  A
     waiter whose op is the only one queued and not yet started runs it in
     this thread's place (:meth:`Engine.steal`): the queue is the same, and
-    this thread runs nothing meanwhile;
+    this thread runs nothing meanwhile.  Posted collectives: it waits on the
+    request of one whose future was asked for, as a queued job (a
+    Work is completed once: whoever holds its lock first, and never by the
+    caller after the hand-over); behind queued ops it posts an async
+    collective of those four kinds itself, in the same nonblocking form, and
+    waits (async ops past 64 KiB keep the blocking form here, for overlap:
+    hpccomm.ops._common.NONBLOCKING_MAX_BYTES).  Whether an op is nonblocking is decided only from what is equal
+    on every rank (op, ``async_op``, dtype, ReduceOp, element counts), never
+    from which thread runs it: MPI never matches a nonblocking collective
+    with a blocking one, so (with it on) ``async_op`` must be the same on
+    every rank;
   * ``hpccomm-progress`` (hpccomm._work): MPI_Test on pending point-to-point
     requests whose future someone asked for; a request is touched by one
     thread at a time (the Work's lock).
@@ -29,18 +46,23 @@ has the whole story):
 - ``hpccomm-watchdog`` and ``hpccomm-signals`` never call MPI but for
   MPI_Abort when ending the job; they read only settings validated at init.
 - At exit (hpccomm._mpi, before MPI_Finalize) the queued ops are run, the
-  comm and progress threads are stopped and joined, and pending
-  point-to-point requests are completed or cancelled.
+  comm and progress threads are stopped and joined, posted collectives are
+  waited for in the calling thread (MPI forbids cancelling or freeing them;
+  the group's timeout still applies), and pending point-to-point requests
+  are completed or cancelled.
 
 The comm thread: a blocking op (``async_op=False``) runs its MPI call in the
 calling thread, unless its group still has queued async ops: then it queues
 behind them and the caller waits, so ops on one communicator run in the
 order they were issued, on every rank (MPI's rule for collectives).  An
 async op is checked in the calling thread (bad input raises there, before
-any communication), then queued; ``hpccomm-comm`` runs the queue in order,
-inside blocking MPI calls that release the GIL.  The returned Work completes
-when its job has run; its future completes on the comm thread, so DDP's
-callbacks run there.
+any communication), then posted (the four ops above, see hpccomm._runner.
+post_collective) or queued; ``hpccomm-comm`` runs the queue in order,
+inside MPI calls that release the GIL.  The returned Work completes when
+its job has run or its request completed; a future, once asked for,
+completes on the comm thread, so DDP's callbacks run there.  Fault
+tolerance, debug mode, the GPU transports and MPI below THREAD_MULTIPLE
+keep the blocking form for every op (each is the same on every rank).
 """
 from __future__ import annotations
 
@@ -87,6 +109,7 @@ class Job:
     error: Optional[BaseException] = None
     work = None  # the Work to complete (set by the submitter; let go of once complete)
     seq = None  # the op's number, taken when it runs
+    asynchronous = False  # issued with async_op=True (debug mode compares it across ranks)
 
     def __init__(self, group, run, op: str = "", call=None, args=()) -> None:
         self.group = group

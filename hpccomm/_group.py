@@ -66,6 +66,8 @@ class Group:
         from . import _debug
 
         self.debug = _debug.enabled()  # compare every collective across ranks first
+        # async ops of up to 64 KiB posted as nonblocking MPI collectives (hpccomm._runner.post_collective)
+        self.nonblocking = config.get("HPCCOMM_ASYNC_NONBLOCKING")
         self.max_count = config.get("HPCCOMM_MAX_MPI_COUNT")
         self.tag_ub = _mpi.tag_ub()
         self._owns_comm = owns_comm

@@ -29,6 +29,9 @@ from ._watchdog import watchdog
 from .errors import HpccommError, OpError
 from .gpu import dispatch as _gpu
 from .ops._common import NotOnCPU
+from .ops import gather as _gather
+from .ops import reduce as _reduce
+from .ops import scatter as _scatter
 from .ops.p2p import Pending as _Pending
 
 _monotonic = time.monotonic
@@ -79,16 +82,34 @@ def run(g, op: str, prepare, args, opts=None):
     asynchronous = opts is not None and getattr(opts, "asyncOp", False)
     if asynchronous or g.queued:
         engine = _engine.engine
-        # On the comm thread (a callback of a finished op, such as a DDP hook) an op
-        # runs at once: queuing it behind the thread's own work would deadlock.
-        ident = _get_ident()  # engine.on_comm_thread(), without its call
-        if (engine._usable or engine.usable()) and ident != engine._ident and ident != engine._stealer:
-            job = _Job(g, _run_job, op, call, args)
-            work = _Work(None, job, "", devices)
-            job.work = work
-            engine.submit(job)
-            if not asynchronous:  # queued only to keep this group's issue order
-                work.wait()
+        if engine._usable or engine.usable():
+            if asynchronous and devices is None:
+                # With HPCCOMM_ASYNC_NONBLOCKING, the four ops with a nonblocking form take it
+                # on every rank alike (see hpccomm._engine's thread rule: MPI never matches a
+                # nonblocking collective with a blocking one); fault tolerance and debug mode
+                # keep the blocking one.
+                form = _NONBLOCKING.get(prepare) if getattr(g, "nonblocking", False) else None
+                if form is not None and not (g.debug or _ft.state.enabled):
+                    posting = form(g, *args)
+                    if posting is not None:
+                        return post_collective(g, op, posting, args)
+            # On the comm thread (a callback of a finished op, such as a DDP hook) an op
+            # runs at once: queuing it behind the thread's own work would deadlock.
+            ident = _get_ident()  # engine.on_comm_thread(), without its call
+            if ident != engine._ident and ident != engine._stealer:
+                job = _Job(g, _run_job, op, call, args)
+                job.asynchronous = asynchronous
+                work = _Work(None, job, "", devices)
+                job.work = work
+                engine.submit(job)
+                if not asynchronous:  # queued only to keep this group's issue order
+                    work.wait()
+                return work
+        if asynchronous and g.debug:  # (run here; debug mode compares the async flag across ranks too)
+            work = _Done()
+            work._outputs = execute(op, g, call, args, None, True)
+            work._devices = devices
+            work._future = None
             return work
     # The blocking path (latency-bound): call directly, no closure.  Every
     # microsecond here costs several in front of a cache-hot shared-memory
@@ -104,6 +125,70 @@ def run(g, op: str, prepare, args, opts=None):
 def _run_job(job):
     """What the comm thread runs for a queued op (``hpccomm._engine.Job.run``)."""
     return execute(job.op, job.group, job.call, job.args, job)
+
+
+#: The ops with a nonblocking form for ``async_op=True``, by the op module's
+#: prepare function: the form's function returns a posted-to-be
+#: :class:`hpccomm.ops._common.Posted`, or None to keep the blocking form.
+_NONBLOCKING = {
+    _reduce.allreduce_or_sparse: _reduce.iallreduce,
+    _reduce.allreduce: _reduce.iallreduce,
+    _reduce.reduce_scatter_single: _reduce.ireduce_scatter_single,
+    _gather.all_gather_single: _gather.iall_gather_single,
+    _scatter.broadcast: _scatter.ibroadcast,
+}
+
+
+def post_collective(g, op: str, posting, args):
+    """An ``async_op=True`` collective in its nonblocking form (``posting``, a
+    :class:`hpccomm.ops._common.Posted`): posted here and returned as a
+    pending Work, unless
+
+    - the group has queued ops: then it queues behind them, and the comm
+      thread posts it and waits in its turn (the same MPI calls, in issue order);
+    - the caller is the comm thread (a callback of a completed op): posted and
+      waited at once, as every op issued there runs.
+
+    (Large ops never come here: past ``NONBLOCKING_MAX_BYTES`` they keep the
+    blocking form on the comm thread, which overlaps compute better.)
+
+    A Work only ``wait()``-ed completes in its waiter; asking for its future
+    hands it to the comm thread (hpccomm._work.Work.get_future), so callbacks
+    run there, at a fixed point of the op order on every rank."""
+    engine = _engine.engine
+    ident = _get_ident()
+    on_thread = ident == engine._ident or ident == engine._stealer
+    if g.queued and not on_thread:
+        job = _Job(g, _run_job, op, posting.run, args)
+        job.asynchronous = True
+        work = _Work(None, job, "", None)
+        job.work = work
+        engine.submit(job)
+        return work
+    if on_thread:
+        work = _Done()
+        work._outputs = execute(op, g, posting.run, args)
+        work._devices = None
+        work._future = None
+        return work
+    g.seq = seq = next(g._seqs)  # Group.next_seq, without its call
+    posting.group, posting.seq = g, seq
+    posting.start = start = _monotonic()
+    g.last = (op, seq, start)
+    _last_group[0] = g
+    seconds = g.timeout_s
+    if seconds:
+        posting.deadline = start + seconds
+        if watchdog._thread is None:
+            watchdog.start()
+    if _trace._tracer:
+        posting.traced = _trace.now_ns()
+    try:
+        posting.post()
+    except _mpi.mpi().Exception as exc:
+        raise mpi_error(op, g, seq, exc) from exc
+    posting.token = _status.watch(posting)  # the watchdog's record until the Work completes
+    return _Work(posting.outputs, posting, "", None)
 
 
 #: Point-to-point ops, whose peer waits for this rank.
@@ -149,18 +234,24 @@ def announce_refusal(g, op: str, args, exc: OpError) -> None:
         pass
 
 
-def execute(op: str, g, call, args, job=None):
+def execute(op: str, g, call, args, job=None, asynchronous=False):
     """Run a checked collective's communication ``call()`` (in the thread
-    that runs it): number it, compare it across ranks in debug mode, and run
-    it while ``g.running`` says so (the watchdog and the SIGTERM reporter
-    read it: hpccomm._status) and under the tracer."""
+    that runs it): number it, compare it across ranks in debug mode (the
+    async flag too: ``asynchronous``, or the job's), and run it while
+    ``g.running`` says so (the watchdog and the SIGTERM reporter read it:
+    hpccomm._status) and under the tracer."""
     g.seq = seq = next(g._seqs)  # Group.next_seq, without its call
     if job is not None:
         job.seq = seq
     if g.debug:  # the fingerprint exchange is itself a collective: the timeout covers it
         token = watchdog.begin(g, op + " (debug-mode fingerprint check)", seq)
         try:
-            _debug.check(g, op, args, seq)
+            # (compared only where it decides the MPI form: HPCCOMM_ASYNC_NONBLOCKING; torch's own
+            # DDP Join passes async_op=True on some ranks and False on others)
+            flag = None
+            if getattr(g, "nonblocking", False):
+                flag = bool(asynchronous or (job is not None and job.asynchronous))
+            _debug.check(g, op, args, seq, asynchronous=flag)
         except _mpi.mpi().Exception as exc:
             raise mpi_error(op + " (debug-mode fingerprint check)", g, seq, exc) from exc
         except HpccommError:

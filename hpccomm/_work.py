@@ -34,6 +34,7 @@ import torch
 
 from . import _ft, _status
 from ._compat import WorkBase, hide_from_compiler
+from ._engine import Job as _Job
 from ._engine import engine as _engine
 from ._engine import latch as _latch
 from ._watchdog import watchdog
@@ -177,6 +178,23 @@ class Work(WorkBase):
             if not self._done:
                 self._complete()
 
+    def _hand_to_engine(self) -> None:
+        """A posted collective (hpccomm.ops._common.Posted) is from now on
+        completed by the comm thread: a queued job waits on its request and
+        completes this Work, callbacks included, at its place in the group's
+        op order (ops issued later on the group queue behind it on every
+        rank).  Asked for by :meth:`get_future`."""
+        with self._lock:  # not while a waiter or the progress thread is in the request
+            if self._done or self._engine_completes:
+                return
+            posting = self._pending
+            job = _Job(posting.group, _wait_posted, posting.op, posting)
+            job.seq = posting.seq
+            job.work = self
+            self._pending = job
+            self._engine_completes = True
+        _engine.submit(job)
+
     def _poll(self) -> bool:
         """Non-blocking progress from the progress thread; True once done."""
         if self._done:
@@ -204,7 +222,11 @@ class Work(WorkBase):
             seconds = None
             if timeout is not None and timeout != timedelta(0):
                 seconds = timeout.total_seconds()
-            if self._engine_completes:
+            if not self._engine_completes:
+                finished = self._wait_pending(seconds)
+                if finished is None:  # handed to the comm thread meanwhile (get_future)
+                    return self.wait(timeout)
+            else:
                 job = self._pending
                 # Not run yet and nothing else queued: run it here rather than sleep while
                 # the comm thread does (hpccomm._engine.Engine.steal); with a time limit,
@@ -221,8 +243,6 @@ class Work(WorkBase):
                         finished = latch.acquire(True, -1 if seconds is None else seconds)
                         if finished:
                             latch.release()  # open for any other waiter
-            else:
-                finished = self._wait_pending(seconds)
             if not finished:
                 raise TimeoutError(f"hpccomm {self._what()}: not complete after {seconds:g} s")
         elif not self._settled():  # another thread is completing it right now: wait for its future
@@ -234,10 +254,13 @@ class Work(WorkBase):
             raise self._error
         return True
 
-    def _wait_pending(self, seconds) -> bool:
+    def _wait_pending(self, seconds):
+        """Wait in the caller; None if the comm thread completes it now (:meth:`_hand_to_engine`)."""
         with self._lock:
             if self._done:
                 return True
+            if self._engine_completes:
+                return None
             try:
                 finished = self._pending.wait(seconds)
             except Exception as exc:  # noqa: BLE001 - the op failed
@@ -260,7 +283,11 @@ class Work(WorkBase):
         if not self._done:
             from ._engine import engine
 
-            if _progress.is_current() or (not self._engine_completes and not engine.usable()):
+            if getattr(self._pending, "kind", "") == "collective" and engine.usable() and not _progress.is_current():
+                # A posted collective: its callbacks run on the comm thread, in op order (see
+                # _hand_to_engine); never on the progress thread.
+                self._hand_to_engine()
+            elif _progress.is_current() or (not self._engine_completes and not engine.usable()):
                 # Asked by a callback that the progress thread is running (that thread
                 # cannot complete this op while it runs the callback), or below
                 # MPI_THREAD_MULTIPLE, where no other thread may call MPI (hpccomm._engine):
@@ -296,6 +323,21 @@ class Work(WorkBase):
 # What torch's C++ layer calls on a Work (and the future's callback): kept out of torch.compile.
 hide_from_compiler(Work, ["wait", "get_future", "is_completed", "is_success", "exception", "result",
                           "source_rank", "_source_rank", "_result_or_raise"])
+
+
+def _wait_posted(job):
+    """The comm thread's job for a posted collective handed to it
+    (:meth:`Work._hand_to_engine`): wait on its request, finish it (an MPI
+    error raises naming the op), and let the watchdog stop watching it."""
+    posting = job.call
+    try:
+        posting.wait(None)
+        posting.finish()
+    finally:
+        token, posting.token = posting.token, None
+        if token is not None:
+            _end_watch(token)
+    return posting.outputs
 
 
 class AllOf:

@@ -122,6 +122,15 @@ OPTIONS: dict[str, Option] = {
             ("OFF", "INFO", "DETAIL"),
         ),
         Option(
+            "HPCCOMM_ASYNC_NONBLOCKING", _bool, False,
+            "On: async_op=True all_reduce, all_gather_into_tensor, reduce_scatter_tensor and broadcast "
+            "of up to 64 KiB are posted as nonblocking MPI collectives from the calling thread (no "
+            "comm-thread wake: a few us faster per op). Every rank must then pass the same async_op "
+            "for a collective (MPI never matches a nonblocking collective with a blocking one), which "
+            "torch's DDP Join (uneven inputs) does not do, so it is off by default. Set it alike on "
+            "every rank.",
+        ),
+        Option(
             "HPCCOMM_ON_TIMEOUT", _lower, "abort",
             "What a rank does when a collective outlives its group's timeout (given to init or "
             "new_group): 'abort' ends the whole job with MPI_Abort after printing which ranks never "

@@ -277,3 +277,20 @@ def setting(name: str, value: str):
         else:
             os.environ[name] = old
         config.load()
+
+
+@contextlib.contextmanager
+def nonblocking_async(on: bool = True):
+    """``HPCCOMM_ASYNC_NONBLOCKING`` on every hpccomm group made so far, for the
+    duration (every rank must enter it together: it decides the MPI form of
+    async collectives, which must match across ranks)."""
+    from hpccomm import _status
+
+    old = [(g, g.nonblocking) for g in list(_status.groups) if hasattr(g, "nonblocking")]
+    for g, _ in old:
+        g.nonblocking = on
+    try:
+        yield
+    finally:
+        for g, value in old:
+            g.nonblocking = value

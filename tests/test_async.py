@@ -3,12 +3,13 @@ order; results equal the blocking path; Work and future APIs behave."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import fill, same_on_all_ranks
+from helpers import fill, nonblocking_async, same_on_all_ranks
 
 pytestmark = pytest.mark.mpi
 
@@ -81,7 +82,8 @@ def test_async_work_returns_before_completion_when_a_peer_is_late(world):
         work.wait()
     else:
         side.bcast(None, root=0)
-        dist.all_reduce(t)
+        # async_op must match on every rank: MPI never matches a nonblocking collective with a blocking one
+        dist.all_reduce(t, async_op=True).wait()
         returned_early = True
     flags = side.allgather(returned_early)
     assert all(flags) and torch.all(t == size)
@@ -170,3 +172,212 @@ def test_ddp_comm_hooks(world):
     assert torch.isfinite(psgd).all()
     for flat in (plain, fp16, allreduce, psgd):
         assert same_on_all_ranks(flat)
+
+
+# -- posted collectives (async_op=True as nonblocking MPI: hpccomm._runner.post_collective) ------------
+
+
+@pytest.fixture
+def posted(world):
+    """HPCCOMM_ASYNC_NONBLOCKING on every group, on every rank together."""
+    with nonblocking_async():
+        yield
+
+def _tri(size):
+    return size * (size - 1) // 2
+
+
+def _posted_ops(rank, size, k, n=9):
+    """One async op of each posted kind, salted by ``k``; ``(works, check)``:
+    ``check()`` asserts every result against its closed form."""
+    a = torch.full((n,), float(rank + k))
+    g_in = torch.full((n,), float(rank * 10 + k))
+    g_out = torch.empty(n * size)
+    rs_in = torch.arange(n * size, dtype=torch.float64) + rank + k
+    rs_out = torch.empty(n, dtype=torch.float64)
+    b = torch.full((n,), float(rank + 100 * k), dtype=torch.int64)
+    root = k % size
+    works = [dist.all_reduce(a, async_op=True),
+             dist.all_gather_into_tensor(g_out, g_in, async_op=True),
+             dist.reduce_scatter_tensor(rs_out, rs_in, async_op=True),
+             dist.broadcast(b, src=root, async_op=True)]
+
+    def check():
+        assert torch.all(a == _tri(size) + size * k)
+        assert torch.equal(g_out, (torch.arange(size, dtype=torch.float32) * 10 + k).repeat_interleave(n))
+        base = torch.arange(n * size, dtype=torch.float64)[rank * n:(rank + 1) * n]
+        assert torch.equal(rs_out, size * (base + k) + _tri(size))
+        assert torch.all(b == root + 100 * k)
+        return torch.cat([a.double(), g_out.double(), b.double()])  # (rs_out is this rank's part)
+
+    return works, check
+
+
+def test_posted_back_to_back_waited_in_reverse(world, posted):
+    """Many async ops of the four posted kinds in flight at once, waited in the
+    reverse of issue order: every result right, and equal on every rank."""
+    rank, size = world
+    made = [_posted_ops(rank, size, k) for k in range(6)]
+    works = [w for ws, _ in made for w in ws]
+    for w in reversed(works):
+        assert w.wait()
+    assert all(w.is_completed() and w.is_success() and w.exception() is None for w in works)
+    flat = torch.cat([check() for _, check in made])
+    assert same_on_all_ranks(flat)
+
+
+def test_posted_mixed_with_blocking_and_comm_thread_ops(world, posted, groups):
+    """Posted async ops interleaved with blocking ones and with async ops that
+    stay on the comm thread (all_to_all, an all_reduce past 64 KiB, float16
+    with its user-defined MPI op): issue order holds on every rank."""
+    rank, size = world
+    for g in groups:
+        if not g.member:
+            assert same_on_all_ranks(None, g.ranks)  # collective over the world: every rank takes part
+            continue
+        n, r = g.size, g.rank
+        tri = _tri(n)
+        x1 = torch.full((5,), float(r))
+        w1 = dist.all_reduce(x1, group=g.pg, async_op=True)  # posted
+        a2a_in = [torch.full((2,), float(r * 10 + j)) for j in range(n)]
+        a2a_out = [torch.empty(2) for _ in range(n)]
+        w2 = dist.all_to_all(a2a_out, a2a_in, group=g.pg, async_op=True)  # comm thread
+        x3 = torch.full((3,), float(r + 1))
+        dist.all_reduce(x3, group=g.pg)  # blocking, behind the queued all_to_all
+        big = torch.full((40000,), float(r))  # 160 KB: past 64 KiB, the blocking form on the comm thread
+        w4 = dist.all_reduce(big, group=g.pg, async_op=True)
+        h = torch.full((7,), float(r), dtype=torch.float16)
+        w5 = dist.all_reduce(h, group=g.pg, async_op=True)  # float16: its blocking form on the comm thread
+        x6 = torch.full((4,), float(r + 2))
+        w6 = dist.all_reduce(x6, group=g.pg, async_op=True)  # queued behind those, then posted and waited there
+        base = torch.full((4, 6), float(r))
+        view = base[:, ::2]  # strided: staged, same nonblocking form
+        w7 = dist.all_reduce(view, group=g.pg, async_op=True)
+        x8 = torch.full((2,), float(r))
+        dist.broadcast(x8, group=g.pg, group_src=n - 1)  # blocking
+        for w in (w7, w6, w5, w4, w2, w1):
+            w.wait()
+        assert torch.all(x1 == tri)
+        assert [t.tolist() for t in a2a_out] == [[float(j * 10 + r)] * 2 for j in range(n)]
+        assert torch.all(x3 == tri + n)
+        assert torch.all(big == tri)
+        assert torch.all(h == tri)
+        assert torch.all(x6 == tri + 2 * n)
+        assert torch.all(base[:, ::2] == tri) and torch.all(base[:, 1::2] == r)
+        assert torch.all(x8 == n - 1)
+        assert same_on_all_ranks(torch.cat([x1, x3, big[:3], h.float(), x6, base[:, ::2].reshape(-1)]), g.ranks)
+
+
+def test_posted_future_callback_issues_collectives(world, posted):
+    """get_future().then(callback issuing a collective), as PowerSGD does,
+    interleaved with later ops: the callback's op runs at one point of the op
+    order on every rank, and every result is right."""
+    rank, size = world
+    tri = _tri(size)
+    seen = []
+    inner = torch.empty(0)
+
+    def callback(fut):
+        t = fut.value()[0]
+        nonlocal inner
+        inner = t.clone()
+        dist.all_reduce(inner)  # a collective issued from the callback
+        w = dist.all_reduce(t, async_op=True)  # an async one too: posted and waited there
+        w.wait()
+        seen.append(threading.current_thread().name)
+        return t
+
+    first = torch.full((6,), float(rank))
+    fut = dist.all_reduce(first, async_op=True).get_future().then(callback)
+    later = torch.full((6,), float(rank + 1))
+    w_later = dist.all_reduce(later, async_op=True)
+    gathered = torch.empty(6 * size)
+    w_gather = dist.all_gather_into_tensor(gathered, torch.full((6,), float(rank)), async_op=True)
+    blocking = torch.full((6,), 1.0)
+    dist.all_reduce(blocking)
+    done = fut.wait()
+    w_gather.wait()
+    w_later.wait()
+    assert torch.all(inner == tri * size)
+    assert torch.all(done == tri * size) and torch.all(first == tri * size)
+    assert torch.all(later == tri + size)
+    assert torch.equal(gathered, torch.arange(size, dtype=torch.float32).repeat_interleave(6))
+    assert torch.all(blocking == size)
+    assert seen and seen[0] in ("hpccomm-comm", threading.main_thread().name)
+    assert same_on_all_ranks(torch.cat([inner, done, later, gathered, blocking]))
+
+
+def test_posted_wait_with_timeout_and_polling(world, posted):
+    """wait(timeout) on a posted collective whose peers come late raises
+    TimeoutError and leaves it pending; is_completed() polls it to completion."""
+    from datetime import timedelta
+
+    from helpers import verdict_comm
+
+    rank, size = world
+    side = verdict_comm()
+    t = torch.full((8,), float(rank))
+    timed_out = False
+    if rank == 0:
+        work = dist.all_reduce(t, async_op=True)
+        if size > 1:
+            try:
+                work.wait(timeout=timedelta(milliseconds=50))
+            except TimeoutError:
+                timed_out = True
+        side.barrier()  # the others post only now
+    else:
+        side.barrier()
+        work = dist.all_reduce(t, async_op=True)
+    deadline = time.monotonic() + 60
+    while not work.is_completed():
+        assert time.monotonic() < deadline, "is_completed() never turned True"
+        time.sleep(1e-3)
+    assert work.is_success() and work.wait(timeout=timedelta(seconds=5))
+    assert torch.all(t == _tri(size))
+    flags = side.allgather(timed_out)
+    assert flags[0] == (size > 1)
+
+
+def test_posted_non_contiguous(world, posted):
+    """Strided tensors in the four posted ops: staged through a contiguous
+    buffer and written back; what is not part of the tensor is untouched."""
+    rank, size = world
+    tri = _tri(size)
+    base = torch.full((5, 4), float(rank))
+    w1 = dist.all_reduce(base[:, 1::2], async_op=True, op=dist.ReduceOp.AVG)
+    out_base = torch.full((3, 2 * size), -1.0)
+    out = out_base.t()[::1]  # non-contiguous output of 2*size x 3
+    inp = torch.full((3, 2), float(rank)).t()  # non-contiguous input, 2 x 3
+    w2 = dist.all_gather_into_tensor(out, inp, async_op=True)
+    rs_in = (torch.arange(3 * size * 2, dtype=torch.float32).reshape(2, 3 * size) + rank).t()  # (3*size, 2)
+    rs_out = torch.zeros(2, 3).t()  # (3, 2), non-contiguous
+    w3 = dist.reduce_scatter_tensor(rs_out, rs_in, async_op=True)
+    b_base = torch.full((4, 3), float(rank))
+    w4 = dist.broadcast(b_base[:, 0], src=size - 1, async_op=True)
+    for w in (w4, w3, w2, w1):
+        w.wait()
+    assert torch.all(base[:, 1::2] == tri / size) and torch.all(base[:, 0::2] == rank)
+    assert torch.equal(out, torch.arange(size, dtype=torch.float32).repeat_interleave(2)[:, None].expand(-1, 3))
+    full = sum(torch.arange(3 * size * 2, dtype=torch.float32).reshape(2, 3 * size).t() + r for r in range(size))
+    assert torch.equal(rs_out, full[rank * 3:(rank + 1) * 3])
+    assert torch.all(b_base[:, 0] == size - 1) and torch.all(b_base[:, 1:] == rank)
+    assert same_on_all_ranks(torch.cat([base[:, 1::2].reshape(-1), out.reshape(-1), b_base[:, 0]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8,
+                                   torch.bool, torch.complex64, torch.float16, torch.bfloat16])
+def test_posted_gather_and_broadcast_dtypes(world, posted, dtype):
+    """all_gather_into_tensor and broadcast move every dtype in their async form."""
+    rank, size = world
+
+    def val(r):
+        return torch.tensor([r % 2 == 1] * 3) if dtype == torch.bool else torch.full((3,), r + 1).to(dtype)
+    out = torch.empty(3 * size, dtype=dtype)
+    w1 = dist.all_gather_into_tensor(out, val(rank), async_op=True)
+    b = val(rank)
+    w2 = dist.broadcast(b, src=size - 1, async_op=True)
+    w2.wait()
+    w1.wait()
+    assert torch.equal(out, torch.cat([val(r) for r in range(size)]))
+    assert torch.equal(b, val(size - 1))

@@ -44,6 +44,27 @@ def test_mismatched_op_and_root_raise(debug_on):
         dist.broadcast(t, src=1 if rank == 1 else 0)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_mismatched_async_op_raises_on_every_rank(debug_on):
+    """With HPCCOMM_ASYNC_NONBLOCKING, async_op must match across ranks
+    (outside debug mode an async all_reduce is then a nonblocking MPI call,
+    which a blocking one never matches): debug mode compares it and raises on
+    every rank, naming both sides.  (Off, it is not compared: DDP's Join mixes
+    them.)"""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    t = torch.ones(4)
+    with pytest.raises(hpccomm.HpccommError) as info, helpers.nonblocking_async():
+        work = dist.all_reduce(t, async_op=rank == 0)
+        if work is not None:
+            work.wait()
+    msg = str(info.value)
+    assert "async_op differs across ranks" in msg and "rank(s) 0 passed async_op=True" in msg, msg
+    assert "Pass the same async_op on every rank" in msg, msg
+    assert torch.all(t == 1)  # nothing ran
+    dist.all_reduce(t, async_op=True).wait()  # matching flags: the group still works
+    assert torch.all(t == size)
+
+
 def test_matching_calls_pass_in_debug_mode(debug_on):
     rank, size = dist.get_rank(), dist.get_world_size()
     t = torch.full((5,), float(rank))

@@ -205,3 +205,45 @@ def test_job_with_gloo_groups_beside_hpccomm_exits_0_every_time(tmp_path):
             [f"rank {r}: results right" for r in range(3)], f"run {run + 1}:\n{output[-3000:]}"
         assert "terminate called" not in output, f"run {run + 1}:\n{output[-3000:]}"
         assert proc.returncode == 0, f"run {run + 1}: exit status {proc.returncode}:\n{output[-3000:]}"
+
+
+POSTED_JOB = textwrap.dedent('''
+    """2 ranks: async all_reduces posted as nonblocking MPI collectives, never
+    waited for, then the program ends (no wait(), no destroy_process_group)."""
+    import torch
+    import torch.distributed as dist
+    import hpccomm
+
+    hpccomm.init_process_group()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    small = [torch.full((16,), float(rank + k)) for k in range(5)]
+    # hpccomm waits for these requests at exit (MPI forbids cancelling or freeing them)
+    works = [dist.all_reduce(t, async_op=True) for t in small]
+    gathered = torch.empty(4 * size)
+    works.append(dist.all_gather_into_tensor(gathered, torch.full((4,), float(rank)), async_op=True))
+    print(f"rank {rank}: posted", flush=True)
+''')
+
+
+@pytest.mark.slow
+def test_job_exiting_with_posted_collectives_never_waited_exits_0(tmp_path):
+    """Posted async collectives nobody waited for are waited for at exit,
+    before MPI_Finalize (not cancelled or freed, which MPI forbids for
+    collectives): the job ends with status 0 and no crash, twice in a row."""
+    script = tmp_path / "posted.py"
+    script.write_text(POSTED_JOB)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "HPCCOMM_"))}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_mpi_yield_when_idle="1",
+               PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+               HPCCOMM_ASYNC_NONBLOCKING="1")  # the nonblocking form (off by default)
+    for run in range(2):
+        proc = subprocess.run(["timeout", "--kill-after=10", "120", "mpirun", "-n", "2", "--oversubscribe",
+                               sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path)
+        output = proc.stdout + proc.stderr
+        assert proc.returncode != 124, f"run {run + 1}: timed out:\n{output[-3000:]}"
+        assert sorted(line for line in output.splitlines() if line.endswith(": posted")) == \
+            [f"rank {r}: posted" for r in range(2)], f"run {run + 1}:\n{output[-3000:]}"
+        for bad in ("Segmentation fault", "Aborted", "terminate called", "MPI_ERR"):
+            assert bad not in output, f"run {run + 1}:\n{output[-3000:]}"
+        assert proc.returncode == 0, f"run {run + 1}: exit status {proc.returncode}:\n{output[-3000:]}"

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import hpccomm
-from helpers import hgroup, R, REDUCE_DTYPES, FLOAT8, assert_close, fill, same_on_all_ranks
+from helpers import hgroup, R, REDUCE_DTYPES, FLOAT8, assert_close, fill, nonblocking_async, same_on_all_ranks
 
 pytestmark = pytest.mark.mpi
 
@@ -92,14 +92,20 @@ CASES = [(d, o) for d in REDUCE_DTYPES for o in OPS if supported(d, o)]
 ALL_REDUCE_CASES = [(d, o) for d, o in CASES if not (d.is_complex and o == "PRODUCT")]
 
 
+@pytest.mark.parametrize("async_op", [False, True, "posted"], ids=["blocking", "async", "posted"])
 @pytest.mark.parametrize("dtype,opname", ALL_REDUCE_CASES, ids=[f"{str(d)[6:]}-{o}" for d, o in ALL_REDUCE_CASES])
-def test_all_reduce_matrix(world, groups, dtype, opname):
+def test_all_reduce_matrix(world, groups, dtype, opname, async_op):
+    """async_op=True on the comm thread, and posted: the nonblocking MPI form
+    (HPCCOMM_ASYNC_NONBLOCKING) where the dtype has one (hpccomm._runner)."""
     for g in groups:
         t = None
         if g.member:
             values = inputs_for(g, (3, 5), dtype)
             t = values[g.rank].clone()
-            dist.all_reduce(t, op=make_op(opname), group=g.pg)
+            with nonblocking_async(async_op == "posted"):  # posted: HPCCOMM_ASYNC_NONBLOCKING's form
+                work = dist.all_reduce(t, op=make_op(opname), group=g.pg, async_op=bool(async_op))
+            if async_op:
+                work.wait()
             assert_close(t, reference(values, dtype, opname), dtype, g.size)
         assert same_on_all_ranks(t, g.ranks), f"group {g.name}: ranks disagree"
 
@@ -120,8 +126,9 @@ def test_reduce_matrix(world, groups, dtype, opname):
             assert torch.equal(t, before), "reduce changed a non-root rank's tensor"
 
 
+@pytest.mark.parametrize("async_op", [False, True, "posted"], ids=["blocking", "async", "posted"])
 @pytest.mark.parametrize("dtype,opname", CASES, ids=[f"{str(d)[6:]}-{o}" for d, o in CASES])
-def test_reduce_scatter_tensor_matrix(world, groups, dtype, opname):
+def test_reduce_scatter_tensor_matrix(world, groups, dtype, opname, async_op):
     for g in groups:
         if not g.member:
             continue
@@ -129,7 +136,10 @@ def test_reduce_scatter_tensor_matrix(world, groups, dtype, opname):
         values = inputs_for(g, (g.size * n,), dtype, salt=2)
         inp = values[g.rank].clone()
         out = torch.empty(n, dtype=dtype)
-        dist.reduce_scatter_tensor(out, inp, op=make_op(opname), group=g.pg)
+        with nonblocking_async(async_op == "posted"):
+            work = dist.reduce_scatter_tensor(out, inp, op=make_op(opname), group=g.pg, async_op=bool(async_op))
+        if async_op:
+            work.wait()
         expected = reference(values, dtype, opname)[g.rank * n:(g.rank + 1) * n]
         assert_close(out, expected, dtype, g.size)
         assert torch.equal(inp, values[g.rank]), "reduce_scatter_tensor changed its input"

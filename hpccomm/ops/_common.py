@@ -1,6 +1,7 @@
 """Checks and staging shared by the op modules."""
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import torch
@@ -277,3 +278,144 @@ def chunks(count: int, limit: int):
         return
     for off in range(0, count, limit):
         yield off, min(limit, count - off)
+
+
+#: The largest async collective (bytes per rank's tensor) that takes the
+#: nonblocking form.  Larger ones keep the blocking form on the comm thread:
+#: with Open MPI nothing progresses a posted collective until someone tests or
+#: waits, and even with the comm thread waiting on it, a posted 64 MiB
+#: all_reduce overlapped compute far worse (both 280 ms for 100 ms of comm and
+#: 60 ms of compute) than the blocking call on the comm thread (both 110 ms):
+#: docs/benchmarks.md.  The size is equal on every rank, so the form is too.
+NONBLOCKING_MAX_BYTES = 64 << 10
+
+
+class Posted:
+    """An ``async_op=True`` collective in its nonblocking MPI form
+    (MPI_Iallreduce, MPI_Iallgather, MPI_Ireduce_scatter_block, MPI_Ibcast):
+    how to post it, and its request once posted.
+
+    Made by an op module's nonblocking form (``reduce.iallreduce`` ...) once
+    its checks passed; :mod:`hpccomm._runner` posts it (:meth:`post`) and
+    hands it to a Work as its Pending (``test``/``wait``/``finish``, see
+    hpccomm._work), or, behind queued ops, lets the comm thread post it and
+    wait (:meth:`run`).  While posted it is its own watchdog record in
+    :mod:`hpccomm._status` (``group``, ``name``, ``seq``, ``start``,
+    ``deadline``, ``kind``, ``peer``, ``where()``), which keeps it, and so
+    its buffers, alive until it completes, and through which it is waited
+    for at exit (MPI forbids cancelling or freeing a collective's request).
+
+    ``start()`` posts and returns the request; ``outputs``: the op's result
+    (the future's value); ``keep``: the buffers MPI reads or writes; ``after``:
+    the finish step once the data is in place (AVG's division, the write-back
+    of a staged tensor), or None.
+    """
+
+    kind = "collective"
+    peer = None
+    engine_completes = False  # completed by whoever waits or tests (hpccomm._work), until handed to the comm thread
+    group = None
+    seq = 0
+    start = deadline = None
+    token = None
+    req = None
+    error = None  # an MPI error the request completed with
+    traced = 0  # the tracer's start time (ns) when the tracer is on
+
+    def __init__(self, op: str, start, outputs, keep, after=None, nbytes: int = 0) -> None:
+        self.op = self.name = op
+        self._start = start
+        self.outputs = outputs
+        self.keep = keep  # the buffers MPI reads or writes: alive until the request completes
+        self.after = after
+        self.nbytes = nbytes
+
+    def where(self) -> str:
+        return self.group.where(self.seq) if self.group is not None else f"{self.op} not posted"
+
+    def describe(self) -> str:
+        return f"{self.op} ({self.where()})"
+
+    def post(self) -> None:
+        self.req = self._start()
+
+    def run(self):
+        """Post and wait (the comm thread, or a callback there: the op runs at
+        once, in its nonblocking form like on every other rank); the outputs."""
+        self.req = self._start()
+        self.req.Wait()
+        if self.after is not None:
+            self.after()
+        return self.outputs
+
+    def test(self) -> bool:
+        """Non-blocking: True once the request completed (with or without error)."""
+        try:
+            return self.req.Test()
+        except _mpi.mpi().Exception as exc:  # completed with an error: finish() reports it
+            self.error = exc
+            return True
+
+    def wait(self, seconds) -> bool:
+        """Block until complete (``seconds`` None) or for at most ``seconds``."""
+        if seconds is None:
+            try:
+                self.req.Wait()
+            except _mpi.mpi().Exception as exc:
+                self.error = exc
+            return True
+        deadline = time.monotonic() + seconds
+        idle = 1e-6
+        while not self.test():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(idle)
+            idle = min(idle * 2, 1e-3)
+        return True
+
+    def finish(self):
+        """After completion: raise the MPI error naming the op, else the finish step."""
+        if self.traced:
+            from .. import _trace
+
+            tracer = _trace._tracer
+            if tracer:  # posted here, completed here or on another thread: drawn from post to completion
+                tracer.record(self.op, self.group.name, self.seq, self.nbytes, self.traced, _trace.now_ns())
+        if self.error is not None:
+            from .. import _ft
+            from ..errors import HpccommError
+
+            what = self.describe()
+            failure = _ft.failure(what, self.error) if _ft.state.enabled else None
+            if failure is not None:
+                raise failure
+            raise HpccommError(f"hpccomm {what}: MPI failed: {self.error}")
+        if self.after is not None:
+            self.after()
+        return None
+
+
+def _settle_posted_at_exit() -> None:
+    """At exit, before MPI_Finalize, once the comm and progress threads have
+    stopped (hpccomm._engine's thread rule): every posted collective not yet
+    complete is waited for.  MPI forbids cancelling or freeing a collective's
+    request, and the other ranks run the same collective, so it completes;
+    one still running past its group's timeout ends the job with the
+    watchdog's kind of message (the watchdog may already have stopped)."""
+    posted = [p for p in _status.records() if isinstance(p, Posted) and p.req is not None]
+    for p in posted:
+        try:
+            while not p.req.Test():
+                if p.deadline is not None and time.monotonic() > p.deadline + 2.0:
+                    import sys
+
+                    print(f"hpccomm: {p.describe()} did not complete within the group's timeout at exit "
+                          "(a rank never posted it?); ending the job", file=sys.stderr, flush=True)
+                    _status.record_failure(f"timed out in {p.describe()} at exit")
+                    _mpi.abort(1)
+                time.sleep(1e-4)
+        except _mpi.mpi().Exception:  # completed with an error: at exit, settle the others
+            pass
+
+
+_mpi.at_exit.append((1.5, _settle_posted_at_exit))

@@ -219,3 +219,23 @@ def _gather_recv(group, input, root, outputs, output_lists):
         for t, part in zip(outputs, torch.split(recv, counts)):
             t.copy_(part.view(t.shape))
     return output_lists
+
+
+def iall_gather_single(group, output, input, op: str = "all_gather_into_tensor"):
+    """all_gather_into_tensor's nonblocking form (MPI_Iallgather), or None past
+    the size limits (see hpccomm.ops.reduce's note on nonblocking forms)."""
+    if output.numel() > group.max_count or input.numel() * input.element_size() > c.NONBLOCKING_MAX_BYTES:
+        return None
+    out = c.out_buffer(output)
+    send = c.contiguous(input)
+    n = send.numel()
+    size = out.element_size()
+    own = n and send.data_ptr() == out.data_ptr() + group.rank * n * size
+    if not own and c.overlaps(send, out):
+        send = send.clone()  # aliased elsewhere than this rank's slot: MPI forbids it
+    recv = _mpi.buffer(out)
+    recv[1] = n  # mpi4py counts the receive side per rank
+    sendbuf = _mpi.IN_PLACE if own else _mpi.buffer(send)
+    comm = group.comm
+    return c.Posted(op, lambda: comm.Iallgather(sendbuf, recv), [output], (input, output, send, out),
+                    None if out is output else (lambda: c.write_back(output, out)), out.numel() * size)

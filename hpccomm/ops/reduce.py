@@ -292,3 +292,82 @@ def allreduce_sparse(group, tensors, redop, op: str = "all_reduce"):
         return tensors
 
     return run
+
+
+# -- nonblocking forms (async_op=True; hpccomm._runner) ------------------------
+# Each takes the op's arguments after its checks passed and returns a
+# c.Posted, or None when the op keeps its blocking form (run on the comm
+# thread): past c.NONBLOCKING_MAX_BYTES, or a user-defined MPI op.  Which form
+# an op takes is decided only from what is equal on every rank (dtype,
+# ReduceOp, element counts), never from strides or timing: MPI never matches a nonblocking collective with a blocking
+# one.  A strided tensor is staged through a contiguous buffer instead.
+
+def _predefined(r):
+    """The MPI op of ``r`` if MPI predefines it (float16/bfloat16 reduce through
+    user-defined ops, which keep the blocking form: MPI would call back into
+    Python from whichever thread drives the request's progress)."""
+    mop = r.mop or r.resolve()
+    return mop if mop.is_predefined else None
+
+
+def iallreduce(group, tensors, redop, op: str = "all_reduce"):
+    t = tensors[0]
+    if t.layout != torch.strided:
+        return None  # sparse: allreduce_sparse's several collectives
+    r = c.reduction(group, op, t.dtype, redop)
+    mop = _predefined(r)
+    count, size = t.numel(), t.element_size()
+    if mop is None or count > group.max_count or count * size > c.NONBLOCKING_MAX_BYTES:
+        return None
+    comm = group.comm
+    if r.factor is None and t.is_contiguous():
+        buf = _mpi.host_buffer(t)
+        after = (lambda: c.finish_average(t, group.size)) if r.average else None
+        return c.Posted(op, lambda: comm.Iallreduce(_mpi.IN_PLACE, buf, op=mop), tensors, t, after, count * size)
+    work = c.out_buffer(t)
+    # PREMUL_SUM scales a copy: should MPI fail, the user's tensor is as it was
+    send = c.premultiplied(t, r.factor, inplace=False) if r.factor is not None else None
+    if send is None and work is not t:
+        work.copy_(t)
+
+    def after():
+        if r.average:
+            c.finish_average(work, group.size)
+        c.write_back(t, work)
+
+    sendbuf = _mpi.IN_PLACE if send is None else _mpi.buffer(send)
+    return c.Posted(op, lambda: comm.Iallreduce(sendbuf, _mpi.buffer(work), op=mop), tensors, (t, work, send),
+                    after, count * size)
+
+
+def ireduce_scatter_single(group, output, input, redop, op: str = "reduce_scatter_tensor"):
+    if input.numel() * input.element_size() > c.NONBLOCKING_MAX_BYTES:
+        return None
+    r = c.reduction(group, op, input.dtype, redop)
+    mop = _predefined(r)
+    n = output.numel()
+    if mop is None or n > group.max_count:
+        return None
+    comm = group.comm
+    send = None
+    if r.factor is None and input.is_contiguous() and output.is_contiguous():
+        send, recv, out = _mpi.host_buffer(input), _mpi.host_buffer(output), output
+        keep = (input, output)
+        if not c.disjoint(send[0], recv[0]):
+            send = None  # aliased: MPI forbids it (staged below)
+    if send is None:
+        src = c.premultiplied(input, r.factor, inplace=False) if r.factor is not None else c.contiguous(input)
+        if c.overlaps(src, output):
+            src = src.clone()  # MPI forbids aliased send and receive buffers
+        out = c.out_buffer(output)
+        send, recv = _mpi.buffer(src), _mpi.buffer(out)
+        keep = (input, output, src, out)
+    send[1] = n  # mpi4py counts the send side per block
+
+    def after():
+        if r.average:
+            c.finish_average(out, group.size)
+        c.write_back(output, out)
+
+    return c.Posted(op, lambda: comm.Ireduce_scatter_block(send, recv, op=mop), [output], keep,
+                    after if (r.average or out is not output) else None, input.numel() * input.element_size())

@@ -88,3 +88,16 @@ def _scatter_send(group, output, inputs, root, outputs):
         comm.Scatter(sendbuf, _mpi.buffer(out), root=root)
     c.write_back(output, out)
     return outputs
+
+
+def ibroadcast(group, tensors, root: int, op: str = "broadcast"):
+    """broadcast's nonblocking form (MPI_Ibcast), or None past the size limits
+    (see hpccomm.ops.reduce's note on nonblocking forms)."""
+    t = tensors[0]
+    if t.numel() > group.max_count or t.numel() * t.element_size() > c.NONBLOCKING_MAX_BYTES:
+        return None
+    buf = c.contiguous(t)
+    spec = _mpi.buffer(buf)
+    comm = group.comm
+    after = (lambda: c.write_back(t, buf)) if buf is not t and group.rank != root else None
+    return c.Posted(op, lambda: comm.Ibcast(spec, root=root), tensors, (t, buf), after, t.numel() * t.element_size())
