@@ -12,9 +12,14 @@ import pytest
 from mpilaunch import no_orphans, require
 
 HEADER = """
-import os, sys, time, signal
+import os, sys, time, signal, threading
 from datetime import timedelta
 import torch, torch.distributed as dist, hpccomm
+
+
+def stuck():
+    # A rank that never comes to the next op: it waits until the job is ended (launch's limit bounds it).
+    threading.Event().wait()
 """
 
 
@@ -36,7 +41,7 @@ def test_timeout_names_the_missing_rank_and_aborts(tmp_path):
         t = torch.ones(4)
         dist.all_reduce(t)
         if dist.get_rank() == 2:
-            time.sleep(120)          # never joins the next all_reduce
+            stuck()          # never joins the next all_reduce
         dist.all_reduce(t)
     """)
     assert proc.returncode != 0
@@ -54,7 +59,7 @@ def test_timeout_is_honoured_in_debug_mode(tmp_path):
         t = torch.ones(4)
         dist.all_reduce(t)
         if dist.get_rank() == 1:
-            time.sleep(120)
+            stuck()
         dist.all_reduce(t)
     """, n=2, env={"HPCCOMM_DEBUG": "DETAIL"})
     assert proc.returncode != 0 and took < 40, (proc.returncode, took, proc.stderr)
@@ -145,7 +150,7 @@ def test_user_sigterm_handler_is_left_alone(tmp_path):
         hpccomm.init_process_group()
         if dist.get_rank() == 0:
             os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(30)
+            stuck()
         dist.barrier()
     """, n=2)
     assert "USER HANDLER" in proc.stdout, proc.stdout + proc.stderr
@@ -215,7 +220,7 @@ def test_ctrl_c_ends_every_rank(tmp_path):
         dist.all_reduce(t)
         print("READY", dist.get_rank(), flush=True)
         if dist.get_rank() == 1:
-            time.sleep(300)
+            stuck()
         dist.all_reduce(t)   # the others wait here (inside MPI) when Ctrl-C comes
     """))
     mpi = require()
@@ -272,7 +277,7 @@ def test_blocking_recv_times_out_naming_the_peer(tmp_path):
         hpccomm.init_process_group(timeout=timedelta(seconds=3))
         dist.barrier()
         if dist.get_rank() == 1:
-            time.sleep(120)          # never sends
+            stuck()          # never sends
         dist.recv(torch.zeros(4), src=1)
     """, n=2)
     assert proc.returncode != 0 and took < 40, (proc.returncode, took, proc.stderr[-2000:])
@@ -289,7 +294,7 @@ def test_timeout_setting_is_a_word_in_any_case(tmp_path):
     proc, took = launch(tmp_path, """
         hpccomm.init_process_group(timeout=timedelta(seconds=2))
         if dist.get_rank() == 1:
-            time.sleep(120)
+            stuck()
         dist.all_reduce(torch.ones(2))
     """, n=2, env={"HPCCOMM_ON_TIMEOUT": "Abort"})
     assert proc.returncode != 0 and took < 40, (proc.returncode, took, proc.stderr[-2000:])
@@ -350,7 +355,7 @@ def test_group_creation_times_out(tmp_path):
     proc, took = launch(tmp_path, """
         hpccomm.init_process_group(timeout=timedelta(seconds=3))
         if dist.get_rank() == 1:
-            time.sleep(120)
+            stuck()
         dist.new_group([0, 1], use_local_synchronization=True, timeout=timedelta(seconds=3))
     """)
     assert proc.returncode != 0 and took < 40, (proc.returncode, took, proc.stderr[-2000:])
@@ -435,7 +440,7 @@ def test_a_refusal_on_one_rank_ends_the_job_for_the_waiting_ranks(tmp_path):
             try:
                 dist.all_reduce(t, op=dist.ReduceOp.BAND)   # refused here: BAND on float32
             except hpccomm.OpTypeError:
-                time.sleep(60)
+                stuck()
         else:
             dist.all_reduce(t)
     """)
@@ -458,7 +463,7 @@ def test_a_refused_send_ends_the_job_for_its_receiver(tmp_path):
             try:
                 dist.send(torch.ones(2), dst=1, tag=-3)          # refused here
             except hpccomm.OpValueError:
-                time.sleep(60)
+                stuck()
         elif dist.get_rank() == 1:
             dist.recv(torch.zeros(2), src=0, tag=3)
     """, n=2)

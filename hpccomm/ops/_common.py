@@ -290,7 +290,44 @@ def chunks(count: int, limit: int):
 NONBLOCKING_MAX_BYTES = 64 << 10
 
 
-class Posted:
+class Request:
+    """A posted MPI request, as hpccomm._work's Pending protocol tests and
+    waits on it (a point-to-point op, hpccomm.ops.p2p.Pending, and a
+    nonblocking collective, :class:`Posted`): ``req``, the request;
+    ``status``, the MPI status to fill (None: not needed); ``error``, the MPI
+    error it completed with, which the subclass's ``finish()`` reports."""
+
+    req = None
+    status = None
+    error = None
+
+    def test(self) -> bool:
+        """Non-blocking: True once the request completed (with or without error)."""
+        try:
+            return self.req.Test(self.status)
+        except _mpi.mpi().Exception as exc:  # completed with an error: finish() reports it
+            self.error = exc
+            return True
+
+    def wait(self, seconds) -> bool:
+        """Block until complete (``seconds`` None) or for at most ``seconds``."""
+        if seconds is None:
+            try:
+                self.req.Wait(self.status)
+            except _mpi.mpi().Exception as exc:
+                self.error = exc
+            return True
+        deadline = time.monotonic() + seconds
+        idle = 1e-6
+        while not self.test():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(idle)
+            idle = min(idle * 2, 1e-3)
+        return True
+
+
+class Posted(Request):
     """An ``async_op=True`` collective in its nonblocking MPI form
     (MPI_Iallreduce, MPI_Iallgather, MPI_Ireduce_scatter_block, MPI_Ibcast):
     how to post it, and its request once posted.
@@ -318,8 +355,6 @@ class Posted:
     seq = 0
     start = deadline = None
     token = None
-    req = None
-    error = None  # an MPI error the request completed with
     traced = 0  # the tracer's start time (ns) when the tracer is on
 
     def __init__(self, op: str, start, outputs, keep, after=None, nbytes: int = 0) -> None:
@@ -347,31 +382,6 @@ class Posted:
         if self.after is not None:
             self.after()
         return self.outputs
-
-    def test(self) -> bool:
-        """Non-blocking: True once the request completed (with or without error)."""
-        try:
-            return self.req.Test()
-        except _mpi.mpi().Exception as exc:  # completed with an error: finish() reports it
-            self.error = exc
-            return True
-
-    def wait(self, seconds) -> bool:
-        """Block until complete (``seconds`` None) or for at most ``seconds``."""
-        if seconds is None:
-            try:
-                self.req.Wait()
-            except _mpi.mpi().Exception as exc:
-                self.error = exc
-            return True
-        deadline = time.monotonic() + seconds
-        idle = 1e-6
-        while not self.test():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(idle)
-            idle = min(idle * 2, 1e-3)
-        return True
 
     def finish(self):
         """After completion: raise the MPI error naming the op, else the finish step."""

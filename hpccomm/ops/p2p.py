@@ -26,7 +26,7 @@ from ..errors import HpccommError
 from . import _common as c
 
 
-class Pending:
+class Pending(c.Request):
     """One MPI request plus what to do once it completes.
 
     ``peer``: the group rank a send goes to or a receive names (None: any
@@ -55,8 +55,7 @@ class Pending:
     is_recv = False
     expect = None
     after = None
-    status = None  # a send needs none
-    error = None  # an MPI error the request completed with
+    # (status: None for a send, which needs none; error: see hpccomm.ops._common.Request)
 
     def __init__(self, req, keep, op: str, peer=None, is_recv: bool = False, expect=None, after=None) -> None:
         self.req = req
@@ -81,32 +80,6 @@ class Pending:
 
     def describe(self) -> str:
         return f"{self.op} ({self.where()})"
-
-    def test(self) -> bool:
-        """Non-blocking: True once the request completed (with or without error)."""
-        MPI = _mpi.mpi()
-        try:
-            return self.req.Test(self.status)
-        except MPI.Exception as exc:  # completed with an error: finish() reports it
-            self.error = exc
-            return True
-
-    def wait(self, seconds) -> bool:
-        """Block until complete (``seconds`` None) or for at most ``seconds``."""
-        if seconds is None:
-            try:
-                self.req.Wait(self.status)
-            except _mpi.mpi().Exception as exc:
-                self.error = exc
-            return True
-        deadline = time.monotonic() + seconds
-        idle = 1e-6
-        while not self.test():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(idle)
-            idle = min(idle * 2, 1e-3)
-        return True
 
     def _fail(self, what: str, fix: str = "") -> HpccommError:
         return HpccommError(f"hpccomm {self.op} ({self.where()}): {what}" + (f". {fix}" if fix else ""))
