@@ -209,11 +209,13 @@ def agree(comm, check) -> None:
     raise InitError(message)
 
 
-def _start(comm=None):
+def _start(comm=None, timeout: Optional[timedelta] = None):
     """MPI up; settings and the launch checked on every rank together.
-    Returns the communicator whose ranks form the world (``comm`` or COMM_WORLD)."""
+    Returns the communicator whose ranks form the world (``comm`` or COMM_WORLD).
+    ``timeout``: how long MPI_Init may take before this process is ended with
+    a message (hpccomm._mpi._init_watch); default DEFAULT_TIMEOUT."""
     _ft.prepare_mpi(_ft.requested(_state.ft_mode))  # before MPI_Init
-    MPI = _mpi.mpi()
+    MPI = _mpi.mpi(init_timeout=(timeout or DEFAULT_TIMEOUT).total_seconds())
     world = MPI.COMM_WORLD
     mode = []
 
@@ -248,7 +250,7 @@ def _bootstrap(comm=None, timeout: timedelta = DEFAULT_TIMEOUT):
     """MPI up, rank info and a store, over ``comm`` (default COMM_WORLD).
     Returns ``(store, info, dup)``: ``dup`` a private duplicate of ``comm``
     (the caller keeps or frees it)."""
-    base = _start(comm)
+    base = _start(comm, timeout)
     dup = base.Dup()
     try:
         info = rank_info(dup)
@@ -365,7 +367,7 @@ def _world_group(opts) -> _group.Group:
     """The default group's MPI side: every MPI rank of the world calls this."""
     comm, _state.world_comm = _state.world_comm, None
     if comm is None:  # a torch rendezvous (env://, tcp://, mpi://, a store): MPI learns of it here
-        base = _start()
+        base = _start(timeout=opts.timeout)
         comm = base.Dup()
 
         def same_ranks():

@@ -21,8 +21,12 @@ _lock = threading.Lock()
 IN_PLACE = None
 
 
-def mpi():
-    """The ``mpi4py.MPI`` module, initialising MPI (THREAD_MULTIPLE asked) on first use."""
+def mpi(init_timeout: float = 0.0):
+    """The ``mpi4py.MPI`` module, initialising MPI (THREAD_MULTIPLE asked) on first use.
+
+    ``init_timeout`` (seconds, from init_process_group's timeout): when this
+    call starts MPI, a process whose MPI_Init has not returned by then is
+    ended with a message (:func:`_init_watch`) instead of hanging silently."""
     global _MPI
     if _MPI is None:
         with _lock:
@@ -31,16 +35,50 @@ def mpi():
 
                 import mpi4py
 
+                returned = threading.Event()
                 if "mpi4py.MPI" not in sys.modules:
                     mpi4py.rc.threads = True
                     mpi4py.rc.thread_level = REQUESTED_THREAD_LEVEL.lower()
-                from mpi4py import MPI
+                    if init_timeout > 0:
+                        # hpccomm-init-watch: never calls MPI (it runs while MPI_Init may be blocked).
+                        threading.Thread(target=_init_watch, args=(returned, init_timeout),
+                                         name="hpccomm-init-watch", daemon=True).start()
+                try:
+                    from mpi4py import MPI
+                finally:
+                    returned.set()
 
                 global IN_PLACE
                 IN_PLACE = MPI.IN_PLACE
                 _MPI = MPI
                 atexit.register(_before_finalize)  # runs before mpi4py finalizes MPI
     return _MPI
+
+
+def _init_watch(returned: threading.Event, seconds: float) -> None:
+    """Ends this process, with a message on stderr, if MPI_Init has not
+    returned within ``seconds``: MPI_Init waits for every rank and for the
+    launcher's process-management interface, and a rank that never comes or a
+    broken PMI exchange would otherwise leave it waiting forever, printing
+    nothing.  Every rank of the job runs its own watch and ends alike."""
+    import os
+    import socket
+
+    if returned.wait(seconds):
+        return
+    launch = [f"{name}={os.environ[name]}" for name in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID", "PMI_RANK",
+                                                         "PMIX_RANK", "OMPI_COMM_WORLD_RANK") if name in os.environ]
+    text = (f"hpccomm: MPI_Init has not returned after {seconds:g} s (init_process_group's timeout) on "
+            f"{socket.gethostname()}, pid {os.getpid()} ({', '.join(launch) or 'no launcher variables'}); "
+            "ending this process. MPI_Init waits for every rank the launcher started and for the launcher's "
+            "process-management interface: check that every rank was started and can reach the others, and "
+            "the launcher's own log. With the pip MPICH wheel under srun --mpi=pmi2, a log line "
+            "'mpi/pmi2: value not properly terminated in client request' means: export "
+            "MPIR_CVAR_CH4_NETMOD=ofi (docs/troubleshooting.md).\n")
+    try:
+        os.write(2, text.encode())
+    finally:
+        os._exit(1)
 
 
 #: Objects holding MPI handles (groups), freed at exit before MPI_Finalize.

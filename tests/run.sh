@@ -46,14 +46,14 @@ mkdir -p tests/logs
 status=0
 if [ "$unit_suites" != none ]; then
     echo "== unit tests (no MPI launch)"
-    python -m pytest -q -p no:cacheprovider -m "not mpi" "${unit_files[@]}" "$@"
+    python -m pytest -q -p no:cacheprovider --durations=15 -m "not mpi" "${unit_files[@]}" "$@"
     rc=$?
     [ $rc -ne 0 ] && [ $rc -ne 5 ] && status=1   # 5: no test selected (MPI tests only were selected)
 fi
 for n in $sizes; do
     echo "== $MPI_LAUNCHER -n $n"
     timeout --kill-after=30 "$limit" "$MPI_LAUNCHER" -n "$n" "${MPI_FLAGS[@]}" \
-        bash tests/rank_output.sh python -m pytest -q -p no:cacheprovider --with-mpi -m mpi "${files[@]}" "$@"
+        bash tests/rank_output.sh python -m pytest -q -p no:cacheprovider --durations=5 --with-mpi -m mpi "${files[@]}" "$@"
     rc=$?
     [ $rc -eq 5 ] && [ $selected -gt 0 ] && rc=0
     if [ $rc -ne 0 ]; then

@@ -690,3 +690,43 @@ def test_registration_in_any_import_order_warns_nothing(first):
     out = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True,
                          env=_clean_env(), timeout=TIMEOUT)
     assert out.returncode == 0 and not out.stderr.strip(), out.stderr
+
+
+INIT_HANGS = '''
+import importlib.abc, importlib.machinery, threading, time
+from datetime import timedelta
+
+class NeverReturns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """mpi4py.MPI's import is MPI_Init: this one blocks for good, as MPI_Init does
+    when a rank never comes or the launcher's PMI exchange breaks."""
+    def find_spec(self, name, path=None, target=None):
+        return importlib.machinery.ModuleSpec(name, self) if name == "mpi4py.MPI" else None
+    def create_module(self, spec):
+        return None
+    def exec_module(self, module):
+        report(stage="in MPI_Init")
+        threading.Event().wait()
+
+import sys
+sys.meta_path.insert(0, NeverReturns())
+import hpccomm
+start = time.monotonic()
+hpccomm.init_process_group(timeout=timedelta(seconds=float(sys.argv[1])))
+report(stage="init returned")
+'''
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_init_that_never_returns_ends_with_a_message(tmp_path, n):
+    """MPI_Init that never returns (stood in for by an mpi4py.MPI import that
+    blocks) ends every process after init_process_group's timeout, with a
+    message naming MPI_Init, the timeout and what to check; not a silent hang."""
+    script = worker(tmp_path, "init_hangs", INIT_HANGS)
+    job = single(script, "4") if n == 1 else mpirun(n, script, "4")
+    assert job.rc != 0, job.describe()
+    assert sorted(job.reports) == list(range(n)), job.describe()
+    assert all(r["stage"] == "in MPI_Init" for r in job.reports.values()), job.describe()
+    said = [line for line in job.stderr.splitlines() if "hpccomm: MPI_Init has not returned after 4 s" in line]
+    # every process has its own watch; under a launcher the first to end makes it end the others
+    assert 1 <= len(said) <= n, job.describe()
+    assert all("ending this process" in line and "MPIR_CVAR_CH4_NETMOD=ofi" in line for line in said), said

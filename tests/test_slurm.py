@@ -75,10 +75,12 @@ def slurm():
     if (Path(sys.prefix) / "bin" / "prted").exists():
         env["OPAL_PREFIX"] = sys.prefix  # the pip Open MPI wheel finds its help texts and prted
     if require().family == "mpich":
-        # What the templates tell pip-MPICH users under srun --mpi=pmi2: SLURM's pmi2 plugin reads a PMI-1
-        # request of at most 1024 bytes, and the wheel's UCX addresses are longer (MPI_Init hung in about
-        # two of three 4-rank jobs here, "mpi/pmi2: value not properly terminated in client request").
-        env.setdefault("UCX_TLS", "self,sm,tcp")
+        # What the templates tell pip-MPICH users under srun --mpi=pmi2: the wheel's UCX netmod puts a
+        # padded address buffer (its padding uninitialised memory) into SLURM's key-value store in
+        # segments whose PMI-1 requests often pass the 1024 bytes SLURM 22.05's pmi2 plugin reads at
+        # once, and MPI_Init hangs ("mpi/pmi2: value not properly terminated in client request"; 3 of 3
+        # jobs here, UCX_TLS=self,sm,tcp too). The OFI netmod's address is 16 bytes: one short request.
+        env.setdefault("MPIR_CVAR_CH4_NETMOD", "ofi")
     for var in [v for v in env if v.startswith("SLURM_") and v != "SLURM_CONF"]:
         del env[var]  # run from inside a job: do not leak its allocation into the test's jobs
     proc = subprocess.run(["bash", str(CLUSTER), "start"], env=env, capture_output=True, text=True, timeout=600)

@@ -77,7 +77,8 @@ start() {
     local mem
     mem=$(awk '/MemTotal/ {print int($2 / 1024 / 4)}' /proc/meminfo)
     sed -e "s|@DIR@|$DIR|g" -e "s|@PORT_CTLD@|$PORT|" -e "s|@PORT_N1@|$((PORT + 1))|" \
-        -e "s|@PORT_N2@|$((PORT + 2))|" -e "s|@MEM@|$mem|g" "$here/slurm.conf.in" >"$SLURM_CONF"
+        -e "s|@PORT_N2@|$((PORT + 2))|" -e "s|@MEM@|$mem|g" \
+        -e "s|@FIRST_JOB@|$(( $(date +%s) % 50000000 + 1000 ))|" "$here/slurm.conf.in" >"$SLURM_CONF"
     cp "$here/gres.conf" "$DIR/gres.conf"
 
     # munged with its own key, socket and PID file.
