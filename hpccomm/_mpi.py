@@ -24,8 +24,8 @@ IN_PLACE = None
 def mpi(init_timeout: float = 0.0):
     """The ``mpi4py.MPI`` module, initialising MPI (THREAD_MULTIPLE asked) on first use.
 
-    ``init_timeout`` (seconds, from init_process_group's timeout): when this
-    call starts MPI, a process whose MPI_Init has not returned by then is
+    ``init_timeout`` (seconds: init_process_group's timeout, or the job
+    preflight's): when this call starts MPI, a process whose MPI_Init has not returned by then is
     ended with a message (:func:`_init_watch`) instead of hanging silently."""
     global _MPI
     if _MPI is None:
@@ -68,7 +68,7 @@ def _init_watch(returned: threading.Event, seconds: float) -> None:
         return
     launch = [f"{name}={os.environ[name]}" for name in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID", "PMI_RANK",
                                                          "PMIX_RANK", "OMPI_COMM_WORLD_RANK") if name in os.environ]
-    text = (f"hpccomm: MPI_Init has not returned after {seconds:g} s (init_process_group's timeout) on "
+    text = (f"hpccomm: MPI_Init has not returned after {seconds:g} s on "
             f"{socket.gethostname()}, pid {os.getpid()} ({', '.join(launch) or 'no launcher variables'}); "
             "ending this process. MPI_Init waits for every rank the launcher started and for the launcher's "
             "process-management interface: check that every rank was started and can reach the others, and "

@@ -302,14 +302,21 @@ def mpi_plugin() -> str:
     return plugin
 
 
+#: How long the preflight's MPI_Init may take before the rank ends with a message (seconds).
+PREFLIGHT_INIT_TIMEOUT = 300
+
+
 def preflight_mpi(gpus: bool, env=os.environ, expect: Optional[int] = None) -> list:
     """Run on every rank: the MPI world is the whole job, GPUs (if asked) match
     ranks per node, the store address is reachable from every host.  Returns
     the problems (on every rank; [] when all is well).  ``expect``: the world
     size wanted (default SLURM_NTASKS; under mpirun, pass the job's, since the
     ranks see the SLURM_NTASKS of mpirun's own daemon step)."""
-    from mpi4py import MPI  # a tool: imports mpi4py itself, inside the function
+    from . import _mpi
 
+    # MPI_Init watched: a rank that never comes or a broken PMI exchange (the pip MPICH wheel's UCX
+    # addresses under srun --mpi=pmi2) ends the preflight with a message instead of hanging the job.
+    MPI = _mpi.mpi(init_timeout=PREFLIGHT_INIT_TIMEOUT)
     comm = MPI.COMM_WORLD
     size, rank = comm.Get_size(), comm.Get_rank()
     library = _library(MPI)
