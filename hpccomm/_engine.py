@@ -47,7 +47,8 @@ has the whole story):
   MPI_Abort when ending the job; they read only settings validated at init.
 - ``hpccomm-init-watch`` (hpccomm._mpi) never calls MPI: it runs while
   MPI_Init may be blocked, and ends the process with a message if MPI_Init
-  has not returned within init_process_group's timeout.
+  has not returned within init_process_group's timeout (the job
+  preflight's: 300 s).
 - At exit (hpccomm._mpi, before MPI_Finalize) the queued ops are run, the
   comm and progress threads are stopped and joined, posted collectives are
   waited for in the calling thread (MPI forbids cancelling or freeing them;

@@ -25,8 +25,9 @@ def mpi(init_timeout: float = 0.0):
     """The ``mpi4py.MPI`` module, initialising MPI (THREAD_MULTIPLE asked) on first use.
 
     ``init_timeout`` (seconds: init_process_group's timeout, or the job
-    preflight's): when this call starts MPI, a process whose MPI_Init has not returned by then is
-    ended with a message (:func:`_init_watch`) instead of hanging silently."""
+    preflight's): when this call starts MPI, a process whose MPI_Init has
+    not returned by then is ended with a message (:func:`_init_watch`)
+    instead of hanging silently."""
     global _MPI
     if _MPI is None:
         with _lock:
