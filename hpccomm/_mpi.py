@@ -41,8 +41,10 @@ def mpi(init_timeout: float = 0.0):
                     mpi4py.rc.threads = True
                     mpi4py.rc.thread_level = REQUESTED_THREAD_LEVEL.lower()
                     if init_timeout > 0:
-                        # hpccomm-init-watch: never calls MPI (it runs while MPI_Init may be blocked).
-                        threading.Thread(target=_init_watch, args=(returned, init_timeout),
+                        # hpccomm-init-watch: never calls MPI (it runs while MPI_Init may be blocked),
+                        # reads nothing: its message is made here.
+                        threading.Thread(target=_init_watch,
+                                         args=(returned, init_timeout, _init_hang_message(init_timeout)),
                                          name="hpccomm-init-watch", daemon=True).start()
                 try:
                     from mpi4py import MPI
@@ -56,28 +58,40 @@ def mpi(init_timeout: float = 0.0):
     return _MPI
 
 
-def _init_watch(returned: threading.Event, seconds: float) -> None:
-    """Ends this process, with a message on stderr, if MPI_Init has not
+def _init_hang_message(seconds: float) -> str:
+    """What :func:`_init_watch` says: this process, from its launcher's
+    variables (hpccomm.launcher), and what to check."""
+    import os
+    import socket
+
+    from . import launcher
+
+    launch = launcher.detect()
+    how = launch.command or launch.name
+    if launch.pmi:
+        how += f" --mpi={launch.pmi}"
+    if launch.rank is not None and launch.rank_variable:
+        how += f", rank {launch.rank} of {launch.size} ({launch.rank_variable})"
+    return (f"hpccomm: MPI_Init has not returned after {seconds:g} s on {socket.gethostname()}, pid "
+            f"{os.getpid()} (launched by {how}); ending this process. MPI_Init waits for every rank the "
+            "launcher started and for the launcher's process-management interface: check that every rank was "
+            "started and can reach the others, and the launcher's own log. With the pip MPICH wheel under srun "
+            "--mpi=pmi2, a log line 'mpi/pmi2: value not properly terminated in client request' means: export "
+            "MPIR_CVAR_CH4_NETMOD=ofi (docs/troubleshooting.md).\n")
+
+
+def _init_watch(returned: threading.Event, seconds: float, message: str) -> None:
+    """Ends this process, writing ``message`` to stderr, if MPI_Init has not
     returned within ``seconds``: MPI_Init waits for every rank and for the
     launcher's process-management interface, and a rank that never comes or a
     broken PMI exchange would otherwise leave it waiting forever, printing
     nothing.  Every rank of the job runs its own watch and ends alike."""
     import os
-    import socket
 
     if returned.wait(seconds):
         return
-    launch = [f"{name}={os.environ[name]}" for name in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID", "PMI_RANK",
-                                                         "PMIX_RANK", "OMPI_COMM_WORLD_RANK") if name in os.environ]
-    text = (f"hpccomm: MPI_Init has not returned after {seconds:g} s on "
-            f"{socket.gethostname()}, pid {os.getpid()} ({', '.join(launch) or 'no launcher variables'}); "
-            "ending this process. MPI_Init waits for every rank the launcher started and for the launcher's "
-            "process-management interface: check that every rank was started and can reach the others, and "
-            "the launcher's own log. With the pip MPICH wheel under srun --mpi=pmi2, a log line "
-            "'mpi/pmi2: value not properly terminated in client request' means: export "
-            "MPIR_CVAR_CH4_NETMOD=ofi (docs/troubleshooting.md).\n")
     try:
-        os.write(2, text.encode())
+        os.write(2, message.encode())
     finally:
         os._exit(1)
 
