@@ -16,7 +16,14 @@ second; when an op has run longer than its group's timeout, the watchdog
    cancelled, so its state is not recoverable; ``warn`` only prints.
 
 Threads: this thread never calls MPI but for MPI_Abort, and reads only
-settings validated at init (:mod:`hpccomm.config`).
+settings validated at init (:mod:`hpccomm.config`).  At exit it is stopped
+and joined (an ``hpccomm._mpi.at_exit`` hook, after the ops still queued
+have run under its watch): a daemon thread inside a torch store call when
+the interpreter finalizes is ended by Python 3.11 as it takes the GIL back,
+and the forced unwind through torch's C++ binding aborts the process
+(``terminate called without an active exception``; seen with
+``HPCCOMM_ON_TIMEOUT=warn``, where the watchdog deletes its report of an op
+that completed late as the program ends).
 """
 from __future__ import annotations
 
@@ -31,6 +38,8 @@ _GRACE = 3.0  # seconds to wait for the other ranks' reports
 _TICK = 1.0
 _ASK_AFTER = 1.0  # an op running this long asks the store whether a peer refused it
 _ASK_AT_MOST = 16  # ops asked about per tick (the oldest first)
+_JOIN = _GRACE + 2 * _TICK  # at exit: how long to wait for the thread to leave a store call
+_AT_EXIT_ORDER = 9  # after the hooks that run queued ops and complete pending requests (hpccomm._mpi.at_exit)
 
 
 def refusal_key(g, kind: str, seq=None, from_rank=None, to_rank=None) -> str:
@@ -46,6 +55,7 @@ class Watchdog:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
+        self._stopping = threading.Event()
 
     def begin(self, group, name: str, seq: int, kind: str = "collective", peer=None) -> int:
         """Record op ``name`` of ``group`` as running (see :mod:`hpccomm._status`);
@@ -69,13 +79,23 @@ class Watchdog:
             return
         with self._lock:
             if self._thread is None:
+                from . import _mpi
+
                 self._thread = threading.Thread(target=self._loop, name="hpccomm-watchdog", daemon=True)
                 self._thread.start()
+                _mpi.at_exit.append((_AT_EXIT_ORDER, self.stop))
+
+    def stop(self) -> None:
+        """At exit: end the thread and wait (at most ``_JOIN`` seconds) until
+        it has left any store call (see the module's docstring)."""
+        self._stopping.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(_JOIN)
 
     def _loop(self) -> None:
         reported: dict = {}  # (group id, kind, seq, start) -> Op: already reported (timed out or refused)
-        while True:
-            time.sleep(_TICK)
+        while not self._stopping.wait(_TICK):
             now = time.monotonic()
             running = _status.running()
             live = {}
@@ -92,10 +112,13 @@ class Watchdog:
                         print(f"hpccomm: the watchdog could not report a timeout: {exc!r}", file=sys.stderr,
                               flush=True)
             for key in [k for k in reported if k not in live]:  # it completed after all (HPCCOMM_ON_TIMEOUT=warn)
-                _forget_report(reported.pop(key))
+                if not self._stopping.is_set():
+                    _forget_report(reported.pop(key))
             waiting = sorted((op for key, op in live.items() if now - op.start > _ASK_AFTER and key not in reported),
                              key=lambda op: op.start)[:_ASK_AT_MOST]
             for op in waiting:
+                if self._stopping.is_set():
+                    break
                 try:
                     if self._peer_refused(op):
                         reported[(id(op.group), op.kind, op.seq, op.start)] = op
@@ -160,7 +183,7 @@ class Watchdog:
         prefix = f"hpccomm/timeout/{op.seq}/"
         try:
             store.set(_key(op), f"{op.seq}:{op.name}")
-            answers = _collect(store, prefix, range(g.size))
+            answers = _collect(store, prefix, range(g.size), stop=self._stopping)
         except Exception as exc:  # noqa: BLE001 - a diagnosis must not hide the timeout
             return f"could not ask the other ranks through the store ({exc})"
         missing = [g.global_ranks[r] for r in range(g.size) if r not in answers]
@@ -178,7 +201,7 @@ class Watchdog:
         others = [str(g.global_ranks[r]) for r in peers if r != g.rank]
         try:
             store.set(_key(op), f"{op.name} ({op.where()})")
-            answers = _collect(store, prefix, others)
+            answers = _collect(store, prefix, others, stop=self._stopping)
         except Exception as exc:  # noqa: BLE001 - a diagnosis must not hide the timeout
             return f"could not ask the other ranks through the store ({exc})"
         if op.peer is None:
@@ -210,16 +233,20 @@ def _forget_report(op: _status.Op) -> None:
         pass
 
 
-def _collect(store, prefix: str, keys, grace: float = _GRACE) -> dict:
-    """``{key: value}`` of the ``prefix + key`` entries that appear within ``grace`` seconds."""
+def _collect(store, prefix: str, keys, grace: float = _GRACE, stop: Optional[threading.Event] = None) -> dict:
+    """``{key: value}`` of the ``prefix + key`` entries that appear within
+    ``grace`` seconds (fewer once ``stop`` is set: the program is ending)."""
     deadline = time.monotonic() + grace
     answers: dict = {}
     keys = list(keys)
-    while time.monotonic() < deadline and len(answers) < len(keys):
+    while time.monotonic() < deadline and len(answers) < len(keys) and not (stop and stop.is_set()):
         for k in keys:
             if k not in answers and store.check([prefix + str(k)]):
                 answers[k] = store.get(prefix + str(k)).decode()
-        time.sleep(0.1)
+        if stop is not None:
+            stop.wait(0.1)
+        else:
+            time.sleep(0.1)
     return answers
 
 

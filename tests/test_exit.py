@@ -247,3 +247,45 @@ def test_job_exiting_with_posted_collectives_never_waited_exits_0(tmp_path):
         for bad in ("Segmentation fault", "Aborted", "terminate called", "MPI_ERR"):
             assert bad not in output, f"run {run + 1}:\n{output[-3000:]}"
         assert proc.returncode == 0, f"run {run + 1}: exit status {proc.returncode}:\n{output[-3000:]}"
+
+
+WATCHED_JOB = textwrap.dedent('''
+    """1 rank: the watchdog runs; a hook registered before hpccomm's exit hook runs after it."""
+    import atexit
+    from datetime import timedelta
+    import torch
+    import torch.distributed as dist
+    import hpccomm
+    from hpccomm._watchdog import watchdog
+
+
+    def after_hpccomms_hook():   # atexit runs last-registered first: this runs after hpccomm's hook
+        print(f"watchdog alive after hpccomm's exit hook: {watchdog._thread.is_alive()}", flush=True)
+
+
+    atexit.register(after_hpccomms_hook)
+    hpccomm.init_process_group(timeout=timedelta(seconds=60))
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.ones(4))
+    print(f"watchdog alive while ops run: {watchdog._thread.is_alive()}", flush=True)
+''')
+
+
+def test_watchdog_thread_is_joined_before_the_interpreter_finalizes(tmp_path):
+    """The watchdog (a daemon thread that calls torch's store) is stopped and
+    joined by hpccomm's exit hook: a daemon thread inside a torch store call
+    when Python finalizes aborts the process (``terminate called without an
+    active exception``; seen under HPCCOMM_ON_TIMEOUT=warn, see
+    tests/test_failures.py::test_timeout_warn_mode_keeps_waiting)."""
+    script = tmp_path / "watched.py"
+    script.write_text(WATCHED_JOB)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "HPCCOMM_"))}
+    env.update(PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run(["timeout", "--kill-after=10", "120", sys.executable, str(script)],
+                          capture_output=True, text=True, env=env, cwd=tmp_path)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"exit status {proc.returncode}:\n{output[-3000:]}"
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("watchdog alive")]
+    assert lines == ["watchdog alive while ops run: True", "watchdog alive after hpccomm's exit hook: False"], output
