@@ -52,8 +52,10 @@ has the whole story):
 - At exit (hpccomm._mpi, before MPI_Finalize) the queued ops are run, the
   comm and progress threads are stopped and joined, posted collectives are
   waited for in the calling thread (MPI forbids cancelling or freeing them;
-  the group's timeout still applies), and pending point-to-point requests
-  are completed or cancelled.
+  the group's timeout still applies), pending point-to-point requests
+  are completed or cancelled, and then the watchdog is stopped and joined
+  (it calls torch's store: a daemon thread inside such a call when Python
+  finalizes aborts the process).
 
 The comm thread: a blocking op (``async_op=False``) runs its MPI call in the
 calling thread, unless its group still has queued async ops: then it queues

@@ -100,8 +100,9 @@ def _init_watch(returned: threading.Event, seconds: float, message: str) -> None
 live = weakref.WeakSet()
 #: ``(order, function)`` called at exit before the groups are freed, lowest
 #: order first (registered by the modules above this one: 0 runs queued ops
-#: and stops the comm thread, 1 stops the progress thread, 2 completes or
-#: cancels pending point-to-point requests).
+#: and stops the comm thread, 1 stops the progress thread, 1.5 waits for
+#: posted collectives, 2 completes or cancels pending point-to-point
+#: requests, 3 waits for gloo's workers, 9 stops the watchdog).
 at_exit: list = []
 
 
