@@ -167,13 +167,19 @@ def test_monitored_barrier_names_every_missing_rank(tmp_path):
     proc, took = launch(tmp_path, """
         hpccomm.init_process_group()
         hpccomm.monitored_barrier(timeout=timedelta(seconds=20))   # everyone arrives
+        here = os.path.dirname(os.path.abspath(__file__))
         if dist.get_rank() in (1, 3):
-            time.sleep(15)
+            # absent until ranks 0 and 2 have had their error (at most 60 s: then the asserts below fail)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not all(
+                    os.path.exists(os.path.join(here, f"caught-{r}")) for r in (0, 2)):
+                time.sleep(0.1)
             sys.exit(0)
         try:
             hpccomm.monitored_barrier(timeout=timedelta(seconds=2), wait_all_ranks=True)
         except hpccomm.HpccommError as exc:
             print("CAUGHT", dist.get_rank(), exc, flush=True)
+            open(os.path.join(here, f"caught-{dist.get_rank()}"), "w").close()
             sys.exit(0)
         print("NO ERROR", dist.get_rank(), flush=True)
     """, n=4)
