@@ -60,6 +60,23 @@ def run(g, op: str, prepare, args, opts=None):
     """Check and run op ``op`` of group ``g``; see the module docstring."""
     if g.comm is None:
         raise HpccommError(f"hpccomm {op} (group '{g.name}'): the process group was destroyed")
+    asynchronous = opts is not None and getattr(opts, "asyncOp", False)
+    checked = _CHECKED_FORMS.get(prepare) if asynchronous and getattr(g, "nonblocking", False) else None
+    if checked is not None:
+        # HPCCOMM_ASYNC_NONBLOCKING: an async op whose nonblocking form runs the op's checks
+        # itself (one pass over them); None, or a tensor the form does not take, leaves the
+        # op to the path below (prepare raises a refusal with its own message there).
+        engine = _engine.engine
+        if (engine._usable or engine.usable()) and not (g.debug or _ft.state.enabled):
+            try:
+                posting = checked(g, *args)
+            except NotOnCPU:
+                posting = None
+            except OpError as exc:
+                refused(g, op, args, exc)
+                raise
+            if posting is not None:
+                return post_collective(g, op, posting, args)
     devices = None
     try:
         try:
@@ -79,7 +96,6 @@ def run(g, op: str, prepare, args, opts=None):
         raise
     if call.__class__ is _Pending:  # point-to-point: already posted, nonblocking
         return posted(g, op, call, args[0], devices)
-    asynchronous = opts is not None and getattr(opts, "asyncOp", False)
     if asynchronous or g.queued:
         engine = _engine.engine
         if engine._usable or engine.usable():
@@ -131,10 +147,16 @@ def _run_job(job):
 #: prepare function: the form's function returns a posted-to-be
 #: :class:`hpccomm.ops._common.Posted`, or None to keep the blocking form.
 _NONBLOCKING = {
-    _reduce.allreduce_or_sparse: _reduce.iallreduce,
-    _reduce.allreduce: _reduce.iallreduce,
     _reduce.reduce_scatter_single: _reduce.ireduce_scatter_single,
     _gather.all_gather_single: _gather.iall_gather_single,
+}
+
+
+#: The nonblocking forms that run the op's checks themselves (:func:`run`
+#: calls them in place of the op module's prepare function).
+_CHECKED_FORMS = {
+    _reduce.allreduce_or_sparse: _reduce.iallreduce,
+    _reduce.allreduce: _reduce.iallreduce,
     _scatter.broadcast: _scatter.ibroadcast,
 }
 
@@ -184,7 +206,7 @@ def post_collective(g, op: str, posting, args):
     if _trace._tracer:
         posting.traced = _trace.now_ns()
     try:
-        posting.post()
+        posting.req = posting._start()  # posting.post(), without its call
     except _mpi.mpi().Exception as exc:
         raise mpi_error(op, g, seq, exc) from exc
     posting.token = _status.watch(posting)  # the watchdog's record until the Work completes

@@ -32,13 +32,14 @@ from typing import Optional
 
 import torch
 
-from . import _ft, _status
+from . import _ft, _mpi, _status
 from ._compat import WorkBase, hide_from_compiler
 from ._engine import Job as _Job
 from ._engine import engine as _engine
 from ._engine import latch as _latch
 from ._watchdog import watchdog
 from .errors import HpccommError
+from .ops._common import Posted as _Posted
 
 _work_init = WorkBase.__init__
 _end_watch = _status.end
@@ -218,6 +219,20 @@ class Work(WorkBase):
 
     # -- torch's Work API ---------------------------------------------------
     def wait(self, timeout: timedelta | None = None) -> bool:
+        if not timeout and not self._done and self._pending.__class__ is _Posted and not self._engine_completes:
+            # A posted collective waited for without a time limit (torch passes 0 for none),
+            # the latency-bound case: _wait_pending and Request.wait without their calls.
+            with self._lock:
+                if not self._done and not self._engine_completes:
+                    pending = self._pending
+                    try:
+                        pending.req.Wait()
+                    except _mpi._MPI.Exception as exc:  # finish() reports it, naming the op
+                        pending.error = exc
+                    self._complete()
+                    if self._error is not None:
+                        raise self._error
+                    return True
         if not self._done:
             seconds = None
             if timeout is not None and timeout != timedelta(0):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from functools import partial as _partial
 
 import torch
 
@@ -237,5 +238,5 @@ def iall_gather_single(group, output, input, op: str = "all_gather_into_tensor")
     recv[1] = n  # mpi4py counts the receive side per rank
     sendbuf = _mpi.IN_PLACE if own else _mpi.buffer(send)
     comm = group.comm
-    return c.Posted(op, lambda: comm.Iallgather(sendbuf, recv), [output], (input, output, send, out),
+    return c.Posted(op, _partial(comm.Iallgather, sendbuf, recv), [output], (input, output, send, out),
                     None if out is output else (lambda: c.write_back(output, out)), out.numel() * size)

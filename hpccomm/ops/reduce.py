@@ -11,6 +11,7 @@ thread runs it.
 from __future__ import annotations
 
 import math
+from functools import partial as _partial
 
 import torch
 
@@ -311,9 +312,16 @@ def _predefined(r):
 
 
 def iallreduce(group, tensors, redop, op: str = "all_reduce"):
-    t = tensors[0]
-    if t.layout != torch.strided:
-        return None  # sparse: allreduce_sparse's several collectives
+    """all_reduce's nonblocking form, checks included: hpccomm._runner calls
+    it for ``async_op=True`` in place of :func:`allreduce` (one pass over the
+    checks), and falls back to :func:`allreduce` when it returns None (past
+    the size limits, a user-defined MPI op) or sees a tensor it does not take
+    (a sparse or device tensor, or a refusal: :func:`allreduce` raises it
+    with its message)."""
+    try:
+        t = c.single(group, op, tensors)
+    except c.OpTypeError:
+        return None
     r = c.reduction(group, op, t.dtype, redop)
     mop = _predefined(r)
     count, size = t.numel(), t.element_size()
@@ -323,7 +331,7 @@ def iallreduce(group, tensors, redop, op: str = "all_reduce"):
     if r.factor is None and t.is_contiguous():
         buf = _mpi.host_buffer(t)
         after = (lambda: c.finish_average(t, group.size)) if r.average else None
-        return c.Posted(op, lambda: comm.Iallreduce(_mpi.IN_PLACE, buf, op=mop), tensors, t, after, count * size)
+        return c.Posted(op, _partial(comm.Iallreduce, _mpi.IN_PLACE, buf, op=mop), tensors, t, after, count * size)
     work = c.out_buffer(t)
     # PREMUL_SUM scales a copy: should MPI fail, the user's tensor is as it was
     send = c.premultiplied(t, r.factor, inplace=False) if r.factor is not None else None
@@ -336,7 +344,7 @@ def iallreduce(group, tensors, redop, op: str = "all_reduce"):
         c.write_back(t, work)
 
     sendbuf = _mpi.IN_PLACE if send is None else _mpi.buffer(send)
-    return c.Posted(op, lambda: comm.Iallreduce(sendbuf, _mpi.buffer(work), op=mop), tensors, (t, work, send),
+    return c.Posted(op, _partial(comm.Iallreduce, sendbuf, _mpi.buffer(work), op=mop), tensors, (t, work, send),
                     after, count * size)
 
 
@@ -369,5 +377,5 @@ def ireduce_scatter_single(group, output, input, redop, op: str = "reduce_scatte
             c.finish_average(out, group.size)
         c.write_back(output, out)
 
-    return c.Posted(op, lambda: comm.Ireduce_scatter_block(send, recv, op=mop), [output], keep,
+    return c.Posted(op, _partial(comm.Ireduce_scatter_block, send, recv, op=mop), [output], keep,
                     after if (r.average or out is not output) else None, input.numel() * input.element_size())

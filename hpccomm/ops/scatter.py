@@ -1,6 +1,8 @@
 """Rooted distribution: broadcast and scatter."""
 from __future__ import annotations
 
+from functools import partial as _partial
+
 import torch
 
 from .. import _mpi
@@ -91,13 +93,16 @@ def _scatter_send(group, output, inputs, root, outputs):
 
 
 def ibroadcast(group, tensors, root: int, op: str = "broadcast"):
-    """broadcast's nonblocking form (MPI_Ibcast), or None past the size limits
-    (see hpccomm.ops.reduce's note on nonblocking forms)."""
-    t = tensors[0]
+    """broadcast's nonblocking form (MPI_Ibcast), checks included (see
+    hpccomm.ops.reduce.iallreduce), or None past the size limits (see
+    hpccomm.ops.reduce's note on nonblocking forms)."""
+    t = c.single(group, op, tensors)
+    if not (root.__class__ is int and 0 <= root < group.size):  # (check_root's test, without its call)
+        c.check_root(group, op, root, "src")
     if t.numel() > group.max_count or t.numel() * t.element_size() > c.NONBLOCKING_MAX_BYTES:
         return None
     buf = c.contiguous(t)
     spec = _mpi.buffer(buf)
     comm = group.comm
     after = (lambda: c.write_back(t, buf)) if buf is not t and group.rank != root else None
-    return c.Posted(op, lambda: comm.Ibcast(spec, root=root), tensors, (t, buf), after, t.numel() * t.element_size())
+    return c.Posted(op, _partial(comm.Ibcast, spec, root=root), tensors, (t, buf), after, t.numel() * t.element_size())
