@@ -61,15 +61,17 @@ def run(g, op: str, prepare, args, opts=None):
     if g.comm is None:
         raise HpccommError(f"hpccomm {op} (group '{g.name}'): the process group was destroyed")
     asynchronous = opts is not None and getattr(opts, "asyncOp", False)
-    checked = _CHECKED_FORMS.get(prepare) if asynchronous and getattr(g, "nonblocking", False) else None
-    if checked is not None:
-        # HPCCOMM_ASYNC_NONBLOCKING: an async op whose nonblocking form runs the op's checks
-        # itself (one pass over them); None, or a tensor the form does not take, leaves the
-        # op to the path below (prepare raises a refusal with its own message there).
+    form = _NONBLOCKING.get(prepare) if asynchronous and getattr(g, "nonblocking", False) else None
+    if form is not None:
+        # HPCCOMM_ASYNC_NONBLOCKING: the four ops with a nonblocking form take it on every rank
+        # alike (see hpccomm._engine's thread rule: MPI never matches a nonblocking collective
+        # with a blocking one); fault tolerance, debug mode and device tensors keep the blocking
+        # one.  The form runs the op's checks itself; None, or a tensor it does not take, leaves
+        # the op to the path below (prepare raises a refusal with its own message there).
         engine = _engine.engine
         if (engine._usable or engine.usable()) and not (g.debug or _ft.state.enabled):
             try:
-                posting = checked(g, *args)
+                posting = form(g, *args)
             except NotOnCPU:
                 posting = None
             except OpError as exc:
@@ -99,16 +101,6 @@ def run(g, op: str, prepare, args, opts=None):
     if asynchronous or g.queued:
         engine = _engine.engine
         if engine._usable or engine.usable():
-            if asynchronous and devices is None:
-                # With HPCCOMM_ASYNC_NONBLOCKING, the four ops with a nonblocking form take it
-                # on every rank alike (see hpccomm._engine's thread rule: MPI never matches a
-                # nonblocking collective with a blocking one); fault tolerance and debug mode
-                # keep the blocking one.
-                form = _NONBLOCKING.get(prepare) if getattr(g, "nonblocking", False) else None
-                if form is not None and not (g.debug or _ft.state.enabled):
-                    posting = form(g, *args)
-                    if posting is not None:
-                        return post_collective(g, op, posting, args)
             # On the comm thread (a callback of a finished op, such as a DDP hook) an op
             # runs at once: queuing it behind the thread's own work would deadlock.
             ident = _get_ident()  # engine.on_comm_thread(), without its call
@@ -144,19 +136,13 @@ def _run_job(job):
 
 
 #: The ops with a nonblocking form for ``async_op=True``, by the op module's
-#: prepare function: the form's function returns a posted-to-be
+#: prepare function.  :func:`run` calls the form in place of prepare: it runs
+#: the op's checks and returns a posted-to-be
 #: :class:`hpccomm.ops._common.Posted`, or None to keep the blocking form.
 _NONBLOCKING = {
+    _reduce.allreduce_or_sparse: _reduce.iallreduce,
     _reduce.reduce_scatter_single: _reduce.ireduce_scatter_single,
     _gather.all_gather_single: _gather.iall_gather_single,
-}
-
-
-#: The nonblocking forms that run the op's checks themselves (:func:`run`
-#: calls them in place of the op module's prepare function).
-_CHECKED_FORMS = {
-    _reduce.allreduce_or_sparse: _reduce.iallreduce,
-    _reduce.allreduce: _reduce.iallreduce,
     _scatter.broadcast: _scatter.ibroadcast,
 }
 
@@ -206,7 +192,7 @@ def post_collective(g, op: str, posting, args):
     if _trace._tracer:
         posting.traced = _trace.now_ns()
     try:
-        posting.req = posting._start()  # posting.post(), without its call
+        posting.req = posting._start()
     except _mpi.mpi().Exception as exc:
         raise mpi_error(op, g, seq, exc) from exc
     posting.token = _status.watch(posting)  # the watchdog's record until the Work completes

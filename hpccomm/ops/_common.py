@@ -333,7 +333,7 @@ class Posted(Request):
     how to post it, and its request once posted.
 
     Made by an op module's nonblocking form (``reduce.iallreduce`` ...) once
-    its checks passed; :mod:`hpccomm._runner` posts it (:meth:`post`) and
+    its checks passed; :mod:`hpccomm._runner` posts it (``req = _start()``) and
     hands it to a Work as its Pending (``test``/``wait``/``finish``, see
     hpccomm._work), or, behind queued ops, lets the comm thread post it and
     wait (:meth:`run`).  While posted it is its own watchdog record in
@@ -342,7 +342,7 @@ class Posted(Request):
     its buffers, alive until it completes, and through which it is waited
     for at exit (MPI forbids cancelling or freeing a collective's request).
 
-    ``start()`` posts and returns the request; ``outputs``: the op's result
+    ``_start()`` (the ``start`` argument) posts and returns the request; ``outputs``: the op's result
     (the future's value); ``keep``: the buffers MPI reads or writes; ``after``:
     the finish step once the data is in place (AVG's division, the write-back
     of a staged tensor), or None.
@@ -370,9 +370,6 @@ class Posted(Request):
 
     def describe(self) -> str:
         return f"{self.op} ({self.where()})"
-
-    def post(self) -> None:
-        self.req = self._start()
 
     def run(self):
         """Post and wait (the comm thread, or a callback there: the op runs at

@@ -223,8 +223,10 @@ def _gather_recv(group, input, root, outputs, output_lists):
 
 
 def iall_gather_single(group, output, input, op: str = "all_gather_into_tensor"):
-    """all_gather_into_tensor's nonblocking form (MPI_Iallgather), or None past
-    the size limits (see hpccomm.ops.reduce's note on nonblocking forms)."""
+    """all_gather_into_tensor's nonblocking form (MPI_Iallgather), checks
+    included (:func:`all_gather_single`'s), or None past the size limits (see
+    hpccomm.ops.reduce's note on nonblocking forms)."""
+    all_gather_single(group, output, input, op)  # its checks (the blocking closure it returns is not used)
     if output.numel() > group.max_count or input.numel() * input.element_size() > c.NONBLOCKING_MAX_BYTES:
         return None
     out = c.out_buffer(output)

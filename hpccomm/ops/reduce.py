@@ -349,6 +349,10 @@ def iallreduce(group, tensors, redop, op: str = "all_reduce"):
 
 
 def ireduce_scatter_single(group, output, input, redop, op: str = "reduce_scatter_tensor"):
+    """reduce_scatter_tensor's nonblocking form (MPI_Ireduce_scatter_block),
+    checks included (:func:`reduce_scatter_single`'s), or None past the size
+    limits."""
+    reduce_scatter_single(group, output, input, redop, op)  # its checks (the closure it returns is not used)
     if input.numel() * input.element_size() > c.NONBLOCKING_MAX_BYTES:
         return None
     r = c.reduction(group, op, input.dtype, redop)
