@@ -183,7 +183,7 @@ class Watchdog:
         prefix = f"hpccomm/timeout/{op.seq}/"
         try:
             store.set(_key(op), f"{op.seq}:{op.name}")
-            answers = _collect(store, prefix, range(g.size), stop=self._stopping)
+            answers = _collect(store, prefix, range(g.size), self._stopping)
         except Exception as exc:  # noqa: BLE001 - a diagnosis must not hide the timeout
             return f"could not ask the other ranks through the store ({exc})"
         missing = [g.global_ranks[r] for r in range(g.size) if r not in answers]
@@ -201,7 +201,7 @@ class Watchdog:
         others = [str(g.global_ranks[r]) for r in peers if r != g.rank]
         try:
             store.set(_key(op), f"{op.name} ({op.where()})")
-            answers = _collect(store, prefix, others, stop=self._stopping)
+            answers = _collect(store, prefix, others, self._stopping)
         except Exception as exc:  # noqa: BLE001 - a diagnosis must not hide the timeout
             return f"could not ask the other ranks through the store ({exc})"
         if op.peer is None:
@@ -233,20 +233,17 @@ def _forget_report(op: _status.Op) -> None:
         pass
 
 
-def _collect(store, prefix: str, keys, grace: float = _GRACE, stop: Optional[threading.Event] = None) -> dict:
+def _collect(store, prefix: str, keys, stop: threading.Event, grace: float = _GRACE) -> dict:
     """``{key: value}`` of the ``prefix + key`` entries that appear within
     ``grace`` seconds (fewer once ``stop`` is set: the program is ending)."""
     deadline = time.monotonic() + grace
     answers: dict = {}
     keys = list(keys)
-    while time.monotonic() < deadline and len(answers) < len(keys) and not (stop and stop.is_set()):
+    while time.monotonic() < deadline and len(answers) < len(keys) and not stop.is_set():
         for k in keys:
             if k not in answers and store.check([prefix + str(k)]):
                 answers[k] = store.get(prefix + str(k)).decode()
-        if stop is not None:
-            stop.wait(0.1)
-        else:
-            time.sleep(0.1)
+        stop.wait(0.1)
     return answers
 
 
