@@ -167,21 +167,22 @@ def test_monitored_barrier_names_every_missing_rank(tmp_path):
     proc, took = launch(tmp_path, """
         hpccomm.init_process_group()
         hpccomm.monitored_barrier(timeout=timedelta(seconds=20))   # everyone arrives
-        here = os.path.dirname(os.path.abspath(__file__))
-        if dist.get_rank() in (1, 3):
-            # absent until ranks 0 and 2 have had their error (at most 60 s: then the asserts below fail)
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and not all(
-                    os.path.exists(os.path.join(here, f"caught-{r}")) for r in (0, 2)):
-                time.sleep(0.1)
+        store = hpccomm._compat.default_store()  # rank 0 serves it: it leaves last
+        me = dist.get_rank()
+        if me in (1, 3):
+            # absent until ranks 0 and 2 have had their error (a store wait fails after 60 s)
+            store.wait(["caught/0", "caught/2"], timedelta(seconds=60))
+            store.set(f"left/{me}", "1")
             sys.exit(0)
         try:
             hpccomm.monitored_barrier(timeout=timedelta(seconds=2), wait_all_ranks=True)
         except hpccomm.HpccommError as exc:
-            print("CAUGHT", dist.get_rank(), exc, flush=True)
-            open(os.path.join(here, f"caught-{dist.get_rank()}"), "w").close()
+            print("CAUGHT", me, exc, flush=True)
+            store.set(f"caught/{me}", "1")
+            if me == 0:
+                store.wait(["left/1", "left/3"], timedelta(seconds=60))
             sys.exit(0)
-        print("NO ERROR", dist.get_rank(), flush=True)
+        print("NO ERROR", me, flush=True)
     """, n=4)
     caught = [line for line in proc.stdout.splitlines() if line.startswith("CAUGHT")]
     assert len(caught) == 2 and "NO ERROR" not in proc.stdout, proc.stdout + proc.stderr
