@@ -19,6 +19,8 @@ _MPI = None
 _lock = threading.Lock()
 #: ``MPI.IN_PLACE``, once MPI is started (read at call time: ``_mpi.IN_PLACE``).
 IN_PLACE = None
+#: ``MPI.buffer.fromaddress``, the same way (the op path's hottest callers).
+fromaddress = None
 
 
 def mpi(init_timeout: float = 0.0):
@@ -51,8 +53,9 @@ def mpi(init_timeout: float = 0.0):
                 finally:
                     returned.set()
 
-                global IN_PLACE
+                global IN_PLACE, fromaddress
                 IN_PLACE = MPI.IN_PLACE
+                fromaddress = MPI.buffer.fromaddress
                 _MPI = MPI
                 atexit.register(_before_finalize)  # runs before mpi4py finalizes MPI
     return _MPI
@@ -498,7 +501,10 @@ def buffer(t: torch.Tensor, offset: int = 0, count: int | None = None):
 
 
 _types: dict = {}  # torch dtype -> MPI datatype, filled on first use
-_host_types: dict = {}  # torch dtype -> (MPI datatype, bytes per element), filled on first use
+#: torch dtype -> (MPI datatype, bytes per element), filled as :func:`host_buffer` meets each
+#: dtype (so every key is one hpccomm moves); read by the posted forms' plain case.
+host_types: dict = {}
+_host_types = host_types
 
 
 def host_buffer(t: torch.Tensor):

@@ -25,6 +25,7 @@ import threading
 import time
 
 from . import _debug, _engine, _ft, _mpi, _status, _trace, _work
+from ._compat import WorkBase as _WorkBase
 from ._watchdog import watchdog
 from .errors import HpccommError, OpError
 from .gpu import dispatch as _gpu
@@ -39,6 +40,11 @@ _last_group = _status.last_group
 _Done = _work.Done
 _Job = _engine.Job
 _Work = _work.Work
+_new_work = _Work.__new__
+_work_init = _WorkBase.__init__
+_allocate_lock = threading.Lock
+_watch_ids = _status.ids
+_watched = _status.watched
 _get_ident = threading.get_ident
 _DEBUG = logging.DEBUG
 
@@ -165,22 +171,13 @@ def post_collective(g, op: str, posting, args):
     run there, at a fixed point of the op order on every rank."""
     engine = _engine.engine
     ident = _get_ident()
-    on_thread = ident == engine._ident or ident == engine._stealer
-    if g.queued and not on_thread:
-        job = _Job(g, _run_job, op, posting.run, args)
-        job.asynchronous = True
-        work = _Work(None, job, "", None)
-        job.work = work
-        engine.submit(job)
-        return work
-    if on_thread:
-        work = _Done()
-        work._outputs = execute(op, g, posting.run, args)
-        work._devices = None
-        work._future = None
-        return work
-    g.seq = seq = next(g._seqs)  # Group.next_seq, without its call
-    posting.group, posting.seq = g, seq
+    if g.queued or ident == engine._ident or ident == engine._stealer:
+        return _post_in_turn(g, op, posting, args)
+    # The latency-bound case, posted here: Group.next_seq, _status.watch and the
+    # Work's constructor without their calls (docs/benchmarks.md, the posted form).
+    g.seq = seq = next(g._seqs)
+    posting.group = g
+    posting.seq = seq
     posting.start = start = _monotonic()
     g.last = (op, seq, start)
     _last_group[0] = g
@@ -195,8 +192,33 @@ def post_collective(g, op: str, posting, args):
         posting.req = posting._start()
     except _mpi.mpi().Exception as exc:
         raise mpi_error(op, g, seq, exc) from exc
-    posting.token = _status.watch(posting)  # the watchdog's record until the Work completes
-    return _Work(posting.outputs, posting, "", None)
+    posting.token = token = next(_watch_ids)
+    _watched[token] = posting  # the watchdog's record until the Work completes
+    work = _new_work(_Work)
+    _work_init(work)
+    work._outputs = posting.outputs  # the future's value; the posting keeps the buffers alive
+    work._pending = posting
+    work._done = work._engine_completes = False
+    work._lock = _allocate_lock()
+    return work
+
+
+def _post_in_turn(g, op: str, posting, args):
+    """:func:`post_collective` behind this group's queued ops (the comm thread
+    posts it and waits in its turn), or on the comm thread (a callback of a
+    completed op): posted and waited for at once."""
+    if not _engine.engine.on_comm_thread():
+        job = _Job(g, _run_job, op, posting.run, args)
+        job.asynchronous = True
+        work = _Work(None, job, "", None)
+        job.work = work
+        _engine.engine.submit(job)
+        return work
+    work = _Done()
+    work._outputs = execute(op, g, posting.run, args)
+    work._devices = None
+    work._future = None
+    return work
 
 
 #: Point-to-point ops, whose peer waits for this rank.

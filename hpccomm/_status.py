@@ -35,7 +35,10 @@ class Op:
 
 
 _ops: dict = {}  # token -> Op: the point-to-point ops (and rare others) this rank is in now
-_ids = itertools.count()
+#: The same dict, for the op path's hottest callers: ``watched.pop(token, None)`` is
+#: :func:`end` and ``watched[token] = op`` is :func:`watch` with a token of :data:`ids`, without their calls.
+watched = _ops
+_ids = ids = itertools.count()
 #: The groups whose collectives run here: each says which one it is in, if
 #: any, in ``group.running`` = ``(name, seq, start)`` (set and cleared by the
 #: op path, no allocation but the tuple: the cheapest way for the hottest

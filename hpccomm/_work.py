@@ -43,34 +43,38 @@ from .ops._common import Posted as _Posted
 
 _work_init = WorkBase.__init__
 _end_watch = _status.end
+_watched = _status.watched
 
 
 class Work(WorkBase):
     """A finished or pending hpccomm operation (see the module docstring)."""
 
-    # Slots: an op path that makes a Work per op pays for no instance dict
-    # (setting an attribute on a torch Work otherwise costs a dict insertion
-    # through pybind's instance type).
-    __slots__ = ("_devices", "_outputs", "_pending", "_describe", "_source", "_error", "_future", "_rawf",
-                 "_done", "_lock", "_engine_completes", "_completed")
+    # Slots for what every Work sets (an op path that makes a Work per op pays for
+    # no dict insertion through pybind's instance type); what few Works ever set is
+    # read from the class until then (an instance dict only when set).
+    __slots__ = ("_outputs", "_pending", "_done", "_lock", "_engine_completes", "__dict__")
+    # A future holding CUDA tensors must name their devices: torch then orders the
+    # waiter's stream after the completing thread's (hpccomm.gpu).
+    _devices = None
+    _describe = ""  # a string, a function making it, or "": the pending's describe()
+    _source = -1
+    _error = None
+    # The future torch sees, and the one completion sets (the first is chained on
+    # it): made on the first get_future(), so an op nobody asks a future of never
+    # pays for one.
+    _future = _rawf = None
+    # An engine op's latch (hpccomm._engine.latch): made by the first waiter that
+    # has to sleep, opened once the Work is complete and its callbacks ran.
+    _completed = None
 
     def __init__(self, outputs, pending=None, describe="", devices=None) -> None:
         _work_init(self)
-        # A future holding CUDA tensors must name their devices: torch then orders
-        # the waiter's stream after the completing thread's (hpccomm.gpu).
-        self._devices = devices
         self._outputs = outputs  # the future's value; also keeps the tensors alive
         self._pending = pending  # holds the MPI request and its buffers until done
-        self._describe = describe  # a string, a function making it, or "": the pending's describe()
-        self._source = -1
-        self._error = None
-        # The future torch sees, and the one completion sets (the first is chained on
-        # it): made on the first get_future(), so an op nobody asks a future of never
-        # pays for one.
-        self._future = self._rawf = None
-        # An engine op's latch (hpccomm._engine.latch): made by the first waiter that
-        # has to sleep, opened once the Work is complete and its callbacks ran.
-        self._completed = None
+        if describe:
+            self._describe = describe
+        if devices:
+            self._devices = devices
         if pending is None:
             self._done = True
             self._lock = None
@@ -229,6 +233,14 @@ class Work(WorkBase):
                         pending.req.Wait()
                     except _mpi._MPI.Exception as exc:  # finish() reports it, naming the op
                         pending.error = exc
+                    else:
+                        if pending.after is None and not pending.traced and self._rawf is None:
+                            # Done, nothing to finish and no future to set: _complete's
+                            # work without its calls.
+                            _watched.pop(pending.token, None)  # _status.end, without its call
+                            self._pending = None
+                            self._done = True
+                            return True
                     self._complete()
                     if self._error is not None:
                         raise self._error

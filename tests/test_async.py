@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import hpccomm
 from helpers import fill, nonblocking_async, same_on_all_ranks
 
 pytestmark = pytest.mark.mpi
@@ -381,3 +382,49 @@ def test_posted_gather_and_broadcast_dtypes(world, posted, dtype):
     w1.wait()
     assert torch.equal(out, torch.cat([val(r) for r in range(size)]))
     assert torch.equal(b, val(size - 1))
+
+
+def test_posted_plain_case_and_aliasing(world, posted):
+    """Each posted kind called twice with the same dtype and reduction, so the
+    second call takes the form's plain case (the checks it learned from the
+    first): in place and aliased buffers, a refusal after an accepted call,
+    and results equal to each rank's own closed form."""
+    rank, size = world
+    tri = _tri(size)
+    n = 4
+    for k in range(2):
+        a = torch.full((n,), float(rank + k))
+        w_a = dist.all_reduce(a, async_op=True)
+        # all_gather_into_tensor in place (the input is this rank's slot of the output)
+        out = torch.full((n * size,), -1.0)
+        out[rank * n:(rank + 1) * n] = rank + k
+        w_g = dist.all_gather_into_tensor(out, out[rank * n:(rank + 1) * n], async_op=True)
+        # ... and with the input in another rank's slot: MPI must read a copy
+        other = (rank + 1) % size
+        out2 = torch.arange(n * size, dtype=torch.float32) + 100 * rank + k
+        sent = out2[other * n:(other + 1) * n].clone()
+        w_g2 = dist.all_gather_into_tensor(out2, out2[other * n:(other + 1) * n], async_op=True)
+        # reduce_scatter_tensor with the output inside the input (aliased: staged)
+        rs = torch.arange(n * size, dtype=torch.float64) + rank + k
+        w_r = dist.reduce_scatter_tensor(rs[rank * n:(rank + 1) * n], rs, async_op=True)
+        rs2_in = torch.arange(n * size, dtype=torch.float64) + rank + k
+        rs2_out = torch.empty(n, dtype=torch.float64)
+        w_r2 = dist.reduce_scatter_tensor(rs2_out, rs2_in, async_op=True)
+        b = torch.full((n,), rank + 10 * k, dtype=torch.int32)
+        w_b = dist.broadcast(b, src=(size - 1 + k) % size, async_op=True)
+        for w in (w_b, w_r2, w_r, w_g2, w_g, w_a):
+            w.wait()
+        assert torch.all(a == tri + size * k)
+        assert torch.equal(out, (torch.arange(size, dtype=torch.float32) + k).repeat_interleave(n))
+        slots = [torch.arange(n, dtype=torch.float32) + ((r + 1) % size) * n + 100 * r + k for r in range(size)]
+        assert torch.equal(out2, torch.cat(slots)) and torch.equal(out2[rank * n:(rank + 1) * n], slots[rank])
+        assert torch.equal(slots[rank], sent)
+        mine = torch.arange(n * size, dtype=torch.float64)[rank * n:(rank + 1) * n] * size + tri + size * k
+        assert torch.equal(rs[rank * n:(rank + 1) * n], mine) and torch.equal(rs2_out, mine)
+        assert torch.all(b == (size - 1 + k) % size + 10 * k)
+        assert same_on_all_ranks(torch.cat([a.double(), out.double(), out2.double(), b.double()]))
+    # a refusal after the plain case was learned: raised on this rank, before any communication
+    short = torch.empty(n * size + 1)
+    with pytest.raises(hpccomm.HpccommError, match=r"all_gather_into_tensor.*output has"):
+        dist.all_gather_into_tensor(short, torch.ones(n), async_op=True)
+    assert dist.all_reduce(torch.ones(1), async_op=True).wait()  # the group still works

@@ -10,6 +10,9 @@ import torch
 from .. import _mpi
 from . import _common as c
 
+_Tensor = torch.Tensor
+_STRIDED = torch.strided
+
 
 def _displs(counts):
     return [0, *itertools.accumulate(counts)][:-1]
@@ -226,6 +229,29 @@ def iall_gather_single(group, output, input, op: str = "all_gather_into_tensor")
     """all_gather_into_tensor's nonblocking form (MPI_Iallgather), checks
     included (:func:`all_gather_single`'s), or None past the size limits (see
     hpccomm.ops.reduce's note on nonblocking forms)."""
+    if (output.__class__ is _Tensor and input.__class__ is _Tensor and output.layout is _STRIDED
+            and input.layout is _STRIDED and output.is_cpu and input.is_cpu and output.dtype is input.dtype
+            and output.is_contiguous() and input.is_contiguous()):
+        # The plain case: dense contiguous CPU tensors of one dtype already moved
+        # (_mpi.host_types), the input this rank's slot of the output or apart from
+        # it; all_gather_single's checks and _mpi.host_buffer without their calls.
+        kind = _mpi.host_types.get(input.dtype)
+        n = input.numel()
+        total = output.numel()
+        if kind is not None and n and total == n * group.size and total <= group.max_count:
+            size = kind[1]
+            if n * size <= c.NONBLOCKING_MAX_BYTES:
+                at, into = input.data_ptr(), output.data_ptr()
+                if at == into + group.rank * n * size:
+                    send = _mpi.IN_PLACE
+                elif at + n * size <= into or into + total * size <= at:
+                    send = [_mpi.fromaddress(at, n * size), n, kind[0]]
+                else:
+                    send = None  # aliased elsewhere than this rank's slot: the general case copies it
+                if send is not None:
+                    recv = [_mpi.fromaddress(into, total * size), n, kind[0]]  # counted per rank
+                    return c.Posted(op, _partial(group.comm.Iallgather, send, recv), [output], (input, output),
+                                    None, total * size)
     all_gather_single(group, output, input, op)  # its checks (the blocking closure it returns is not used)
     if output.numel() > group.max_count or input.numel() * input.element_size() > c.NONBLOCKING_MAX_BYTES:
         return None
@@ -236,9 +262,9 @@ def iall_gather_single(group, output, input, op: str = "all_gather_into_tensor")
     own = n and send.data_ptr() == out.data_ptr() + group.rank * n * size
     if not own and c.overlaps(send, out):
         send = send.clone()  # aliased elsewhere than this rank's slot: MPI forbids it
-    recv = _mpi.buffer(out)
+    recv = _mpi.host_buffer(out)
     recv[1] = n  # mpi4py counts the receive side per rank
-    sendbuf = _mpi.IN_PLACE if own else _mpi.buffer(send)
+    sendbuf = _mpi.IN_PLACE if own else _mpi.host_buffer(send)
     comm = group.comm
     return c.Posted(op, _partial(comm.Iallgather, sendbuf, recv), [output], (input, output, send, out),
                     None if out is output else (lambda: c.write_back(output, out)), out.numel() * size)

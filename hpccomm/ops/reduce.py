@@ -21,6 +21,8 @@ from ..errors import HpccommError
 from . import _common as c
 
 _R = RedOpType
+_Tensor = torch.Tensor
+_STRIDED = torch.strided
 _FLATTEN_BYTES = 1 << 18  # coalesced ops below this total go as one message
 # Open MPI's allreduce allocates scratch memory of up to half the message (a 1 GiB
 # float32 all_reduce peaked at 1.5x the tensor above baseline, raw mpi4py as well):
@@ -311,6 +313,23 @@ def _predefined(r):
     return mop if mop.is_predefined else None
 
 
+#: (dtype, RedOpType value) -> (MPI op, MPI datatype, bytes per element) of the
+#: pairs whose posted all_reduce is the plain case (a predefined MPI op, no
+#: factor, no division): filled by :func:`iallreduce` once a pair has passed
+#: its checks, after which a dense contiguous CPU tensor of that pair is
+#: posted without asking the checks again.
+_POSTED_PLAIN: dict = {}
+
+
+def _remember_plain(dtype, redop, r, mop) -> None:
+    """Enter (``dtype``, ``redop``) in :data:`_POSTED_PLAIN` when its checked
+    reduction ``r`` (MPI op ``mop``, predefined) is the plain case and
+    :func:`hpccomm._mpi.host_buffer` has met the dtype."""
+    kind = _mpi.host_types.get(dtype)
+    if kind is not None and r.factor is None and not r.average:
+        _POSTED_PLAIN[(dtype, redop.value if redop.__class__ is _R else redop.op.value)] = (mop, kind[0], kind[1])
+
+
 def iallreduce(group, tensors, redop, op: str = "all_reduce"):
     """all_reduce's nonblocking form, checks included: hpccomm._runner calls
     it for ``async_op=True`` in place of :func:`allreduce` (one pass over the
@@ -318,6 +337,23 @@ def iallreduce(group, tensors, redop, op: str = "all_reduce"):
     the size limits, a user-defined MPI op) or sees a tensor it does not take
     (a sparse or device tensor, or a refusal: :func:`allreduce` raises it
     with its message)."""
+    if tensors.__class__ is list and len(tensors) == 1:
+        # The plain case (see _POSTED_PLAIN): c.single's quick test, the cached
+        # reduction and _mpi.host_buffer, without their calls.
+        t = tensors[0]
+        if t.__class__ is _Tensor and t.layout is _STRIDED and t.is_cpu:
+            try:
+                code = redop.value if redop.__class__ is _R else redop.op.value
+            except AttributeError:  # not a ReduceOp: c.reduction refuses it, below
+                code = None
+            plain = _POSTED_PLAIN.get((t.dtype, code))
+            if plain is not None and t.is_contiguous():
+                count = t.numel()
+                nbytes = count * plain[2]
+                if nbytes <= c.NONBLOCKING_MAX_BYTES and count <= group.max_count:
+                    buf = [_mpi.fromaddress(t.data_ptr(), nbytes), count, plain[1]]
+                    return c.Posted(op, _partial(group.comm.Iallreduce, _mpi.IN_PLACE, buf, op=plain[0]), tensors,
+                                    t, None, nbytes)
     try:
         t = c.single(group, op, tensors)
     except c.OpTypeError:
@@ -330,6 +366,7 @@ def iallreduce(group, tensors, redop, op: str = "all_reduce"):
     comm = group.comm
     if r.factor is None and t.is_contiguous():
         buf = _mpi.host_buffer(t)
+        _remember_plain(t.dtype, redop, r, mop)
         after = (lambda: c.finish_average(t, group.size)) if r.average else None
         return c.Posted(op, _partial(comm.Iallreduce, _mpi.IN_PLACE, buf, op=mop), tensors, t, after, count * size)
     work = c.out_buffer(t)
@@ -352,6 +389,27 @@ def ireduce_scatter_single(group, output, input, redop, op: str = "reduce_scatte
     """reduce_scatter_tensor's nonblocking form (MPI_Ireduce_scatter_block),
     checks included (:func:`reduce_scatter_single`'s), or None past the size
     limits."""
+    if (output.__class__ is _Tensor and input.__class__ is _Tensor and output.layout is _STRIDED
+            and input.layout is _STRIDED and output.is_cpu and input.is_cpu and output.dtype is input.dtype
+            and output.is_contiguous() and input.is_contiguous()):
+        # The plain case (see _POSTED_PLAIN), disjoint buffers: reduce_scatter_single's
+        # checks, the cached reduction and _mpi.host_buffer without their calls.
+        try:
+            code = redop.value if redop.__class__ is _R else redop.op.value
+        except AttributeError:  # not a ReduceOp: c.reduction refuses it, below
+            code = None
+        plain = _POSTED_PLAIN.get((input.dtype, code))
+        n = output.numel()
+        total = input.numel()
+        if plain is not None and total == n * group.size and n <= group.max_count:
+            size = plain[2]
+            if total * size <= c.NONBLOCKING_MAX_BYTES:
+                at, into = input.data_ptr(), output.data_ptr()
+                if (at + total * size <= into or into + n * size <= at) and n:
+                    send = [_mpi.fromaddress(at, total * size), n, plain[1]]  # counted per block
+                    recv = [_mpi.fromaddress(into, n * size), n, plain[1]]
+                    return c.Posted(op, _partial(group.comm.Ireduce_scatter_block, send, recv, op=plain[0]), [output],
+                                    (input, output), None, total * size)
     reduce_scatter_single(group, output, input, redop, op)  # its checks (the closure it returns is not used)
     if input.numel() * input.element_size() > c.NONBLOCKING_MAX_BYTES:
         return None
@@ -365,6 +423,7 @@ def ireduce_scatter_single(group, output, input, redop, op: str = "reduce_scatte
     if r.factor is None and input.is_contiguous() and output.is_contiguous():
         send, recv, out = _mpi.host_buffer(input), _mpi.host_buffer(output), output
         keep = (input, output)
+        _remember_plain(input.dtype, redop, r, mop)
         if not c.disjoint(send[0], recv[0]):
             send = None  # aliased: MPI forbids it (staged below)
     if send is None:

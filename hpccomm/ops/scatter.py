@@ -8,6 +8,9 @@ import torch
 from .. import _mpi
 from . import _common as c
 
+_Tensor = torch.Tensor
+_STRIDED = torch.strided
+
 
 def broadcast(group, tensors, root: int, op: str = "broadcast"):
     t = c.single(group, op, tensors)
@@ -96,13 +99,26 @@ def ibroadcast(group, tensors, root: int, op: str = "broadcast"):
     """broadcast's nonblocking form (MPI_Ibcast), checks included (see
     hpccomm.ops.reduce.iallreduce), or None past the size limits (see
     hpccomm.ops.reduce's note on nonblocking forms)."""
+    if tensors.__class__ is list and len(tensors) == 1 and root.__class__ is int and 0 <= root < group.size:
+        # The plain case: one dense contiguous CPU tensor of a dtype already moved
+        # (_mpi.host_types), posted on its own memory (c.single's quick test and
+        # _mpi.host_buffer without their calls).
+        t = tensors[0]
+        if t.__class__ is _Tensor and t.layout is _STRIDED and t.is_cpu and t.is_contiguous():
+            kind = _mpi.host_types.get(t.dtype)
+            if kind is not None:
+                count = t.numel()
+                nbytes = count * kind[1]
+                if nbytes <= c.NONBLOCKING_MAX_BYTES and count <= group.max_count:
+                    buf = [_mpi.fromaddress(t.data_ptr(), nbytes), count, kind[0]]
+                    return c.Posted(op, _partial(group.comm.Ibcast, buf, root=root), tensors, t, None, nbytes)
     t = c.single(group, op, tensors)
     if not (root.__class__ is int and 0 <= root < group.size):  # (check_root's test, without its call)
         c.check_root(group, op, root, "src")
     if t.numel() > group.max_count or t.numel() * t.element_size() > c.NONBLOCKING_MAX_BYTES:
         return None
     buf = c.contiguous(t)
-    spec = _mpi.buffer(buf)
+    spec = _mpi.host_buffer(buf)
     comm = group.comm
     after = (lambda: c.write_back(t, buf)) if buf is not t and group.rank != root else None
     return c.Posted(op, _partial(comm.Ibcast, spec, root=root), tensors, (t, buf), after, t.numel() * t.element_size())
