@@ -199,6 +199,7 @@ def post_collective(g, op: str, posting, args):
     work._outputs = posting.outputs  # the future's value; the posting keeps the buffers alive
     work._pending = posting
     work._done = work._engine_completes = False
+    work._source = -1
     work._lock = _allocate_lock()
     return work
 

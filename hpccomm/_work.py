@@ -49,15 +49,14 @@ _watched = _status.watched
 class Work(WorkBase):
     """A finished or pending hpccomm operation (see the module docstring)."""
 
-    # Slots for what every Work sets (an op path that makes a Work per op pays for
+    # Slots for what every Work sets (and a receive's source) (an op path that makes a Work per op pays for
     # no dict insertion through pybind's instance type); what few Works ever set is
     # read from the class until then (an instance dict only when set).
-    __slots__ = ("_outputs", "_pending", "_done", "_lock", "_engine_completes", "__dict__")
+    __slots__ = ("_outputs", "_pending", "_done", "_lock", "_engine_completes", "_source", "__dict__")
     # A future holding CUDA tensors must name their devices: torch then orders the
     # waiter's stream after the completing thread's (hpccomm.gpu).
     _devices = None
     _describe = ""  # a string, a function making it, or "": the pending's describe()
-    _source = -1
     _error = None
     # The future torch sees, and the one completion sets (the first is chained on
     # it): made on the first get_future(), so an op nobody asks a future of never
@@ -71,6 +70,7 @@ class Work(WorkBase):
         _work_init(self)
         self._outputs = outputs  # the future's value; also keeps the tensors alive
         self._pending = pending  # holds the MPI request and its buffers until done
+        self._source = -1  # a receive's source rank, once known (a slot: every receive sets it)
         if describe:
             self._describe = describe
         if devices:
