@@ -49,7 +49,7 @@ _watched = _status.watched
 class Work(WorkBase):
     """A finished or pending hpccomm operation (see the module docstring)."""
 
-    # Slots for what every Work sets (and a receive's source) (an op path that makes a Work per op pays for
+    # Slots for what every Work sets, and a receive's source (an op path that makes a Work per op pays for
     # no dict insertion through pybind's instance type); what few Works ever set is
     # read from the class until then (an instance dict only when set).
     __slots__ = ("_outputs", "_pending", "_done", "_lock", "_engine_completes", "_source", "__dict__")
