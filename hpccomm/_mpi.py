@@ -504,7 +504,6 @@ _types: dict = {}  # torch dtype -> MPI datatype, filled on first use
 #: torch dtype -> (MPI datatype, bytes per element), filled as :func:`host_buffer` meets each
 #: dtype (so every key is one hpccomm moves); read by the posted forms' plain case.
 host_types: dict = {}
-_host_types = host_types
 
 
 def host_buffer(t: torch.Tensor):
@@ -515,9 +514,9 @@ def host_buffer(t: torch.Tensor):
 
         comm.Allreduce(_mpi.IN_PLACE, _mpi.host_buffer(t))
     """
-    kind = _host_types.get(t.dtype)
+    kind = host_types.get(t.dtype)
     if kind is None:
-        kind = _host_types[t.dtype] = (getattr(mpi(), DTYPES[t.dtype].move), t.element_size())
+        kind = host_types[t.dtype] = (getattr(mpi(), DTYPES[t.dtype].move), t.element_size())
     count = t.numel()
     return [_MPI.buffer.fromaddress(t.data_ptr(), count * kind[1]), count, kind[0]]
 

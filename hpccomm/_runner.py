@@ -67,7 +67,7 @@ def run(g, op: str, prepare, args, opts=None):
     if g.comm is None:
         raise HpccommError(f"hpccomm {op} (group '{g.name}'): the process group was destroyed")
     asynchronous = opts is not None and getattr(opts, "asyncOp", False)
-    form = _NONBLOCKING.get(prepare) if asynchronous and getattr(g, "nonblocking", False) else None
+    form = _NONBLOCKING.get(prepare) if asynchronous and g.nonblocking else None
     if form is not None:
         # HPCCOMM_ASYNC_NONBLOCKING: the four ops with a nonblocking form take it on every rank
         # alike (see hpccomm._engine's thread rule: MPI never matches a nonblocking collective
@@ -280,7 +280,7 @@ def execute(op: str, g, call, args, job=None, asynchronous=False):
             # (compared only where it decides the MPI form: HPCCOMM_ASYNC_NONBLOCKING; torch's own
             # DDP Join passes async_op=True on some ranks and False on others)
             flag = None
-            if getattr(g, "nonblocking", False):
+            if g.nonblocking:
                 flag = bool(asynchronous or (job is not None and job.asynchronous))
             _debug.check(g, op, args, seq, asynchronous=flag)
         except _mpi.mpi().Exception as exc:

@@ -34,11 +34,11 @@ class Op:
         return g.where_p2p(self.seq) if self.kind == "p2p" else g.where(self.seq)
 
 
-_ops: dict = {}  # token -> Op: the point-to-point ops (and rare others) this rank is in now
-#: The same dict, for the op path's hottest callers: ``watched.pop(token, None)`` is
-#: :func:`end` and ``watched[token] = op`` is :func:`watch` with a token of :data:`ids`, without their calls.
-watched = _ops
-_ids = ids = itertools.count()
+#: token -> Op: the point-to-point ops, posted collectives (and rare others) this rank is in now.
+#: The op path's hottest callers use it directly: ``watched.pop(token, None)`` is :func:`end`,
+#: ``watched[token] = op`` with a token ``next(ids)`` is :func:`watch`, without their calls.
+watched: dict = {}
+ids = itertools.count()
 #: The groups whose collectives run here: each says which one it is in, if
 #: any, in ``group.running`` = ``(name, seq, start)`` (set and cleared by the
 #: op path, no allocation but the tuple: the cheapest way for the hottest
@@ -53,9 +53,9 @@ def begin(group, name: str, seq: int, seconds: Optional[float], kind: str = "col
     creation, debug checks; the op path records collectives in
     ``group.running`` itself); ``seconds`` its time limit (None: none).
     Returns the token for :func:`end`."""
-    token = next(_ids)
+    token = next(ids)
     now = time.monotonic()
-    _ops[token] = Op(group, name, seq, now, now + seconds if seconds else None, kind, peer)
+    watched[token] = Op(group, name, seq, now, now + seconds if seconds else None, kind, peer)
     return token
 
 
@@ -63,25 +63,25 @@ def watch(op) -> int:
     """Record ``op`` as running: an :class:`Op`, or an object with its fields
     and ``where()`` (a posted point-to-point op records itself, so posting
     makes no record object).  Returns the token for :func:`end`."""
-    token = next(_ids)
-    _ops[token] = op
+    token = next(ids)
+    watched[token] = op
     return token
 
 
 def records() -> list:
     """The records made by :func:`begin` and :func:`watch` still open (a snapshot)."""
-    return list(_ops.values())
+    return list(watched.values())
 
 
 def end(token):
     """The op of ``token`` is over; returns it (None if unknown)."""
-    return _ops.pop(token, None)
+    return watched.pop(token, None)
 
 
 def running() -> list:
     """The ops this rank is in now (a snapshot): the registered ones, and
     each group's running collective (as an :class:`Op`)."""
-    ops = list(_ops.values())
+    ops = list(watched.values())
     for g in list(groups):
         entry = getattr(g, "running", None)
         if entry is not None:

@@ -231,7 +231,7 @@ class Work(WorkBase):
                     pending = self._pending
                     try:
                         pending.req.Wait()
-                    except _mpi._MPI.Exception as exc:  # finish() reports it, naming the op
+                    except _mpi.mpi().Exception as exc:  # finish() reports it, naming the op
                         pending.error = exc
                     else:
                         if pending.after is None and not pending.traced and self._rawf is None:

@@ -814,7 +814,7 @@ def test_report_line_names_the_running_op_and_the_recorded_failure(monkeypatch):
     store = Store()
     monkeypatch.setattr(_status, "world", _status._World())
     _status.set_world(1, 4, store, [])
-    monkeypatch.setattr(_status, "_ops", {})
+    monkeypatch.setattr(_status, "watched", {})
     assert _signals.report_line() == (
         "hpccomm: rank 1 of 4 ended by SIGTERM (the launcher ends the job) outside any hpccomm op; no failed "
         "rank known here (one on another node, or the job was cancelled: the launcher's message names it)")

@@ -167,6 +167,16 @@ class Reduction:
         return self.mop
 
 
+def redop_code(redop):
+    """The RedOpType value of ``redop`` (a ``ReduceOp`` or ``RedOpType``), the
+    key the caches of reductions use (hashing torch's pybind enums themselves
+    costs thousands of instructions); None if it is neither."""
+    try:
+        return redop.value if redop.__class__ is _R else redop.op.value
+    except AttributeError:
+        return None  # not a ReduceOp: reduce_op says so
+
+
 def reduction(group, op: str, dtype: torch.dtype, redop) -> Reduction:
     """:class:`Reduction` of ``redop`` (a ``ReduceOp`` or ``RedOpType``) on
     ``dtype``.  Refuses as :func:`reduce_op` does, with its messages; a pair
@@ -177,10 +187,7 @@ def reduction(group, op: str, dtype: torch.dtype, redop) -> Reduction:
         r = reduction(group, "all_reduce", t.dtype, dist.ReduceOp.AVG)
         comm.Allreduce(_mpi.IN_PLACE, _mpi.host_buffer(t), op=r.mop or r.resolve())
     """
-    try:
-        code = redop.value if redop.__class__ is _R else redop.op.value
-    except AttributeError:
-        code = None  # not a ReduceOp: reduce_op says so
+    code = redop_code(redop)
     hit = _REDUCTIONS.get((dtype, code))
     if hit is not None:
         return hit

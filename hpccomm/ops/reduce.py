@@ -327,7 +327,7 @@ def _remember_plain(dtype, redop, r, mop) -> None:
     :func:`hpccomm._mpi.host_buffer` has met the dtype."""
     kind = _mpi.host_types.get(dtype)
     if kind is not None and r.factor is None and not r.average:
-        _POSTED_PLAIN[(dtype, redop.value if redop.__class__ is _R else redop.op.value)] = (mop, kind[0], kind[1])
+        _POSTED_PLAIN[(dtype, c.redop_code(redop))] = (mop, kind[0], kind[1])
 
 
 def iallreduce(group, tensors, redop, op: str = "all_reduce"):
@@ -342,11 +342,7 @@ def iallreduce(group, tensors, redop, op: str = "all_reduce"):
         # reduction and _mpi.host_buffer, without their calls.
         t = tensors[0]
         if t.__class__ is _Tensor and t.layout is _STRIDED and t.is_cpu:
-            try:
-                code = redop.value if redop.__class__ is _R else redop.op.value
-            except AttributeError:  # not a ReduceOp: c.reduction refuses it, below
-                code = None
-            plain = _POSTED_PLAIN.get((t.dtype, code))
+            plain = _POSTED_PLAIN.get((t.dtype, c.redop_code(redop)))
             if plain is not None and t.is_contiguous():
                 count = t.numel()
                 nbytes = count * plain[2]
@@ -394,11 +390,7 @@ def ireduce_scatter_single(group, output, input, redop, op: str = "reduce_scatte
             and output.is_contiguous() and input.is_contiguous()):
         # The plain case (see _POSTED_PLAIN), disjoint buffers: reduce_scatter_single's
         # checks, the cached reduction and _mpi.host_buffer without their calls.
-        try:
-            code = redop.value if redop.__class__ is _R else redop.op.value
-        except AttributeError:  # not a ReduceOp: c.reduction refuses it, below
-            code = None
-        plain = _POSTED_PLAIN.get((input.dtype, code))
+        plain = _POSTED_PLAIN.get((input.dtype, c.redop_code(redop)))
         n = output.numel()
         total = input.numel()
         if plain is not None and total == n * group.size and n <= group.max_count:
