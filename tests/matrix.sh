@@ -19,10 +19,17 @@
 # that fault tolerance is refused at init on every rank, naming the library (Open MPI has ULFM, the
 # others not).
 #
-# The torch 2.14/2.15 wheels are CUDA builds with their nvidia wheels (about 4 GB, about 2 minutes to
-# install here; they run without a GPU).  One torch install serves every cell of that version: the
-# cell's venv holds its MPI wheel, mpi4py and hpccomm, and sees torch through a .pth file naming the
-# shared torch venv (one MPI wheel per venv: each writes lib/libmpi.so).
+# The torch 2.14/2.15 wheels are CUDA builds with their nvidia wheels (about 4 GB to download, 5.4 GB
+# installed, about 2 minutes to install here; they run without a GPU).  One torch install serves every
+# cell of that version: the cell's venv holds its MPI wheel, mpi4py and hpccomm, and sees torch through
+# a .pth file naming the shared torch venv (one MPI wheel per venv: each writes lib/libmpi.so).
+#
+# Disk: a CI machine may have little (CI's run of 471c8e8 ran out of space installing the second CUDA
+# torch).  So installs here keep no pip cache (it would hold a second copy of every wheel), the cells
+# of one torch version run one after the other, and a torch venv this run made is removed, with the
+# cell venvs that lean on it, once no later cell of the run needs it; venvs that were there before the
+# run are kept.  At most one CUDA torch is on disk at a time: about 7 GB at the peak besides the clone.
+# An install that fails (the network dropped, say) is retried twice from an empty venv.
 #
 # Every MPI test (the tests/run.sh phase under the launcher) runs in every whole-suite cell at every
 # size.  The tests that start their own jobs (the no-MPI phase: about 11 minutes per cell here) are
@@ -38,7 +45,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 py=${PYTHON:-python3}
-cells=${HPCCOMM_TEST_CELLS:-"2.13-openmpi 2.15-openmpi 2.15-mpich 2.14-openmpi 2.15-impi"}
+cells=${HPCCOMM_TEST_CELLS:-"2.13-openmpi 2.15-openmpi 2.15-mpich 2.15-impi 2.14-openmpi"}
 
 # cell -> "torch version|family|extra|sizes|suites|unit suites" (empty suites: all; "none": skip the phase)
 declare -A CELLS=(
@@ -49,15 +56,35 @@ declare -A CELLS=(
     [2.15-impi]="2.15.0|impi|impi|2 3|ops training failures|failures ft"
 )
 
-pip_q() { "$1/bin/pip" install -q --disable-pip-version-check "${@:2}"; }
+pip_q() { "$1/bin/pip" install -q --no-cache-dir --disable-pip-version-check -c "$root/tests/constraints.txt" "${@:2}"; }
+
+free_disk() { df -Ph . | awk 'NR == 2 { print $4 " free on " $6 }'; }
+
+# A venv this run creates gets the mark below (the functions run in $(...) subshells, so a file, not a
+# variable); only marked venvs are ever removed.
+mark=".made-by-matrix-$$"
+
+# A new venv $1 with pip upgraded and the packages ${@:2}, tried three times from an empty folder.
+new_venv() {
+    local dir=$1 try
+    for try in 1 2 3; do
+        rm -rf "$dir"
+        echo "== making $dir: ${*:2} (try $try; $(free_disk))" >&2
+        if "$py" -m venv "$dir" && touch "$dir/$mark" && pip_q "$dir" --upgrade pip && { [ $# -eq 1 ] || pip_q "$dir" "${@:2}"; }; then
+            return 0
+        fi
+        sleep $(( 15 * try ))
+    done
+    rm -rf "$dir"
+    echo "!! could not make $dir ($(free_disk))" >&2
+    return 1
+}
 
 # The venv with torch $1 alone, shared by the cells of that version.
 torch_venv() {
     local version=$1 dir=".venv-torch$1"
-    if [ ! -x "$dir/bin/python" ] || ! "$dir/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$version')" 2>/dev/null; then
-        echo "== installing torch $version into $dir" >&2
-        rm -rf "$dir"
-        "$py" -m venv "$dir" && pip_q "$dir" --upgrade pip && pip_q "$dir" "torch==$version" numpy || return 1
+    if ! { [ -x "$dir/bin/python" ] && "$dir/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$version')" 2>/dev/null; }; then
+        new_venv "$dir" "torch==$version" numpy || return 1
     fi
     echo "$dir"
 }
@@ -68,21 +95,22 @@ cell_venv() {
     if [ "$cell" = 2.13-openmpi ]; then   # the README's own install
         dir=.venv
         if [ ! -x "$dir/bin/python" ]; then
-            "$py" -m venv "$dir" && pip_q "$dir" --upgrade pip || return 1
+            new_venv "$dir" || return 1
         fi
         pip_q "$dir" "torch==$version" -e ".[$extra,test]" || return 1
         echo "$dir"; return 0
     fi
-    local base
+    local base site
     base=$(torch_venv "$version") || return 1
     dir=".venv-$cell"
     if [ ! -x "$dir/bin/python" ]; then
-        "$py" -m venv "$dir" && pip_q "$dir" --upgrade pip || return 1
+        new_venv "$dir" || return 1
     fi
-    local site
     site=$("$dir/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
     "$root/$base/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > "$site/hpccomm-torch.pth"
-    pip_q "$dir" -e ".[$extra,test]" || return 1
+    if ! pip_q "$dir" -e ".[$extra,test]"; then   # once more, the network having dropped, say
+        sleep 15; pip_q "$dir" -e ".[$extra,test]" || return 1
+    fi
     # torch's console script is in the torch venv's bin: the SLURM torchrun template runs it by name
     printf '#!/bin/sh\nexec "%s" -m torch.distributed.run "$@"\n' "$root/$dir/bin/python" > "$dir/bin/torchrun"
     chmod +x "$dir/bin/torchrun"
@@ -91,27 +119,47 @@ cell_venv() {
     echo "$dir"
 }
 
+# After the cell at position $2 of the run: remove the torch venv of version $1, and the cell venvs
+# that see torch through it, where this run made them and no later cell of the run needs that version.
+prune_torch() {
+    local version=$1 after=$2 i=0 c v dir=".venv-torch$1"
+    for c in $cells; do
+        i=$(( i + 1 ))
+        IFS='|' read -r v _ <<<"${CELLS[$c]:-}"
+        [ $i -gt "$after" ] && [ "$v" = "$version" ] && return 0
+    done
+    [ -e "$dir/$mark" ] || return 0
+    for c in $cells; do
+        IFS='|' read -r v _ <<<"${CELLS[$c]:-}"
+        [ "$v" = "$version" ] && [ -e ".venv-$c/$mark" ] && rm -rf ".venv-$c"
+    done
+    rm -rf "$dir"
+    echo "== removed $dir and its cells' venvs: made by this run, needed by no later cell ($(free_disk))"
+}
+
 declare -A RESULT TOOK
-status=0
+status=0 position=0
 for cell in $cells; do
+    position=$(( position + 1 ))
     spec=${CELLS[$cell]:-}
     if [ -z "$spec" ]; then
         echo "!! no cell $cell (cells: ${!CELLS[*]})"; status=1; continue
     fi
     IFS='|' read -r version family extra sizes suites unit <<<"$spec"
     start=$SECONDS
-    echo "==== cell $cell: torch $version, $family"
-    if ! venv=$(cell_venv "$cell" "$version" "$extra"); then
-        echo "!! cell $cell: could not make its venv"; RESULT[$cell]="install failed"; status=1; continue
+    echo "==== cell $cell: torch $version, $family ($(free_disk))"
+    if venv=$(cell_venv "$cell" "$version" "$extra"); then
+        ( . "$venv/bin/activate"
+          export HPCCOMM_TEST_MPI=$family HPCCOMM_TEST_SIZES=$sizes
+          [ -n "$suites" ] && export HPCCOMM_TEST_SUITES=$suites
+          [ -n "$unit" ] && export HPCCOMM_TEST_UNIT_SUITES=$unit
+          bash tests/run.sh "$@" )
+        if [ $? -eq 0 ]; then RESULT[$cell]=passed; else RESULT[$cell]=FAILED; status=1; fi
+    else
+        echo "!! cell $cell: could not make its venv"; RESULT[$cell]="install failed"; status=1
     fi
-    ( . "$venv/bin/activate"
-      export HPCCOMM_TEST_MPI=$family HPCCOMM_TEST_SIZES=$sizes
-      [ -n "$suites" ] && export HPCCOMM_TEST_SUITES=$suites
-      [ -n "$unit" ] && export HPCCOMM_TEST_UNIT_SUITES=$unit
-      bash tests/run.sh "$@" )
-    rc=$?
     TOOK[$cell]=$(( SECONDS - start ))
-    if [ $rc -eq 0 ]; then RESULT[$cell]=passed; else RESULT[$cell]=FAILED; status=1; fi
+    prune_torch "$version" "$position"
 done
 echo "==== matrix"
 for cell in $cells; do
