@@ -60,8 +60,8 @@ class TorchOps:
         if not isinstance(tensors, (list, tuple)):
             tensors = [tensors]
         # (a sparse tensor, DDP's sparse gradients on torch 2.13, goes to allreduce_sparse)
-        return _runner.run(self._g, "all_reduce", _reduce.allreduce_or_sparse,
-                           (tensors, _SUM if opts is None else getattr(opts, "reduceOp", opts)), opts)
+        return _runner.run_allreduce(self._g, tensors, _SUM if opts is None else getattr(opts, "reduceOp", opts),
+                                     opts)
 
     def allreduce_sparse(self, tensors, opts=None):
         return _runner.run(self._g, "all_reduce", _reduce.allreduce_sparse, (tensors, _redop(opts)), opts)
@@ -78,15 +78,14 @@ class TorchOps:
                            opts)
 
     def reduce_scatter_single(self, output, input, opts=None):
-        return _runner.run(self._g, "reduce_scatter_tensor", _reduce.reduce_scatter_single,
-                           (output, input, _redop(opts)), opts)
+        return _runner.run_reduce_scatter_single(self._g, output, input, _redop(opts), opts)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         return _runner.run(self._g, "reduce_scatter_tensor_coalesced", _reduce.reduce_scatter_single_coalesced,
                            (outputs, inputs, _redop(opts)), opts)
 
     def broadcast(self, tensors, opts):
-        return _runner.run(self._g, "broadcast", _scatter.broadcast, (tensors, opts.rootRank), opts)
+        return _runner.run_broadcast(self._g, tensors, opts.rootRank, opts)
 
     def scatter(self, outputs, input_lists, opts):
         return _runner.run(self._g, "scatter", _scatter.scatter, (outputs, input_lists, opts.rootRank), opts)
@@ -95,7 +94,7 @@ class TorchOps:
         return _runner.run(self._g, "all_gather", _gather.allgather, (output_lists, inputs), opts)
 
     def all_gather_single(self, output, input, opts=None):
-        return _runner.run(self._g, "all_gather_into_tensor", _gather.all_gather_single, (output, input), opts)
+        return _runner.run_all_gather_single(self._g, output, input, opts)
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
         return _runner.run(self._g, "all_gather_coalesced", _gather.allgather_coalesced, (output_lists, inputs),

@@ -24,12 +24,14 @@ import logging
 import threading
 import time
 
+import torch
+
 from . import _debug, _engine, _ft, _mpi, _status, _trace, _work
 from ._compat import WorkBase as _WorkBase
 from ._watchdog import watchdog
 from .errors import HpccommError, OpError
 from .gpu import dispatch as _gpu
-from .ops._common import NotOnCPU
+from .ops._common import NotOnCPU, redop_code as _redop_code
 from .ops import gather as _gather
 from .ops import reduce as _reduce
 from .ops import scatter as _scatter
@@ -134,6 +136,111 @@ def run(g, op: str, prepare, args, opts=None):
     work._devices = devices
     work._future = None
     return work
+
+
+# -- the blocking plain cases ----------------------------------------------------
+# all_reduce, broadcast, all_gather_into_tensor and reduce_scatter_tensor, blocking, of dense
+# contiguous CPU tensors (plain torch.Tensors) that hpccomm has met before (a dtype
+# _mpi.host_buffer has moved; for the reductions a (dtype, ReduceOp) pair in
+# hpccomm.ops.reduce.PLAIN: checked once, a predefined MPI op, no factor or division), within the
+# size limits, all_gather's input this rank's slot of the output or apart from it and
+# reduce_scatter's apart, on a group with no async op queued, outside debug mode, tracing and
+# debug logging: numbered, marked running (the watchdog's and the SIGTERM reporter's record) and
+# run on the tensors' memory by :func:`_plain`, with no prepare, check, execute or
+# Work-constructor frame.  Anything else takes :func:`run`, which checks everything and raises the
+# refusals with their messages.  Which branch an op takes changes nothing another rank sees: the
+# same MPI call either way.
+
+_PLAIN = _reduce.PLAIN
+_host_types = _mpi.host_types
+_Tensor = torch.Tensor
+_STRIDED = torch.strided
+_PIECE = _reduce._ALLREDUCE_PIECE_BYTES
+_plain_gather = _gather.plain_buffers
+_plain_scatter = _reduce.plain_scatter_buffers
+
+
+def _plain(g, op: str, opts, outputs, call, *args):
+    """The Work of blocking op ``op`` run as ``call(*args)`` (an MPI call on
+    the tensors' memory), or None where the plain case does not apply to the
+    call (this group's async ops queued, debug mode, tracing, debug logging):
+    the caller then takes :func:`run`.  (``async_op=True`` never comes here:
+    the callers test it first, before making buffers.)"""
+    if g.queued or g.debug or _trace._tracer or log.isEnabledFor(_DEBUG):
+        return None
+    g.seq = seq = next(g._seqs)  # (execute's bookkeeping, inline)
+    g.running = g.last = (op, seq, _monotonic())
+    _last_group[0] = g
+    try:
+        call(*args)
+    except _mpi.mpi().Exception as exc:
+        raise mpi_error(op, g, seq, exc) from exc
+    finally:
+        g.running = None
+    work = _Done()
+    work._outputs = outputs
+    work._devices = work._future = None
+    return work
+
+
+def run_allreduce(g, tensors, redop, opts=None):
+    """``allreduce``: its blocking plain case (above), else :func:`run`."""
+    if tensors.__class__ is list and len(tensors) == 1 and not (opts is not None and getattr(opts, "asyncOp", False)):
+        t = tensors[0]
+        if t.__class__ is _Tensor and t.layout is _STRIDED and t.is_cpu:
+            plain = _PLAIN.get((t.dtype, _redop_code(redop)))
+            comm = g.comm
+            if plain is not None and comm is not None and t.is_contiguous():
+                count = t.numel()
+                nbytes = count * plain[2]
+                if count <= g.max_count and nbytes <= _PIECE:
+                    work = _plain(g, "all_reduce", opts, tensors, comm.Allreduce, _mpi.IN_PLACE,
+                                  [_mpi.fromaddress(t.data_ptr(), nbytes), count, plain[1]], plain[0])
+                    if work is not None:
+                        return work
+    return run(g, "all_reduce", _reduce.allreduce_or_sparse, (tensors, redop), opts)
+
+
+def run_broadcast(g, tensors, root, opts=None):
+    """``broadcast``: its blocking plain case (above), else :func:`run`."""
+    if tensors.__class__ is list and len(tensors) == 1 and root.__class__ is int and 0 <= root < g.size \
+            and not (opts is not None and getattr(opts, "asyncOp", False)):
+        t = tensors[0]
+        if t.__class__ is _Tensor and t.layout is _STRIDED and t.is_cpu:
+            kind = _host_types.get(t.dtype)
+            comm = g.comm
+            if kind is not None and comm is not None and t.is_contiguous():
+                count = t.numel()
+                if count <= g.max_count:
+                    work = _plain(g, "broadcast", opts, tensors, comm.Bcast,
+                                  [_mpi.fromaddress(t.data_ptr(), count * kind[1]), count, kind[0]], root)
+                    if work is not None:
+                        return work
+    return run(g, "broadcast", _scatter.broadcast, (tensors, root), opts)
+
+
+def run_all_gather_single(g, output, input, opts=None):
+    """``all_gather_single`` (all_gather_into_tensor): its blocking plain case
+    (above; the buffers: hpccomm.ops.gather.plain_buffers), else :func:`run`."""
+    plain = None if opts is not None and getattr(opts, "asyncOp", False) else _plain_gather(g, output, input)
+    if plain is not None and g.comm is not None:
+        work = _plain(g, "all_gather_into_tensor", opts, [output], g.comm.Allgather, plain[0], plain[1])
+        if work is not None:
+            return work
+    return run(g, "all_gather_into_tensor", _gather.all_gather_single, (output, input), opts)
+
+
+def run_reduce_scatter_single(g, output, input, redop, opts=None):
+    """``reduce_scatter_single`` (reduce_scatter_tensor): its blocking plain
+    case (above; the buffers: hpccomm.ops.reduce.plain_scatter_buffers), else
+    :func:`run`."""
+    plain = None if opts is not None and getattr(opts, "asyncOp", False) else _plain_scatter(g, output, input, redop)
+    if plain is not None and g.comm is not None:
+        work = _plain(g, "reduce_scatter_tensor", opts, [output], g.comm.Reduce_scatter_block, plain[0], plain[1],
+                      plain[2])
+        if work is not None:
+            return work
+    return run(g, "reduce_scatter_tensor", _reduce.reduce_scatter_single, (output, input, redop), opts)
 
 
 def _run_job(job):

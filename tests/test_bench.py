@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 
@@ -257,6 +258,13 @@ def test_floor_backend_is_checked_and_right_at_an_odd_size(tmp_path):
     assert "subgroup (dist.new_group of every rank)" in proc.stdout
     doc = json.loads(js.read_text())
     assert doc["meta"]["groups"] == ["world", "sub"] and doc["meta"]["route"]
+    # torch >= 2.15 hooks its flight recorder onto the groups of backends that do not record themselves
+    # (on by default: TORCH_FR_BUFFER_SIZE unset); the header says so where it costs the route
+    fr_size = next((os.environ[v] for v in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+                    if os.environ.get(v)), "2000")
+    hooked = hasattr(torch.distributed.distributed_c10d, "_maybe_attach_flight_recorder") and \
+        doc["meta"]["route"].startswith("c10d Backend") and int(fr_size) > 0
+    assert ("flight recorder hook records every op" in doc["meta"]["route"]) == hooked, doc["meta"]["route"]
     rows = [r for r in doc["rows"] if r["backend"] == "floor"]
     ran = {(r["op"], r["placement"]) for r in rows if not r["note"]}
     assert ran == {("all_reduce", "in-place"), ("all_gather", "out-of-place"), ("all_gather", "in-place"),

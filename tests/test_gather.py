@@ -32,15 +32,31 @@ def gloo(world):
 
 @pytest.fixture
 def recorded(monkeypatch):
-    """Records (send pointer, receive pointer, counts) of each Allgather(v) hpccomm makes."""
+    """Records (send pointer, receive pointer, counts) of each Allgather(v) hpccomm makes: on the
+    general path (gather's _allgatherv) and in all_gather_into_tensor's blocking plain case
+    (hpccomm._runner._plain), where MPI_IN_PLACE stands for this rank's slot of the output (MPI's
+    meaning of it for Allgather)."""
+    from hpccomm import _mpi, _runner
+
     seen = []
     real = gather_mod._allgatherv
+    real_plain = _runner._plain
 
     def spy(group, send, recv, counts):
         seen.append((send.data_ptr(), recv.data_ptr(), list(counts)))
         return real(group, send, recv, counts)
 
+    def spy_plain(g, op, opts, outputs, call, *args):
+        work = real_plain(g, op, opts, outputs, call, *args)
+        if work is not None and op == "all_gather_into_tensor":  # (None: the general path runs instead)
+            send, recv = args
+            at, n = recv[0].address, recv[1]
+            item = outputs[0].element_size()
+            seen.append((at + g.rank * n * item if send is _mpi.IN_PLACE else send[0].address, at, [n] * g.size))
+        return work
+
     monkeypatch.setattr(gather_mod, "_allgatherv", spy)
+    monkeypatch.setattr(_runner, "_plain", spy_plain)
     return seen
 
 

@@ -157,9 +157,18 @@ def run(args) -> int:
 
 
 def route_name() -> str:
-    """Which of torch's routes hpccomm's default group takes (its adapter: docs/design.md)."""
-    return ("c10d Backend (PyBackend trampoline)" if floor.route_of() == "backend" else "ProcessGroup subclass") \
+    """Which of torch's routes hpccomm's default group takes (its adapter: docs/design.md), and on
+    the Backend route whether torch records every op in its flight recorder (torch >= 2.15 hooks it
+    onto the groups of backends that do not record themselves, about 5 µs per op here:
+    docs/benchmarks.md; ``TORCH_FR_BUFFER_SIZE=0`` leaves it off.  The ProcessGroup route's ops never
+    reach the hook)."""
+    backend = floor.route_of() == "backend"
+    name = ("c10d Backend (PyBackend trampoline)" if backend else "ProcessGroup subclass") \
         + f", torch {torch.__version__.split('+')[0]}"
+    hooks = getattr(dist.distributed_c10d._world, "pg_flight_recorder_hooks", None)
+    if backend and hooks and dist.group.WORLD in hooks:
+        name += "; torch's flight recorder hook records every op (TORCH_FR_BUFFER_SIZE=0: off)"
+    return name
 
 
 def _bad_dtype(name: str):

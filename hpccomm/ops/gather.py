@@ -30,7 +30,10 @@ def _allgatherv(group, send: torch.Tensor, recv: torch.Tensor, counts) -> None:
             if mem.address == rb[0].address + group.rank * mem.nbytes:
                 sb = _mpi.IN_PLACE  # this rank's slot of the output
             elif not c.disjoint(mem, rb[0]):
-                sb = _mpi.host_buffer(send.clone())  # aliased elsewhere than this rank's slot
+                # aliased elsewhere than this rank's slot: MPI reads a copy, held in ``send``
+                # until the call returns (a buffer holds an address, not the tensor)
+                send = send.clone()
+                sb = _mpi.host_buffer(send)
             rb[1] = n  # mpi4py counts the receive side per rank
             group.comm.Allgather(sb, rb)
             return
@@ -225,33 +228,41 @@ def _gather_recv(group, input, root, outputs, output_lists):
     return output_lists
 
 
-def iall_gather_single(group, output, input, op: str = "all_gather_into_tensor"):
-    """all_gather_into_tensor's nonblocking form (MPI_Iallgather), checks
-    included (:func:`all_gather_single`'s), or None past the size limits (see
-    hpccomm.ops.reduce's note on nonblocking forms)."""
+def plain_buffers(group, output, input):
+    """all_gather_into_tensor's plain case, either form (this module's
+    :func:`iall_gather_single`, hpccomm._runner.run_all_gather_single): dense
+    contiguous CPU tensors of one dtype hpccomm has moved before
+    (_mpi.host_types), within the count limit, the input this rank's slot of
+    the output or apart from it: ``(send, receive, bytes of the input)``, the
+    MPI buffers on the tensors' memory (all_gather_single's checks and
+    _mpi.host_buffer without their calls); else None (the general case)."""
     if (output.__class__ is _Tensor and input.__class__ is _Tensor and output.layout is _STRIDED
             and input.layout is _STRIDED and output.is_cpu and input.is_cpu and output.dtype is input.dtype
             and output.is_contiguous() and input.is_contiguous()):
-        # The plain case: dense contiguous CPU tensors of one dtype already moved
-        # (_mpi.host_types), the input this rank's slot of the output or apart from
-        # it; all_gather_single's checks and _mpi.host_buffer without their calls.
         kind = _mpi.host_types.get(input.dtype)
         n = input.numel()
         total = output.numel()
         if kind is not None and n and total == n * group.size and total <= group.max_count:
             size = kind[1]
-            if n * size <= c.NONBLOCKING_MAX_BYTES:
-                at, into = input.data_ptr(), output.data_ptr()
-                if at == into + group.rank * n * size:
-                    send = _mpi.IN_PLACE
-                elif at + n * size <= into or into + total * size <= at:
-                    send = [_mpi.fromaddress(at, n * size), n, kind[0]]
-                else:
-                    send = None  # aliased elsewhere than this rank's slot: the general case copies it
-                if send is not None:
-                    recv = [_mpi.fromaddress(into, total * size), n, kind[0]]  # counted per rank
-                    return c.Posted(op, _partial(group.comm.Iallgather, send, recv), [output], (input, output),
-                                    None, total * size)
+            at, into = input.data_ptr(), output.data_ptr()
+            if at == into + group.rank * n * size:
+                send = _mpi.IN_PLACE
+            elif at + n * size <= into or into + total * size <= at:
+                send = [_mpi.fromaddress(at, n * size), n, kind[0]]
+            else:
+                return None  # aliased elsewhere than this rank's slot: the general case copies it
+            return send, [_mpi.fromaddress(into, total * size), n, kind[0]], n * size  # received per rank
+    return None
+
+
+def iall_gather_single(group, output, input, op: str = "all_gather_into_tensor"):
+    """all_gather_into_tensor's nonblocking form (MPI_Iallgather), checks
+    included (:func:`all_gather_single`'s), or None past the size limits (see
+    hpccomm.ops.reduce's note on nonblocking forms)."""
+    plain = plain_buffers(group, output, input)
+    if plain is not None and plain[2] <= c.NONBLOCKING_MAX_BYTES:
+        return c.Posted(op, _partial(group.comm.Iallgather, plain[0], plain[1]), [output], (input, output), None,
+                        plain[2] * group.size)
     all_gather_single(group, output, input, op)  # its checks (the blocking closure it returns is not used)
     if output.numel() > group.max_count or input.numel() * input.element_size() > c.NONBLOCKING_MAX_BYTES:
         return None

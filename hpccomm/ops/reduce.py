@@ -66,6 +66,8 @@ def allreduce(group, tensors, redop, op: str = "all_reduce", sparse: bool = Fals
             buf = _mpi.host_buffer(t)
             if buf[1] <= group.max_count and buf[0].nbytes <= _ALLREDUCE_PIECE_BYTES:
                 group.comm.Allreduce(_mpi.IN_PLACE, buf, op=mop)
+                if mop.is_predefined:  # the next such op is the plain case (hpccomm._runner)
+                    _remember_plain(t.dtype, redop, r, mop)
             else:
                 _allreduce_flat(group, t, mop)
             if r.average:
@@ -192,6 +194,8 @@ def reduce_scatter_single(group, output, input, redop, op: str = "reduce_scatter
             if n <= group.max_count and c.disjoint(send[0], recv[0]):
                 send[1] = n  # mpi4py counts the send side per block
                 group.comm.Reduce_scatter_block(send, recv, op=mop)
+                if mop.is_predefined:  # the next such op is the plain case (hpccomm._runner)
+                    _remember_plain(input.dtype, redop, r, mop)
                 if r.average:
                     c.finish_average(output, group.size)
                 return [output]
@@ -314,20 +318,22 @@ def _predefined(r):
 
 
 #: (dtype, RedOpType value) -> (MPI op, MPI datatype, bytes per element) of the
-#: pairs whose posted all_reduce is the plain case (a predefined MPI op, no
-#: factor, no division): filled by :func:`iallreduce` once a pair has passed
-#: its checks, after which a dense contiguous CPU tensor of that pair is
-#: posted without asking the checks again.
-_POSTED_PLAIN: dict = {}
+#: pairs whose all_reduce and reduce_scatter are the plain case (a predefined
+#: MPI op, no factor, no division): filled by :func:`allreduce`,
+#: :func:`iallreduce` and :func:`ireduce_scatter_single` once a pair has passed
+#: its checks, after which a dense contiguous CPU tensor of that pair is posted
+#: (or, blocking, reduced: hpccomm._runner.run_allreduce) without asking the
+#: checks again.
+PLAIN: dict = {}
 
 
 def _remember_plain(dtype, redop, r, mop) -> None:
-    """Enter (``dtype``, ``redop``) in :data:`_POSTED_PLAIN` when its checked
+    """Enter (``dtype``, ``redop``) in :data:`PLAIN` when its checked
     reduction ``r`` (MPI op ``mop``, predefined) is the plain case and
     :func:`hpccomm._mpi.host_buffer` has met the dtype."""
     kind = _mpi.host_types.get(dtype)
     if kind is not None and r.factor is None and not r.average:
-        _POSTED_PLAIN[(dtype, c.redop_code(redop))] = (mop, kind[0], kind[1])
+        PLAIN[(dtype, c.redop_code(redop))] = (mop, kind[0], kind[1])
 
 
 def iallreduce(group, tensors, redop, op: str = "all_reduce"):
@@ -338,11 +344,11 @@ def iallreduce(group, tensors, redop, op: str = "all_reduce"):
     (a sparse or device tensor, or a refusal: :func:`allreduce` raises it
     with its message)."""
     if tensors.__class__ is list and len(tensors) == 1:
-        # The plain case (see _POSTED_PLAIN): c.single's quick test, the cached
+        # The plain case (see PLAIN): c.single's quick test, the cached
         # reduction and _mpi.host_buffer, without their calls.
         t = tensors[0]
         if t.__class__ is _Tensor and t.layout is _STRIDED and t.is_cpu:
-            plain = _POSTED_PLAIN.get((t.dtype, c.redop_code(redop)))
+            plain = PLAIN.get((t.dtype, c.redop_code(redop)))
             if plain is not None and t.is_contiguous():
                 count = t.numel()
                 nbytes = count * plain[2]
@@ -381,27 +387,37 @@ def iallreduce(group, tensors, redop, op: str = "all_reduce"):
                     after, count * size)
 
 
+def plain_scatter_buffers(group, output, input, redop):
+    """reduce_scatter_tensor's plain case, either form (this module's
+    :func:`ireduce_scatter_single`, hpccomm._runner.run_reduce_scatter_single):
+    dense contiguous CPU tensors of one dtype, its (dtype, ReduceOp) pair in
+    :data:`PLAIN`, within the count limit, the buffers apart: ``(send, receive,
+    MPI op, bytes of the input)`` on the tensors' memory (reduce_scatter_single's
+    checks, the cached reduction and _mpi.host_buffer without their calls); else
+    None (the general case)."""
+    if (output.__class__ is _Tensor and input.__class__ is _Tensor and output.layout is _STRIDED
+            and input.layout is _STRIDED and output.is_cpu and input.is_cpu and output.dtype is input.dtype
+            and output.is_contiguous() and input.is_contiguous()):
+        plain = PLAIN.get((input.dtype, c.redop_code(redop)))
+        n = output.numel()
+        total = input.numel()
+        if plain is not None and n and total == n * group.size and n <= group.max_count:
+            size = plain[2]
+            at, into = input.data_ptr(), output.data_ptr()
+            if at + total * size <= into or into + n * size <= at:
+                return ([_mpi.fromaddress(at, total * size), n, plain[1]],  # counted per block
+                        [_mpi.fromaddress(into, n * size), n, plain[1]], plain[0], total * size)
+    return None
+
+
 def ireduce_scatter_single(group, output, input, redop, op: str = "reduce_scatter_tensor"):
     """reduce_scatter_tensor's nonblocking form (MPI_Ireduce_scatter_block),
     checks included (:func:`reduce_scatter_single`'s), or None past the size
     limits."""
-    if (output.__class__ is _Tensor and input.__class__ is _Tensor and output.layout is _STRIDED
-            and input.layout is _STRIDED and output.is_cpu and input.is_cpu and output.dtype is input.dtype
-            and output.is_contiguous() and input.is_contiguous()):
-        # The plain case (see _POSTED_PLAIN), disjoint buffers: reduce_scatter_single's
-        # checks, the cached reduction and _mpi.host_buffer without their calls.
-        plain = _POSTED_PLAIN.get((input.dtype, c.redop_code(redop)))
-        n = output.numel()
-        total = input.numel()
-        if plain is not None and total == n * group.size and n <= group.max_count:
-            size = plain[2]
-            if total * size <= c.NONBLOCKING_MAX_BYTES:
-                at, into = input.data_ptr(), output.data_ptr()
-                if (at + total * size <= into or into + n * size <= at) and n:
-                    send = [_mpi.fromaddress(at, total * size), n, plain[1]]  # counted per block
-                    recv = [_mpi.fromaddress(into, n * size), n, plain[1]]
-                    return c.Posted(op, _partial(group.comm.Ireduce_scatter_block, send, recv, op=plain[0]), [output],
-                                    (input, output), None, total * size)
+    plain = plain_scatter_buffers(group, output, input, redop)
+    if plain is not None and plain[3] <= c.NONBLOCKING_MAX_BYTES:
+        return c.Posted(op, _partial(group.comm.Ireduce_scatter_block, plain[0], plain[1], op=plain[2]), [output],
+                        (input, output), None, plain[3])
     reduce_scatter_single(group, output, input, redop, op)  # its checks (the closure it returns is not used)
     if input.numel() * input.element_size() > c.NONBLOCKING_MAX_BYTES:
         return None
