@@ -2,7 +2,10 @@
 
 torch calls a backend by method names (``allreduce``, ``all_gather_single``,
 ...) with option objects.  :class:`TorchOps` unpacks the options and calls
-:func:`hpccomm._runner.run` with the op module that translates the op.  The
+:func:`hpccomm._runner.run` with the op module that translates the op, or,
+for the ops with a plain case (all_reduce, broadcast, all_gather_into_tensor,
+reduce_scatter_tensor, send, recv), ``hpccomm._runner.run_*``, which takes
+the common case itself and hands anything else to ``run``.  The
 two adapters that torch sees are thin classes over it:
 
 - ``hpccomm.process_group.ProcessGroupHpccomm``: a ``ProcessGroup`` subclass
@@ -122,10 +125,10 @@ class TorchOps:
 
     # -- point-to-point -------------------------------------------------------
     def send(self, tensors, dst: int, tag: int = 0):
-        return _runner.run(self._g, "send", _p2p.send, (tensors, dst, tag))
+        return _runner.run_send(self._g, tensors, dst, tag)
 
     def recv(self, tensors, src: int, tag: int = 0):
-        return _runner.run(self._g, "recv", _p2p.recv, (tensors, src, tag))
+        return _runner.run_recv(self._g, tensors, src, tag)
 
     def recv_anysource(self, tensors, tag: int = 0):
         return _runner.run(self._g, "recv", _p2p.recv, (tensors, None, tag))

@@ -17,6 +17,12 @@ function, the op's arguments and torch's options) and returns a
    :mod:`hpccomm._group`), runs debug mode's cross-rank check, and runs the
    communication under the watchdog and the tracer; an MPI error becomes an
    :class:`hpccomm.errors.HpccommError` naming the op.
+
+The plain cases (``run_allreduce``, ``run_broadcast``, ``run_all_gather_single``,
+``run_reduce_scatter_single``, ``run_send``, ``run_recv``) come first for their
+ops: the common case (dense contiguous CPU tensors of a type met before, valid
+arguments) without the prepare, check and execute frames; anything else goes
+to :func:`run`.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ from .ops._common import NotOnCPU, redop_code as _redop_code
 from .ops import gather as _gather
 from .ops import reduce as _reduce
 from .ops import scatter as _scatter
+from .ops import p2p as _p2p
 from .ops.p2p import Pending as _Pending
 
 _monotonic = time.monotonic
@@ -243,6 +250,67 @@ def run_reduce_scatter_single(g, output, input, redop, opts=None):
     return run(g, "reduce_scatter_tensor", _reduce.reduce_scatter_single, (output, input, redop), opts)
 
 
+# send and recv (torch's blocking send/recv and isend/irecv alike: both post and return a pending
+# Work) of a dense contiguous CPU tensor of a dtype hpccomm has moved, within the count limit, to or
+# from a named rank in range with a tag in range: posted on the tensor's memory and numbered, watched
+# and collected (torch's coalescing window) as :func:`posted` does, with no prepare, check, Pending- or
+# Work-constructor frame.  Anything else (any source, a tensor to stage, a bad argument) takes
+# :func:`run`, which checks everything and refuses with its messages.  Either way the same
+# MPI_Isend/MPI_Irecv on the group's p2p communicator, completed by the Work (hpccomm._work).
+
+_new_pending = _Pending.__new__
+
+
+def _posted_p2p(g, op: str, req, tensors, t, peer, expect=None):
+    """The pending Work of point-to-point op ``op`` just posted as ``req`` on
+    ``t``'s memory (:func:`posted`'s work; ``expect``: a receive's
+    ``(elements, MPI datatype)``, checked against what arrives)."""
+    pending = _new_pending(_Pending)
+    pending.req = req
+    pending.keep = (t, t)  # alive until done (the Pending's contract)
+    pending.op = pending.name = op
+    pending.peer = peer
+    if expect is not None:
+        pending.is_recv = True
+        pending.expect = expect
+        pending.status = _mpi._MPI.Status()
+    return posted(g, op, pending, tensors, None)
+
+
+def _p2p_message(g, tensors, peer, tag):
+    """``[memory, count, MPI type]`` of a send or receive the plain case
+    takes (above): ``tensors[0]``'s memory, or None."""
+    if tensors.__class__ is list and len(tensors) == 1 and peer.__class__ is int and 0 <= peer < g.size \
+            and tag.__class__ is int and 0 <= tag <= g.tag_ub:
+        t = tensors[0]
+        if t.__class__ is _Tensor and t.layout is _STRIDED and t.is_cpu:
+            kind = _host_types.get(t.dtype)
+            if kind is not None and t.is_contiguous():
+                count = t.numel()
+                if count <= g.max_count:
+                    return [_mpi.fromaddress(t.data_ptr(), count * kind[1]), count, kind[0]]
+    return None
+
+
+def run_send(g, tensors, dst, tag):
+    """``send``: its plain case (above), else :func:`run`."""
+    message = _p2p_message(g, tensors, dst, tag)
+    p2p = g.p2p
+    if message is not None and p2p is not None:
+        return _posted_p2p(g, "send", p2p.Isend(message, dst, tag), tensors, tensors[0], dst)
+    return run(g, "send", _p2p.send, (tensors, dst, tag))
+
+
+def run_recv(g, tensors, src, tag):
+    """``recv`` from rank ``src`` (None: any source): its plain case (above), else :func:`run`."""
+    message = _p2p_message(g, tensors, src, tag)
+    p2p = g.p2p
+    if message is not None and p2p is not None:
+        return _posted_p2p(g, "recv", p2p.Irecv(message, src, tag), tensors, tensors[0], src,
+                           (message[1], message[2]))
+    return run(g, "recv", _p2p.recv, (tensors, src, tag))
+
+
 def _run_job(job):
     """What the comm thread runs for a queued op (``hpccomm._engine.Job.run``)."""
     return execute(job.op, job.group, job.call, job.args, job)
@@ -438,8 +506,10 @@ def mpi_error(op: str, g, seq: int, exc) -> HpccommError:
 def posted(g, op: str, pending, tensor, devices):
     """The Work of a posted point-to-point op: numbered, watched by the
     watchdog until it completes (the Pending is its own record in
-    :mod:`hpccomm._status`), and collected when torch coalesces."""
-    g.p2p_seq = pending.seq = next(g._p2p_seqs)  # Group.next_p2p_seq, without its call
+    :mod:`hpccomm._status`), and collected when torch coalesces.
+    (Group.next_p2p_seq, _status.watch and the Work's constructor without
+    their calls: the plain case comes here too.)"""
+    g.p2p_seq = pending.seq = next(g._p2p_seqs)
     pending.group = g
     pending.start = start = _monotonic()
     seconds = g.timeout_s
@@ -447,8 +517,17 @@ def posted(g, op: str, pending, tensor, devices):
         pending.deadline = start + seconds
         if watchdog._thread is None:
             watchdog.start()
-    pending.token = _status.watch(pending)
-    work = _Work(tensor, pending, "", devices)
+    pending.token = token = next(_watch_ids)
+    _watched[token] = pending  # the watchdog's record until the Work completes
+    work = _new_work(_Work)
+    _work_init(work)
+    work._outputs = tensor  # the future's value; the Pending keeps the buffers alive
+    work._pending = pending
+    work._done = work._engine_completes = False  # (a Pending: completed by whoever waits or tests)
+    work._source = -1
+    work._lock = _allocate_lock()
+    if devices:
+        work._devices = devices
     if g.coalescing is not None:
         g.coalescing.append(work)
     return work

@@ -40,6 +40,7 @@ from ._engine import latch as _latch
 from ._watchdog import watchdog
 from .errors import HpccommError
 from .ops._common import Posted as _Posted
+from .ops.p2p import Pending as _P2P
 
 _work_init = WorkBase.__init__
 _end_watch = _status.end
@@ -242,6 +243,36 @@ class Work(WorkBase):
                             self._done = True
                             return True
                     self._complete()
+                    if self._error is not None:
+                        raise self._error
+                    return True
+        if not timeout and not self._done and self._pending.__class__ is _P2P:
+            # A point-to-point op waited for without a time limit (torch's blocking send and
+            # recv): _wait_pending, Request.wait and, when it succeeded, _complete and the
+            # receive's finish() without their calls.
+            with self._lock:
+                if not self._done:
+                    pending = self._pending
+                    try:
+                        pending.req.Wait(pending.status)
+                    except _mpi.mpi().Exception as exc:  # finish() reports it, naming the op
+                        pending.error = exc
+                    else:
+                        if pending.after is None and self._rawf is None:
+                            if not pending.is_recv:
+                                _watched.pop(pending.token, None)
+                                self._pending = None
+                                self._done = True
+                                return True
+                            source = pending.peer
+                            count, datatype = pending.expect
+                            if source is not None and pending.status.Get_elements(datatype) == count:
+                                self._source = source
+                                _watched.pop(pending.token, None)
+                                self._pending = None
+                                self._done = True
+                                return True
+                    self._complete()  # any source, a staged receive, a future, a short message, an error
                     if self._error is not None:
                         raise self._error
                     return True

@@ -696,9 +696,10 @@ def test_nccl_calls_cover_every_op_with_tensors():
 
     src = open(_adapter.__file__).read()
     ops = set(re.findall(r'_runner\.run\(self\._g, "([a-z_]+)"', src)) - {"barrier"}
-    # the ops whose adapter method starts in a blocking plain case (hpccomm._runner.run_*)
+    # the ops whose adapter method starts in a plain case (hpccomm._runner.run_*)
     plain_cases = {"run_allreduce": "all_reduce", "run_broadcast": "broadcast",
-                   "run_all_gather_single": "all_gather_into_tensor", "run_reduce_scatter_single": "reduce_scatter_tensor"}
+                   "run_all_gather_single": "all_gather_into_tensor", "run_reduce_scatter_single": "reduce_scatter_tensor",
+                   "run_send": "send", "run_recv": "recv"}
     ops |= {plain_cases[name] for name in re.findall(r'_runner\.(run_[a-z_]+)\(self\._g', src)}
     assert ops == set(nccl_torch.CALLS), ops ^ set(nccl_torch.CALLS)
     assert ops - {"all_reduce_coalesced", "reduce_scatter_tensor_coalesced", "all_gather_into_tensor_coalesced",
