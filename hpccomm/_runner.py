@@ -30,14 +30,12 @@ import logging
 import threading
 import time
 
-import torch
-
 from . import _debug, _engine, _ft, _mpi, _status, _trace, _work
 from ._compat import WorkBase as _WorkBase
 from ._watchdog import watchdog
 from .errors import HpccommError, OpError
 from .gpu import dispatch as _gpu
-from .ops._common import NotOnCPU, redop_code as _redop_code
+from .ops._common import NotOnCPU, plain_buffer as _plain_one
 from .ops import gather as _gather
 from .ops import reduce as _reduce
 from .ops import scatter as _scatter
@@ -158,16 +156,14 @@ def run(g, op: str, prepare, args, opts=None):
 # refusals with their messages.  Which branch an op takes changes nothing another rank sees: the
 # same MPI call either way.
 
-_PLAIN = _reduce.PLAIN
-_host_types = _mpi.host_types
-_Tensor = torch.Tensor
-_STRIDED = torch.strided
 _PIECE = _reduce._ALLREDUCE_PIECE_BYTES
+_plain_buffer = _plain_one
+_plain_allreduce = _reduce.plain_allreduce_buffer
 _plain_gather = _gather.plain_buffers
 _plain_scatter = _reduce.plain_scatter_buffers
 
 
-def _plain(g, op: str, opts, outputs, call, *args):
+def _plain(g, op: str, outputs, call, *args):
     """The Work of blocking op ``op`` run as ``call(*args)`` (an MPI call on
     the tensors' memory), or None where the plain case does not apply to the
     call (this group's async ops queued, debug mode, tracing, debug logging):
@@ -191,38 +187,25 @@ def _plain(g, op: str, opts, outputs, call, *args):
 
 
 def run_allreduce(g, tensors, redop, opts=None):
-    """``allreduce``: its blocking plain case (above), else :func:`run`."""
-    if tensors.__class__ is list and len(tensors) == 1 and not (opts is not None and getattr(opts, "asyncOp", False)):
-        t = tensors[0]
-        if t.__class__ is _Tensor and t.layout is _STRIDED and t.is_cpu:
-            plain = _PLAIN.get((t.dtype, _redop_code(redop)))
-            comm = g.comm
-            if plain is not None and comm is not None and t.is_contiguous():
-                count = t.numel()
-                nbytes = count * plain[2]
-                if count <= g.max_count and nbytes <= _PIECE:
-                    work = _plain(g, "all_reduce", opts, tensors, comm.Allreduce, _mpi.IN_PLACE,
-                                  [_mpi.fromaddress(t.data_ptr(), nbytes), count, plain[1]], plain[0])
-                    if work is not None:
-                        return work
+    """``allreduce``: its blocking plain case (above; the buffer:
+    hpccomm.ops.reduce.plain_allreduce_buffer), else :func:`run`."""
+    plain = None if opts is not None and getattr(opts, "asyncOp", False) else _plain_allreduce(g, tensors, redop)
+    if plain is not None and plain[0][0].nbytes <= _PIECE and g.comm is not None:
+        work = _plain(g, "all_reduce", tensors, g.comm.Allreduce, _mpi.IN_PLACE, plain[0], plain[1])
+        if work is not None:
+            return work
     return run(g, "all_reduce", _reduce.allreduce_or_sparse, (tensors, redop), opts)
 
 
 def run_broadcast(g, tensors, root, opts=None):
-    """``broadcast``: its blocking plain case (above), else :func:`run`."""
-    if tensors.__class__ is list and len(tensors) == 1 and root.__class__ is int and 0 <= root < g.size \
-            and not (opts is not None and getattr(opts, "asyncOp", False)):
-        t = tensors[0]
-        if t.__class__ is _Tensor and t.layout is _STRIDED and t.is_cpu:
-            kind = _host_types.get(t.dtype)
-            comm = g.comm
-            if kind is not None and comm is not None and t.is_contiguous():
-                count = t.numel()
-                if count <= g.max_count:
-                    work = _plain(g, "broadcast", opts, tensors, comm.Bcast,
-                                  [_mpi.fromaddress(t.data_ptr(), count * kind[1]), count, kind[0]], root)
-                    if work is not None:
-                        return work
+    """``broadcast``: its blocking plain case (above; the buffer:
+    hpccomm.ops._common.plain_buffer), else :func:`run`."""
+    plain = None if (opts is not None and getattr(opts, "asyncOp", False)) or not (
+        root.__class__ is int and 0 <= root < g.size) else _plain_buffer(g, tensors)
+    if plain is not None and g.comm is not None:
+        work = _plain(g, "broadcast", tensors, g.comm.Bcast, plain, root)
+        if work is not None:
+            return work
     return run(g, "broadcast", _scatter.broadcast, (tensors, root), opts)
 
 
@@ -231,7 +214,7 @@ def run_all_gather_single(g, output, input, opts=None):
     (above; the buffers: hpccomm.ops.gather.plain_buffers), else :func:`run`."""
     plain = None if opts is not None and getattr(opts, "asyncOp", False) else _plain_gather(g, output, input)
     if plain is not None and g.comm is not None:
-        work = _plain(g, "all_gather_into_tensor", opts, [output], g.comm.Allgather, plain[0], plain[1])
+        work = _plain(g, "all_gather_into_tensor", [output], g.comm.Allgather, plain[0], plain[1])
         if work is not None:
             return work
     return run(g, "all_gather_into_tensor", _gather.all_gather_single, (output, input), opts)
@@ -243,7 +226,7 @@ def run_reduce_scatter_single(g, output, input, redop, opts=None):
     :func:`run`."""
     plain = None if opts is not None and getattr(opts, "asyncOp", False) else _plain_scatter(g, output, input, redop)
     if plain is not None and g.comm is not None:
-        work = _plain(g, "reduce_scatter_tensor", opts, [output], g.comm.Reduce_scatter_block, plain[0], plain[1],
+        work = _plain(g, "reduce_scatter_tensor", [output], g.comm.Reduce_scatter_block, plain[0], plain[1],
                       plain[2])
         if work is not None:
             return work
@@ -277,36 +260,28 @@ def _posted_p2p(g, op: str, req, tensors, t, peer, expect=None):
     return posted(g, op, pending, tensors, None)
 
 
-def _p2p_message(g, tensors, peer, tag):
-    """``[memory, count, MPI type]`` of a send or receive the plain case
-    takes (above): ``tensors[0]``'s memory, or None."""
-    if tensors.__class__ is list and len(tensors) == 1 and peer.__class__ is int and 0 <= peer < g.size \
-            and tag.__class__ is int and 0 <= tag <= g.tag_ub:
-        t = tensors[0]
-        if t.__class__ is _Tensor and t.layout is _STRIDED and t.is_cpu:
-            kind = _host_types.get(t.dtype)
-            if kind is not None and t.is_contiguous():
-                count = t.numel()
-                if count <= g.max_count:
-                    return [_mpi.fromaddress(t.data_ptr(), count * kind[1]), count, kind[0]]
+def _p2p_buffer(g, tensors, peer, tag):
+    """The plain case's message of a send to, or a receive from, group rank
+    ``peer`` (hpccomm.ops._common.plain_buffer), or None."""
+    if peer.__class__ is int and 0 <= peer < g.size and tag.__class__ is int and 0 <= tag <= g.tag_ub \
+            and g.p2p is not None:
+        return _plain_buffer(g, tensors)
     return None
 
 
 def run_send(g, tensors, dst, tag):
     """``send``: its plain case (above), else :func:`run`."""
-    message = _p2p_message(g, tensors, dst, tag)
-    p2p = g.p2p
-    if message is not None and p2p is not None:
-        return _posted_p2p(g, "send", p2p.Isend(message, dst, tag), tensors, tensors[0], dst)
+    message = _p2p_buffer(g, tensors, dst, tag)
+    if message is not None:
+        return _posted_p2p(g, "send", g.p2p.Isend(message, dst, tag), tensors, tensors[0], dst)
     return run(g, "send", _p2p.send, (tensors, dst, tag))
 
 
 def run_recv(g, tensors, src, tag):
     """``recv`` from rank ``src`` (None: any source): its plain case (above), else :func:`run`."""
-    message = _p2p_message(g, tensors, src, tag)
-    p2p = g.p2p
-    if message is not None and p2p is not None:
-        return _posted_p2p(g, "recv", p2p.Irecv(message, src, tag), tensors, tensors[0], src,
+    message = _p2p_buffer(g, tensors, src, tag)
+    if message is not None:
+        return _posted_p2p(g, "recv", g.p2p.Irecv(message, src, tag), tensors, tensors[0], src,
                            (message[1], message[2]))
     return run(g, "recv", _p2p.recv, (tensors, src, tag))
 
@@ -348,32 +323,41 @@ def post_collective(g, op: str, posting, args):
     ident = _get_ident()
     if g.queued or ident == engine._ident or ident == engine._stealer:
         return _post_in_turn(g, op, posting, args)
-    # The latency-bound case, posted here: Group.next_seq, _status.watch and the
-    # Work's constructor without their calls (docs/benchmarks.md, the posted form).
+    # The latency-bound case, posted here: Group.next_seq without its call, the
+    # watch and the Work in _watched_work (docs/benchmarks.md, the posted form).
     g.seq = seq = next(g._seqs)
     posting.group = g
     posting.seq = seq
     posting.start = start = _monotonic()
     g.last = (op, seq, start)
     _last_group[0] = g
-    seconds = g.timeout_s
-    if seconds:
-        posting.deadline = start + seconds
-        if watchdog._thread is None:
-            watchdog.start()
     if _trace._tracer:
         posting.traced = _trace.now_ns()
     try:
         posting.req = posting._start()
     except _mpi.mpi().Exception as exc:
         raise mpi_error(op, g, seq, exc) from exc
-    posting.token = token = next(_watch_ids)
-    _watched[token] = posting  # the watchdog's record until the Work completes
+    return _watched_work(g, posting, start, posting.outputs)
+
+
+def _watched_work(g, pending, start, outputs):
+    """The pending Work of ``pending`` (a posted collective or point-to-point
+    op, posted at ``start``): its deadline set and the watchdog running, the
+    pending the watchdog's record until the Work completes
+    (hpccomm._status.watch), and the Work made as ``Work(outputs, pending)``
+    makes it, without the constructor's frame."""
+    seconds = g.timeout_s
+    if seconds:
+        pending.deadline = start + seconds
+        if watchdog._thread is None:
+            watchdog.start()
+    pending.token = token = next(_watch_ids)
+    _watched[token] = pending
     work = _new_work(_Work)
     _work_init(work)
-    work._outputs = posting.outputs  # the future's value; the posting keeps the buffers alive
-    work._pending = posting
-    work._done = work._engine_completes = False
+    work._outputs = outputs  # the future's value; the pending keeps the buffers alive
+    work._pending = pending
+    work._done = work._engine_completes = False  # completed by whoever waits or tests, until handed on
     work._source = -1
     work._lock = _allocate_lock()
     return work
@@ -507,25 +491,11 @@ def posted(g, op: str, pending, tensor, devices):
     """The Work of a posted point-to-point op: numbered, watched by the
     watchdog until it completes (the Pending is its own record in
     :mod:`hpccomm._status`), and collected when torch coalesces.
-    (Group.next_p2p_seq, _status.watch and the Work's constructor without
-    their calls: the plain case comes here too.)"""
+    (Group.next_p2p_seq without its call; the plain case comes here too.)"""
     g.p2p_seq = pending.seq = next(g._p2p_seqs)
     pending.group = g
     pending.start = start = _monotonic()
-    seconds = g.timeout_s
-    if seconds:
-        pending.deadline = start + seconds
-        if watchdog._thread is None:
-            watchdog.start()
-    pending.token = token = next(_watch_ids)
-    _watched[token] = pending  # the watchdog's record until the Work completes
-    work = _new_work(_Work)
-    _work_init(work)
-    work._outputs = tensor  # the future's value; the Pending keeps the buffers alive
-    work._pending = pending
-    work._done = work._engine_completes = False  # (a Pending: completed by whoever waits or tests)
-    work._source = -1
-    work._lock = _allocate_lock()
+    work = _watched_work(g, pending, start, tensor)
     if devices:
         work._devices = devices
     if g.coalescing is not None:

@@ -224,55 +224,34 @@ class Work(WorkBase):
 
     # -- torch's Work API ---------------------------------------------------
     def wait(self, timeout: timedelta | None = None) -> bool:
-        if not timeout and not self._done and self._pending.__class__ is _Posted and not self._engine_completes:
-            # A posted collective waited for without a time limit (torch passes 0 for none),
-            # the latency-bound case: _wait_pending and Request.wait without their calls.
+        if not timeout and not self._done and (self._pending.__class__ is _Posted or self._pending.__class__ is _P2P) \
+                and not self._engine_completes:
+            # A posted collective or a point-to-point op waited for without a time limit (torch
+            # passes 0 or None for none; its blocking send/recv wait at once), the latency-bound
+            # case: _wait_pending and Request.wait without their calls, and when nothing is left
+            # to finish, _complete (with a receive's check of what arrived) without its calls.
             with self._lock:
                 if not self._done and not self._engine_completes:
-                    pending = self._pending
-                    try:
-                        pending.req.Wait()
-                    except _mpi.mpi().Exception as exc:  # finish() reports it, naming the op
-                        pending.error = exc
-                    else:
-                        if pending.after is None and not pending.traced and self._rawf is None:
-                            # Done, nothing to finish and no future to set: _complete's
-                            # work without its calls.
-                            _watched.pop(pending.token, None)  # _status.end, without its call
-                            self._pending = None
-                            self._done = True
-                            return True
-                    self._complete()
-                    if self._error is not None:
-                        raise self._error
-                    return True
-        if not timeout and not self._done and self._pending.__class__ is _P2P:
-            # A point-to-point op waited for without a time limit (torch's blocking send and
-            # recv): _wait_pending, Request.wait and, when it succeeded, _complete and the
-            # receive's finish() without their calls.
-            with self._lock:
-                if not self._done:
                     pending = self._pending
                     try:
                         pending.req.Wait(pending.status)
                     except _mpi.mpi().Exception as exc:  # finish() reports it, naming the op
                         pending.error = exc
                     else:
-                        if pending.after is None and self._rawf is None:
-                            if not pending.is_recv:
-                                _watched.pop(pending.token, None)
+                        if pending.after is None and not pending.traced and self._rawf is None:
+                            settled = True
+                            if pending.is_recv:  # from a named rank, as many elements as the tensor holds
+                                source = pending.peer
+                                count, datatype = pending.expect
+                                settled = source is not None and pending.status.Get_elements(datatype) == count
+                                if settled:
+                                    self._source = source
+                            if settled:
+                                _watched.pop(pending.token, None)  # _status.end, without its call
                                 self._pending = None
                                 self._done = True
                                 return True
-                            source = pending.peer
-                            count, datatype = pending.expect
-                            if source is not None and pending.status.Get_elements(datatype) == count:
-                                self._source = source
-                                _watched.pop(pending.token, None)
-                                self._pending = None
-                                self._done = True
-                                return True
-                    self._complete()  # any source, a staged receive, a future, a short message, an error
+                    self._complete()  # any source, a staged receive, a short message, an error, a future
                     if self._error is not None:
                         raise self._error
                     return True

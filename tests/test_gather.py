@@ -46,8 +46,8 @@ def recorded(monkeypatch):
         seen.append((send.data_ptr(), recv.data_ptr(), list(counts)))
         return real(group, send, recv, counts)
 
-    def spy_plain(g, op, opts, outputs, call, *args):
-        work = real_plain(g, op, opts, outputs, call, *args)
+    def spy_plain(g, op, outputs, call, *args):
+        work = real_plain(g, op, outputs, call, *args)
         if work is not None and op == "all_gather_into_tensor":  # (None: the general path runs instead)
             send, recv = args
             at, n = recv[0].address, recv[1]

@@ -50,6 +50,25 @@ _Tensor = torch.Tensor
 _STRIDED = torch.strided
 
 
+def plain_buffer(group, tensors):
+    """The plain case of an op on one tensor (broadcast and send/recv, either
+    form: hpccomm.ops.scatter.ibroadcast, hpccomm._runner.run_broadcast,
+    run_send, run_recv): ``tensors`` a list of one dense contiguous CPU tensor
+    of a dtype hpccomm has moved before (_mpi.host_types), within the count
+    limit: ``[memory, count, MPI type]`` on the tensor's own memory
+    (:func:`single`'s checks and _mpi.host_buffer without their calls); else
+    None (the general case, which checks and refuses)."""
+    if tensors.__class__ is list and len(tensors) == 1:
+        t = tensors[0]
+        if t.__class__ is _Tensor and t.layout is _STRIDED and t.is_cpu:
+            kind = _mpi.host_types.get(t.dtype)
+            if kind is not None and t.is_contiguous():
+                count = t.numel()
+                if count <= group.max_count:
+                    return [_mpi.fromaddress(t.data_ptr(), count * kind[1]), count, kind[0]]
+    return None
+
+
 def single(group, op: str, tensors, what: str = "tensors") -> torch.Tensor:
     """``check_list(tensors, 1)`` and :func:`check_tensor` of its tensor in
     one call (a plain CPU tensor of a dtype hpccomm moves passes a quick test
@@ -307,6 +326,9 @@ class Request:
     req = None
     status = None
     error = None
+    after = None  # the finish step once the data is in place, or None
+    traced = 0  # the tracer's start time (ns) when the tracer draws it (collectives only)
+    is_recv = False  # a point-to-point receive (its finish() checks what arrived)
 
     def test(self) -> bool:
         """Non-blocking: True once the request completed (with or without error)."""
@@ -362,7 +384,6 @@ class Posted(Request):
     seq = 0
     start = deadline = None
     token = None
-    traced = 0  # the tracer's start time (ns) when the tracer is on
 
     def __init__(self, op: str, start, outputs, keep, after=None, nbytes: int = 0) -> None:
         self.op = self.name = op

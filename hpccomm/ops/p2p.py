@@ -51,11 +51,8 @@ class Pending(c.Request):
     group = None
     start = deadline = None
     token = None
-    # defaults of a send
-    is_recv = False
-    expect = None
-    after = None
-    # (status: None for a send, which needs none; error: see hpccomm.ops._common.Request)
+    expect = None  # a receive's (elements, MPI datatype)
+    # (a send's defaults, from hpccomm.ops._common.Request: is_recv False, after None, status None)
 
     def __init__(self, req, keep, op: str, peer=None, is_recv: bool = False, expect=None, after=None) -> None:
         self.req = req

@@ -343,19 +343,10 @@ def iallreduce(group, tensors, redop, op: str = "all_reduce"):
     the size limits, a user-defined MPI op) or sees a tensor it does not take
     (a sparse or device tensor, or a refusal: :func:`allreduce` raises it
     with its message)."""
-    if tensors.__class__ is list and len(tensors) == 1:
-        # The plain case (see PLAIN): c.single's quick test, the cached
-        # reduction and _mpi.host_buffer, without their calls.
-        t = tensors[0]
-        if t.__class__ is _Tensor and t.layout is _STRIDED and t.is_cpu:
-            plain = PLAIN.get((t.dtype, c.redop_code(redop)))
-            if plain is not None and t.is_contiguous():
-                count = t.numel()
-                nbytes = count * plain[2]
-                if nbytes <= c.NONBLOCKING_MAX_BYTES and count <= group.max_count:
-                    buf = [_mpi.fromaddress(t.data_ptr(), nbytes), count, plain[1]]
-                    return c.Posted(op, _partial(group.comm.Iallreduce, _mpi.IN_PLACE, buf, op=plain[0]), tensors,
-                                    t, None, nbytes)
+    plain = plain_allreduce_buffer(group, tensors, redop)
+    if plain is not None and plain[0][0].nbytes <= c.NONBLOCKING_MAX_BYTES:
+        return c.Posted(op, _partial(group.comm.Iallreduce, _mpi.IN_PLACE, plain[0], op=plain[1]), tensors,
+                        tensors[0], None, plain[0][0].nbytes)
     try:
         t = c.single(group, op, tensors)
     except c.OpTypeError:
@@ -385,6 +376,24 @@ def iallreduce(group, tensors, redop, op: str = "all_reduce"):
     sendbuf = _mpi.IN_PLACE if send is None else _mpi.buffer(send)
     return c.Posted(op, _partial(comm.Iallreduce, sendbuf, _mpi.buffer(work), op=mop), tensors, (t, work, send),
                     after, count * size)
+
+
+def plain_allreduce_buffer(group, tensors, redop):
+    """all_reduce's plain case, either form (:func:`iallreduce`,
+    hpccomm._runner.run_allreduce): one dense contiguous CPU tensor whose
+    (dtype, ReduceOp) pair is in :data:`PLAIN`, within the count limit:
+    ``([memory, count, MPI type], MPI op)`` on the tensor's memory (c.single's
+    checks, the cached reduction and _mpi.host_buffer without their calls);
+    else None (the general case)."""
+    if tensors.__class__ is list and len(tensors) == 1:
+        t = tensors[0]
+        if t.__class__ is _Tensor and t.layout is _STRIDED and t.is_cpu:
+            plain = PLAIN.get((t.dtype, c.redop_code(redop)))
+            if plain is not None and t.is_contiguous():
+                count = t.numel()
+                if count <= group.max_count:
+                    return [_mpi.fromaddress(t.data_ptr(), count * plain[2]), count, plain[1]], plain[0]
+    return None
 
 
 def plain_scatter_buffers(group, output, input, redop):

@@ -8,9 +8,6 @@ import torch
 from .. import _mpi
 from . import _common as c
 
-_Tensor = torch.Tensor
-_STRIDED = torch.strided
-
 
 def broadcast(group, tensors, root: int, op: str = "broadcast"):
     t = c.single(group, op, tensors)
@@ -99,19 +96,11 @@ def ibroadcast(group, tensors, root: int, op: str = "broadcast"):
     """broadcast's nonblocking form (MPI_Ibcast), checks included (see
     hpccomm.ops.reduce.iallreduce), or None past the size limits (see
     hpccomm.ops.reduce's note on nonblocking forms)."""
-    if tensors.__class__ is list and len(tensors) == 1 and root.__class__ is int and 0 <= root < group.size:
-        # The plain case: one dense contiguous CPU tensor of a dtype already moved
-        # (_mpi.host_types), posted on its own memory (c.single's quick test and
-        # _mpi.host_buffer without their calls).
-        t = tensors[0]
-        if t.__class__ is _Tensor and t.layout is _STRIDED and t.is_cpu and t.is_contiguous():
-            kind = _mpi.host_types.get(t.dtype)
-            if kind is not None:
-                count = t.numel()
-                nbytes = count * kind[1]
-                if nbytes <= c.NONBLOCKING_MAX_BYTES and count <= group.max_count:
-                    buf = [_mpi.fromaddress(t.data_ptr(), nbytes), count, kind[0]]
-                    return c.Posted(op, _partial(group.comm.Ibcast, buf, root=root), tensors, t, None, nbytes)
+    if root.__class__ is int and 0 <= root < group.size:
+        buf = c.plain_buffer(group, tensors)  # the plain case: posted on the tensor's own memory
+        if buf is not None and buf[0].nbytes <= c.NONBLOCKING_MAX_BYTES:
+            return c.Posted(op, _partial(group.comm.Ibcast, buf, root=root), tensors, tensors[0], None,
+                            buf[0].nbytes)
     t = c.single(group, op, tensors)
     if not (root.__class__ is int and 0 <= root < group.size):  # (check_root's test, without its call)
         c.check_root(group, op, root, "src")
