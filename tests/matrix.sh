@@ -31,6 +31,10 @@
 # run are kept.  At most one CUDA torch is on disk at a time: about 7 GB at the peak besides the clone.
 # An install that fails (the network dropped, say) is retried twice from an empty venv.
 #
+# pip runs with tests/constraints.txt as its only constraints, whatever the machine's or the user's pip
+# configuration says (tests/pip_env.py; docs/testing.md "pip's configuration"), and each cell prints the
+# torch its venv really holds and fails if it is not the declared one.
+#
 # Every MPI test (the tests/run.sh phase under the launcher) runs in every whole-suite cell at every
 # size.  The tests that start their own jobs (the no-MPI phase: about 11 minutes per cell here) are
 # spread so that each runs under every torch version's and every MPI family's cells where its code can
@@ -56,7 +60,17 @@ declare -A CELLS=(
     [2.15-impi]="2.15.0|impi|impi|2 3|ops training failures|failures ft"
 )
 
-pip_q() { "$1/bin/pip" install -q --no-cache-dir --disable-pip-version-check -c "$root/tests/constraints.txt" "${@:2}"; }
+# pip here runs with the project's constraints only (tests/constraints.txt): the machine's and the user's pip
+# configuration keep only where packages come from (index, mirror, wheel folder, certificate); a configured
+# constraint file (this project's machines cap torch at the releases on their disk: torch<=2.14.1), extra
+# requirements or other pins are dropped, else a cell could not get its torch (tests/pip_env.py says why).
+pip_env=()
+while IFS= read -r -d '' arg; do pip_env+=("$arg"); done < <("$py" tests/pip_env.py tests/constraints.txt)
+[ ${#pip_env[@]} -gt 0 ] || { echo "!! tests/pip_env.py failed: cannot set up pip"; exit 2; }
+pip_q() { env "${pip_env[@]}" "$1/bin/pip" install -q --no-cache-dir "${@:2}"; }
+
+# The torch version venv $1 holds ("none" without one).
+torch_of() { "$1/bin/python" -c "import torch; print(torch.__version__)" 2>/dev/null || echo none; }
 
 free_disk() { df -Ph . | awk 'NR == 2 { print $4 " free on " $6 }'; }
 
@@ -83,7 +97,7 @@ new_venv() {
 # The venv with torch $1 alone, shared by the cells of that version.
 torch_venv() {
     local version=$1 dir=".venv-torch$1"
-    if ! { [ -x "$dir/bin/python" ] && "$dir/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$version')" 2>/dev/null; }; then
+    if ! { [ -x "$dir/bin/python" ] && [ "$(torch_of "$dir" | cut -d+ -f1)" = "$version" ]; }; then
         new_venv "$dir" "torch==$version" numpy || return 1
     fi
     echo "$dir"
@@ -114,8 +128,6 @@ cell_venv() {
     # torch's console script is in the torch venv's bin: the SLURM torchrun template runs it by name
     printf '#!/bin/sh\nexec "%s" -m torch.distributed.run "$@"\n' "$root/$dir/bin/python" > "$dir/bin/torchrun"
     chmod +x "$dir/bin/torchrun"
-    "$dir/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$version')" || {
-        echo "!! $dir does not see torch $version" >&2; return 1; }
     echo "$dir"
 }
 
@@ -148,7 +160,15 @@ for cell in $cells; do
     IFS='|' read -r version family extra sizes suites unit <<<"$spec"
     start=$SECONDS
     echo "==== cell $cell: torch $version, $family ($(free_disk))"
-    if venv=$(cell_venv "$cell" "$version" "$extra"); then
+    venv=$(cell_venv "$cell" "$version" "$extra") || venv=""
+    if [ -n "$venv" ]; then   # the torch the cell really got, whatever pip was told
+        got=$(torch_of "$venv")
+        echo "== cell $cell: torch $got in $venv (declared $version)"
+    fi
+    if [ -n "$venv" ] && [ "${got%%+*}" != "$version" ]; then
+        echo "!! cell $cell: its venv $venv has torch $got, not the declared $version: not run"
+        RESULT[$cell]="wrong torch"; status=1
+    elif [ -n "$venv" ]; then
         ( . "$venv/bin/activate"
           export HPCCOMM_TEST_MPI=$family HPCCOMM_TEST_SIZES=$sizes
           [ -n "$suites" ] && export HPCCOMM_TEST_SUITES=$suites
