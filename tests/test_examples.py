@@ -98,6 +98,61 @@ def test_train_ddp_bench_both_backends():
     assert len(digests) == 2 and digests[0] == digests[1], log
 
 
+def test_train_ddp_progress_in_a_log_is_whole_lines():
+    """The default progress (``--progress auto``) when the job's output goes
+    to a pipe, as a batch job's goes to its log: a plain line every
+    ``--print-every`` steps, no carriage return.  Open MPI's mpirun gives each
+    rank a pseudo-terminal whatever its own output is (the rank's isatty() is
+    True here), so the rank must look at mpirun's output to get this right."""
+    rc, rank0, log = launch(2, "-m", "hpccomm.examples.train_ddp", "--steps", "6", "--hidden", "64",
+                            "--print-every", "2")
+    assert rc == 0, log
+    assert _step_lines(rank0, "hpccomm", 6) == ["1", "2", "4", "6"], log
+    assert not any("\r" in line for line in rank0), log
+
+
+def test_train_ddp_progress_on_a_terminal_updates_one_line():
+    """The same job with mpirun's output on a terminal (a pseudo-terminal this
+    test holds): under Open MPI, rank 0 shows one line updated in place, a
+    carriage return before every step's report.  Hydra (MPICH, Intel MPI)
+    gives its ranks pipes even then, so there the report is whole lines."""
+    import pty
+    import termios
+
+    mpi = require()
+    master, slave = pty.openpty()
+    attrs = termios.tcgetattr(slave)
+    attrs[1] &= ~termios.OPOST  # no newline -> CR LF translation: a carriage return seen is the program's
+    termios.tcsetattr(slave, termios.TCSANOW, attrs)
+    cmd = ["timeout", "--kill-after=10", str(TIMEOUT - 15),
+           *mpi.argv(2, sys.executable, "-m", "hpccomm.examples.train_ddp", "--steps", "6", "--hidden", "64",
+                     "--print-every", "2")]
+    proc = subprocess.Popen(cmd, env=mpi.env(), cwd=REPO, stdin=subprocess.DEVNULL, stdout=slave,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: every writer of the terminal has closed it
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(master)
+    err = proc.communicate(timeout=TIMEOUT)[1].decode(errors="replace")
+    out = b"".join(chunks).decode(errors="replace")
+    log = f"$ {' '.join(cmd)}\nexit status {proc.returncode}\n--- terminal\n{out[-6000:]!r}\n--- stderr\n{err[-4000:]}"
+    assert proc.returncode == 0, log
+    updates = re.findall(r"\rhpccomm +\[[#.]+\] step +(\d+)/6 ", out)
+    lines = re.findall(r"(?m)^hpccomm +\[[#.]+\] step +(\d+)/6 .*samples/s$", out)
+    if mpi.family == "openmpi":
+        assert updates == ["1", "2", "3", "4", "5", "6"] and not lines, log
+    else:
+        assert lines == ["1", "2", "4", "6"] and not updates, log
+    assert "hpccomm: all 2 ranks hold identical weights" in out, log
+
+
 def test_failed_check_fails_every_rank(tmp_path):
     """The examples' verdict: a check that fails on one rank makes every
     rank exit non-zero (so mpirun's status says so)."""

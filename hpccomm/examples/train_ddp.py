@@ -7,7 +7,8 @@
 An MLP classifier learns a random teacher network's labels from synthetic
 data, each rank drawing its own batches.  Rank 0 shows the loss (the mean
 over ranks) and samples/s: one line updated in place on a terminal, one line
-every ``--print-every`` steps otherwise.  At the end every rank hashes its
+every ``--print-every`` steps otherwise (a log file, a pipe: also when
+``mpirun``'s output goes there, though it gives each rank a pseudo-terminal).  At the end every rank hashes its
 weights, the hashes are gathered, and the program prints that all ranks hold
 identical weights, or exits with status 1 if they do not.
 
@@ -38,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hpccomm
 
-from ._common import say, start
+from ._common import output_is_terminal, rank0s, say, start
 
 IN_FEATURES, CLASSES = 256, 16
 
@@ -60,8 +61,8 @@ def parse(argv=None):
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's bucket size (default 25, DDP's)")
     p.add_argument("--progress", choices=("auto", "bar", "lines"), default="auto",
                    help="bar: one line updated in place; lines: a line every --print-every steps; "
-                        "auto (default): bar when rank 0's stdout is a terminal (Open MPI's mpirun gives ranks a "
-                        "pseudo-terminal even when its output is piped: pass --progress lines for a log)")
+                        "auto (default): bar when rank 0's output reaches a terminal (under mpirun: when "
+                        "mpirun's own output does), else lines")
     p.add_argument("--print-every", type=int, default=0,
                    help="with --progress lines, a line every N steps (default: steps/10)")
     p.add_argument("--rounds", type=int, default=1,
@@ -104,10 +105,11 @@ class Data:
 
 
 class Progress:
-    """Rank 0's progress display: ``\\r``-updated on a terminal, else a line every ``every`` steps."""
+    """Rank 0's progress display: ``\\r``-updated on a terminal, else a line every ``every`` steps
+    (a batch job's log then holds one line per report, not every update in one line)."""
 
     def __init__(self, steps: int, every: int, label: str, mode: str) -> None:
-        self.tty = sys.stdout.isatty() if mode == "auto" else mode == "bar"
+        self.tty = mode == "bar"
         self.steps, self.every, self.label = steps, every, label
         self.rank0 = dist.get_rank() == 0
 
@@ -203,6 +205,8 @@ def main(argv=None) -> int:
     args = parse(argv)
     warnings.filterwarnings("ignore", message=".*is deprecated", category=FutureWarning)
     rank, size = start()
+    if args.progress == "auto":  # rank 0's output decides; every rank follows (the bar reduces the loss each step)
+        args.progress = "bar" if rank0s(output_is_terminal()) else "lines"
     threads = args.threads or max(1, (os.cpu_count() or 1) // hpccomm.local_size())
     torch.set_num_threads(threads)
     say(f"hpccomm {hpccomm.__version__}: {size} rank(s), {threads} torch thread(s) per rank")
