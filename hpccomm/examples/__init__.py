@@ -3,6 +3,11 @@
 - ``train_ddp``: DistributedDataParallel training on synthetic data, with a
   progress line, a final check that every rank holds identical weights, and
   ``--bench`` / ``--backend gloo`` to time hpccomm against torch's gloo.
+- ``train_lightning``, ``train_accelerate``, ``train_transformers``: the same
+  kind of training through Lightning's Trainer, Accelerate and the
+  transformers Trainer (docs/frameworks.md; they need the ``frameworks``
+  extra), each checking that hpccomm carried it and that the weights equal
+  a one-process run on the world's batches.
 - ``train_elastic``: DDP training that loses a rank mid-run (fault tolerance:
   ``mpirun --with-ft ulfm``) and finishes on the survivors with identical
   weights, printing how long the recovery took.
