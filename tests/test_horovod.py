@@ -543,6 +543,111 @@ def test_distributed_optimizer_sparse_gradients(h):
     p.verdict()
 
 
+#: Horovod's warning (horovod/torch/optimizer.py, _DistributedOptimizer.step)
+HOROVOD_STEP_AFTER_SYNCHRONIZE = (
+    "optimizer.step() called without optimizer.skip_synchronize() context after optimizer.synchronize(). This can "
+    "cause training slowdown. You may want to consider using optimizer.skip_synchronize() context if you use "
+    "optimizer.synchronize() in your code.")
+
+
+def warned(call) -> list:
+    """``(category, message)`` of every warning ``call()`` issued."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call()
+    return [(w.category, str(w.message)) for w in caught]
+
+
+@pytest.mark.mpi
+def test_step_after_synchronize_warns_as_horovod(h):
+    """``synchronize()`` then ``step()`` outside ``skip_synchronize()``: one
+    UserWarning with Horovod's words, and the gradients are reduced again (as
+    in Horovod: an Average stays the average, a Sum is summed twice). No
+    warning inside ``skip_synchronize()``, for a step without ``synchronize()``,
+    or after ``load_state_dict`` (Horovod's clears the flag)."""
+    p = Problems()
+    n, r = hvd.size(), hvd.rank()
+    a, c = grads_of(r)
+    sum_a = sum(grads_of(q)[0] for q in range(n))
+    for op, reduced_twice in ((hvd.Average, sum_a / n), (hvd.Sum, n * sum_a)):
+        model = Linear2()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), op=op,
+                                       named_parameters=model.named_parameters())
+        model(a, c).backward()
+        opt.synchronize()
+        got = warned(opt.step)
+        p.expect(got == [(UserWarning, HOROVOD_STEP_AFTER_SYNCHRONIZE)], f"op {op}: synchronize, step: {got}")
+        p.expect(torch.allclose(model.w.detach(), -reduced_twice), f"op {op}: w {model.w.detach()}")
+        opt.zero_grad()
+        model(a, c).backward()
+        got = warned(opt.step)
+        p.expect(got == [], f"op {op}: a step without synchronize warned: {got}")
+        opt.zero_grad()
+        model(a, c).backward()
+        opt.synchronize()
+        with opt.skip_synchronize():
+            got = warned(opt.step)
+        p.expect(got == [], f"op {op}: a step inside skip_synchronize warned: {got}")
+        opt.zero_grad()
+        model(a, c).backward()
+        opt.synchronize()
+        opt.load_state_dict(opt.state_dict())
+        got = warned(opt.step)
+        p.expect(got == [], f"op {op}: a step after synchronize and load_state_dict warned: {got}")
+    p.verdict()
+
+
+@pytest.mark.mpi
+def test_parameter_names_as_horovod(h):
+    """``optimizer._parameter_names`` is Horovod's ``{parameter: name}``,
+    sorted by name; without ``named_parameters`` the names are
+    ``allreduce.noname.<group>.<index>``: unique, and the same on every rank.
+    They name the optimizer's sparse reductions, as in Horovod."""
+    p = Problems()
+    n, r = hvd.size(), hvd.rank()
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([{"params": model[0].parameters()},
+                                                    {"params": model[1].parameters(), "lr": 0.5}], lr=0.1))
+    names = opt._parameter_names
+    expected = [(model[0].weight, "allreduce.noname.0.0"), (model[0].bias, "allreduce.noname.0.1"),
+                (model[1].weight, "allreduce.noname.1.0"), (model[1].bias, "allreduce.noname.1.1")]
+    p.expect(isinstance(names, dict) and [(id(k), v) for k, v in names.items()] == [(id(k), v) for k, v in expected],
+             f"without named_parameters: {list(names.values())}")
+    everyone = hvd.allgather_object(list(names.values()))
+    p.expect(len(everyone) == n and all(e == everyone[0] for e in everyone) and len(set(everyone[0])) == 4, everyone)
+    named = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=reversed(list(model.named_parameters())))
+    p.expect([(id(k), v) for k, v in named._parameter_names.items()] ==
+             [(id(q), k) for k, q in sorted(model.named_parameters(), key=lambda kq: kq[0])],
+             f"with named_parameters: {list(named._parameter_names.values())}")
+    # the sparse gradient of an unnamed optimizer is reduced under its generated name
+    emb = torch.nn.Embedding(4, 2, sparse=True)
+    sparse_opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=1.0))
+    p.expect(list(sparse_opt._parameter_names.values()) == ["allreduce.noname.0.0"], sparse_opt._parameter_names)
+    emb(torch.tensor([r % 4])).sum().backward()
+    got = outcome(lambda: hvd.allgather_async(torch.tensor([r]), name="allreduce.noname.0.0.indices"))
+    # hooks (so reductions during backward) exist at size > 1 only, as in Horovod; at size 1 step() reduces
+    p.expect(isinstance(got, ValueError) and "Tensor name 'allgather.allreduce.noname.0.0.indices' is held" in str(got)
+             if n > 1 else equal(got, [torch.arange(n)]), f"an allgather named like the reduction in flight: {got!r}")
+    sparse_opt.step()
+    p.expect(torch.equal(hvd.allgather(torch.tensor([r]), name="allreduce.noname.0.0.indices"), torch.arange(n)),
+             "the name after step")
+    # load_state_dict in the middle of a step forgets its reductions (as Horovod does) and frees their names
+    sparse_opt.zero_grad()
+    emb(torch.tensor([r % 4])).sum().backward()
+    sparse_opt.load_state_dict(sparse_opt.state_dict())
+    sparse_opt.zero_grad()
+    emb(torch.tensor([r % 4])).sum().backward()
+    before = emb.weight.detach().clone()
+    exc = raised(sparse_opt.step)
+    moved = torch.zeros(4, 2)
+    for q in range(n):
+        moved[q % 4] -= 1.0 / n
+    p.expect(exc is None and torch.allclose(emb.weight.detach() - before, moved), f"the step after load_state_dict: "
+             f"{exc!r}, moved {emb.weight.detach() - before}")
+    p.verdict()
+
+
 @pytest.mark.mpi
 def test_a_process_set_duplicating_the_global_set_is_refused(h):
     exc = raised(lambda: hvd.add_process_set(list(range(hvd.size()))))
@@ -643,6 +748,225 @@ def test_join_with_allreduce_and_optimizer(h):
         p.expect(isinstance(exc, hvd.HorovodInternalError) and "broadcast is not supported while ranks have joined "
                  "(rank(s) [0] called hvd.join())" in str(exc), exc)
         hvd.join()
+    p.verdict()
+
+
+# -- names in flight (Horovod's rule: no two ops of one name in flight on a process set) -----------------------
+
+#: Horovod's DUPLICATE_NAME_ERROR (horovod/common/common.h), its two sentences with one space between them
+HOROVOD_DUPLICATE_NAME = ("Requested to allreduce, allgather, or broadcast a tensor with the same name as another "
+                          "tensor that is currently being processed. If you want to request another tensor, use a "
+                          "different tensor name.")
+
+
+def named_families(n: int, r: int) -> dict:
+    """Every form of every op that takes a name, by Horovod's op family (the
+    prefix of its tensor names): ``family -> (make inputs, expected results,
+    {form: call(inputs, name)})``. A call returns a handle (``*_async``) or the
+    result; ``results`` below turns either into a list of tensors."""
+    s = float(n * (n + 1) // 2)  # the sum over the ranks of r + 1
+
+    def one():
+        return [torch.full((2,), r + 1.0)]
+
+    def two():
+        return [torch.full((2,), r + 1.0), torch.full((3,), 2.0 * (r + 1))]
+
+    sum_ = hvd.Sum
+    return {
+        "allreduce": (one, [torch.full((2,), s)], {
+            "allreduce_async": lambda t, name: hvd.allreduce_async(t[0], name=name, op=sum_),
+            "allreduce_async_": lambda t, name: hvd.allreduce_async_(t[0], name=name, op=sum_),
+            "allreduce": lambda t, name: hvd.allreduce(t[0], name=name, op=sum_),
+            "allreduce_": lambda t, name: hvd.allreduce_(t[0], name=name, op=sum_)}),
+        "grouped_allreduce": (two, [torch.full((2,), s), torch.full((3,), 2 * s)], {
+            "grouped_allreduce_async": lambda t, name: hvd.grouped_allreduce_async(t, name=name, op=sum_),
+            "grouped_allreduce_async_": lambda t, name: hvd.grouped_allreduce_async_(t, name=name, op=sum_),
+            "grouped_allreduce": lambda t, name: hvd.grouped_allreduce(t, name=name, op=sum_),
+            "grouped_allreduce_": lambda t, name: hvd.grouped_allreduce_(t, name=name, op=sum_)}),
+        "allgather": (lambda: [torch.tensor([r])], [torch.arange(n)], {
+            "allgather_async": lambda t, name: hvd.allgather_async(t[0], name=name),
+            "allgather": lambda t, name: hvd.allgather(t[0], name=name)}),
+        "grouped_allgather": (
+            lambda: [torch.tensor([r]), torch.full((r + 1, 2), r)],
+            [torch.arange(n), torch.cat([torch.full((q + 1, 2), q) for q in range(n)])], {
+                "grouped_allgather_async": lambda t, name: hvd.grouped_allgather_async(t, name=name),
+                "grouped_allgather": lambda t, name: hvd.grouped_allgather(t, name=name)}),
+        "broadcast": (lambda: [torch.tensor([r + 1.0])], [torch.tensor([1.0])], {
+            "broadcast_async": lambda t, name: hvd.broadcast_async(t[0], 0, name=name),
+            "broadcast_async_": lambda t, name: hvd.broadcast_async_(t[0], 0, name=name),
+            "broadcast": lambda t, name: hvd.broadcast(t[0], 0, name=name),
+            "broadcast_": lambda t, name: hvd.broadcast_(t[0], 0, name=name)}),
+        "alltoall": (  # one row to each rank: rank r receives 10 q + r from rank q
+            lambda: [torch.arange(n) + 10 * r],
+            [torch.arange(n) * 10 + r, torch.ones(n, dtype=torch.int32)], {
+                "alltoall_async": lambda t, name: hvd.alltoall_async(t[0], splits=[1] * n, name=name),
+                "alltoall": lambda t, name: hvd.alltoall(t[0], splits=[1] * n, name=name)}),
+        "reducescatter": (lambda: [torch.full((n, 2), r + 1.0)], [torch.full((1, 2), s)], {
+            "reducescatter_async": lambda t, name: hvd.reducescatter_async(t[0], name=name, op=sum_),
+            "reducescatter": lambda t, name: hvd.reducescatter(t[0], name=name, op=sum_)}),
+        "grouped_reducescatter": (
+            lambda: [torch.full((n,), r + 1.0), torch.ones(n, 2)], [torch.full((1,), s), torch.full((1, 2), float(n))], {
+                "grouped_reducescatter_async": lambda t, name: hvd.grouped_reducescatter_async(t, name=name, op=sum_),
+                "grouped_reducescatter": lambda t, name: hvd.grouped_reducescatter(t, name=name, op=sum_)}),
+    }
+
+
+def outcome(call):
+    """``call()``'s result as a list of tensors (a handle is synchronized
+    first), or the exception it raised (then ``equal`` is False)."""
+    try:
+        out = call()
+        out = hvd.synchronize(out) if isinstance(out, int) else out
+    except Exception as exc:  # noqa: BLE001 - the caller checks it
+        return exc
+    return [out] if isinstance(out, torch.Tensor) else list(out)
+
+
+def equal(got, expected: list) -> bool:
+    return isinstance(got, list) and len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def sparse_one_hot(n: int, r: int) -> torch.Tensor:
+    """A sparse (n,) tensor with 1 at index r: the sparse sum over the ranks is ones(n)."""
+    return torch.sparse_coo_tensor(torch.tensor([[r]]), torch.tensor([1.0]), (n,), check_invariants=True)
+
+
+@pytest.mark.mpi
+def test_a_name_in_flight_is_refused_on_the_calling_rank(h):
+    """Horovod's rule, for every op and each of its forms: while an async op
+    with a name is in flight (started, not synchronized) on a process set, a
+    second op of that family with that name raises ValueError on the calling
+    rank with Horovod's words, the op, the name, the rank and the holder,
+    before anything is sent (the op in flight still pairs across ranks), with
+    its tensors untouched; once the first is synchronized, the name is free."""
+    p = Problems()
+    n, r = hvd.size(), hvd.rank()
+    for family, (make, expected, forms) in named_families(n, r).items():
+        tensor_name = f"{family}.x" + ("_1of2" if family.startswith("grouped_") else "")
+        for holder in [f for f in forms if "async" in f]:
+            for form, call in forms.items():
+                tag = f"{holder}(name='x') in flight, then {form}(name='x')"
+                handle = forms[holder](make(), "x")
+                mine = make()
+                before = [t.clone() for t in mine]
+                exc = raised(lambda: call(mine, "x"))
+                p.expect(isinstance(exc, ValueError) and all(text in str(exc) for text in (
+                    f"hpccomm.horovod {family} 'x' (op #", f"on process set 0, rank {r}/{n}): ", HOROVOD_DUPLICATE_NAME,
+                    f"Tensor name {tensor_name!r} is held by handle {handle}, which has not been synchronized")),
+                    f"{tag}: {exc!r}")
+                p.expect(equal(mine, before), f"{tag}: the refused call changed its tensors")
+                p.expect(equal(outcome(lambda: handle), expected), f"{tag}: the op in flight")
+                p.expect(equal(outcome(lambda: call(mine, "x")), expected), f"{tag}: the name is not free after synchronize")
+    p.verdict()
+
+
+@pytest.mark.mpi
+def test_names_are_horovods_per_op_family_and_group_size(h):
+    """Horovod names each tensor ``<op>.<name>`` (grouped ops ``<op>.<name>_<i>of<k>``),
+    so one name may be in flight in different op families, in grouped ops of
+    different lengths, and any number of times without a name; an op that fails
+    frees its name at once."""
+    p = Problems()
+    n, r = hvd.size(), hvd.rank()
+    families = named_families(n, r)
+    # the same name in flight in every family at once
+    started = [(family, forms[f"{family}_async"](make(), "x"), expected)
+               for family, (make, expected, forms) in families.items()]
+    for family, handle, expected in started:
+        p.expect(equal(outcome(lambda: handle), expected), f"{family}_async(name='x') beside the other families")
+    # grouped ops of different lengths: Horovod's names carry the length
+    make, expected, forms = families["grouped_allreduce"]
+    h2 = hvd.grouped_allreduce_async(make(), name="g", op=hvd.Sum)
+    h3 = hvd.grouped_allreduce_async(make() + [torch.full((1,), r + 1.0)], name="g", op=hvd.Sum)
+    exc = raised(lambda: hvd.grouped_allreduce_async(make(), name="g", op=hvd.Sum))
+    p.expect(isinstance(exc, ValueError) and "Tensor name 'grouped_allreduce.g_1of2' is held by handle "
+             f"{h2}," in str(exc), exc)
+    p.expect(equal(outcome(lambda: h2), expected), "grouped_allreduce of 2 named 'g'")
+    p.expect(equal(outcome(lambda: h3), expected + [torch.full((1,), n * (n + 1) / 2)]), "grouped_allreduce of 3 named 'g'")
+    # no name, or an empty one (Horovod's "no name"): never refused
+    handles = [hvd.allreduce_async(torch.full((2,), r + 1.0), op=hvd.Sum, name=name) for name in (None, None, "", "")]
+    p.expect(all(equal(outcome(lambda: k), families["allreduce"][1]) for k in handles), "unnamed allreduces in flight")
+    # an op that fails frees its name: refused input on the last rank (the others raise HorovodInternalError)
+    bad = torch.ones(2, dtype=torch.bool if r == n - 1 else torch.float32)
+    exc = raised(lambda: hvd.allreduce_async(bad, name="x"))
+    p.expect(isinstance(exc, (ValueError, hvd.HorovodInternalError)) and "is not supported" in str(exc), exc)
+    p.expect(equal(outcome(lambda: hvd.allreduce_async(torch.full((2,), r + 1.0), name="x", op=hvd.Sum)),
+                   families["allreduce"][1]), "the name of a failed op is not free")
+    p.verdict()
+
+
+@pytest.mark.mpi
+def test_sparse_allreduce_names_its_two_allgathers_as_horovod(h):
+    """sparse_allreduce_async(t, name) holds ``allgather.<name>.indices`` and
+    ``allgather.<name>.values`` until its result is read; a clash on either is
+    refused before either allgather starts."""
+    p = Problems()
+    n, r = hvd.size(), hvd.rank()
+    finish = hvd.sparse_allreduce_async(sparse_one_hot(n, r), "s", hvd.Sum)
+    for part in ("indices", "values"):
+        exc = raised(lambda: hvd.allgather_async(torch.tensor([r]), name=f"s.{part}"))
+        p.expect(isinstance(exc, ValueError) and HOROVOD_DUPLICATE_NAME in str(exc)
+                 and f"hpccomm.horovod allgather 's.{part}' (op #" in str(exc)
+                 and f"Tensor name 'allgather.s.{part}' is held by handle " in str(exc), f"{part}: {exc!r}")
+    p.expect(torch.equal(finish().to_dense(), torch.ones(n)), "sparse_allreduce_async result")
+    p.expect(torch.equal(hvd.allgather(torch.tensor([r]), name="s.indices"), torch.arange(n)), "name free again")
+    for part in ("indices", "values"):
+        held = hvd.allgather_async(torch.tensor([r]), name=f"s.{part}")
+        exc = raised(lambda: hvd.sparse_allreduce_async(sparse_one_hot(n, r), "s", hvd.Sum))
+        p.expect(isinstance(exc, ValueError) and HOROVOD_DUPLICATE_NAME in str(exc)
+                 and f"hpccomm.horovod sparse_allreduce 's' (op #" in str(exc)
+                 and f"Tensor name 'allgather.s.{part}' is held by handle {held}," in str(exc), f"{part}: {exc!r}")
+        p.expect(torch.equal(hvd.synchronize(held), torch.arange(n)), f"the allgather holding s.{part}")
+        p.expect(torch.equal(hvd.sparse_allreduce_async(sparse_one_hot(n, r), "s", hvd.Sum)().to_dense(),
+                             torch.ones(n)), f"sparse_allreduce_async after s.{part} was freed")
+    p.verdict()
+
+
+@pytest.mark.mpi
+def test_a_name_refused_on_one_rank_only(h):
+    """What docs/horovod.md says happens when only one rank holds the name
+    (its program differs from the others'): that rank raises and sends
+    nothing; the others' op waits for that rank's next op on the process set,
+    which pairs with it. Here rank 0 keeps 'x' in flight while the others
+    free it; rank 0 retries after synchronizing, and every rank gets the sum
+    of the retried op."""
+    p = Problems()
+    n, r = hvd.size(), hvd.rank()
+    total = [torch.full((2,), n * (n + 1) / 2)]
+    first = hvd.allreduce_async(torch.full((2,), r + 1.0), name="x", op=hvd.Sum)
+    if r != 0:
+        p.expect(equal(outcome(lambda: first), total), "first op")
+    second = torch.full((2,), 10.0 * (r + 1))
+    retried = outcome(lambda: hvd.allreduce_async(second, name="x", op=hvd.Sum))
+    if r == 0:
+        p.expect(isinstance(retried, ValueError) and HOROVOD_DUPLICATE_NAME in str(retried), retried)
+        p.expect(equal(outcome(lambda: first), total), "first op on rank 0")
+        if isinstance(retried, ValueError):  # refused, as it should be: now the name is free
+            retried = outcome(lambda: hvd.allreduce_async(second, name="x", op=hvd.Sum))
+    p.expect(equal(retried, [t * 10 for t in total]), f"the op paired with rank 0's retry: {retried!r}")
+    p.expect(hvd.allreduce(torch.ones(1), op=hvd.Sum, name="x").item() == n, "the next op")
+    p.verdict()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_names_are_per_process_set(h):
+    """As in Horovod (a tensor queue per process set), a name in flight on one
+    process set does not hold it on another."""
+    p = Problems()
+    n, r = hvd.size(), hvd.rank()
+    head = hvd.add_process_set(range(n - 1))
+    try:
+        on_world = hvd.allreduce_async(torch.full((2,), r + 1.0), name="x", op=hvd.Sum)
+        if head.included():
+            got = outcome(lambda: hvd.allreduce(torch.full((2,), r + 1.0), name="x", op=hvd.Sum, process_set=head))
+            p.expect(equal(got, [torch.full((2,), (n - 1) * n / 2)]), f"on the set {head.ranks}: {got!r}")
+        exc = raised(lambda: hvd.allreduce(torch.ones(1), name="x"))
+        p.expect(isinstance(exc, ValueError) and f"on process set 0, rank {r}/{n}): {HOROVOD_DUPLICATE_NAME}"
+                 in str(exc), f"on the global set: {exc!r}")
+        p.expect(equal(outcome(lambda: on_world), [torch.full((2,), n * (n + 1) / 2)]), "on the global set")
+    finally:
+        hvd.remove_process_set(head)
     p.verdict()
 
 
@@ -849,3 +1173,91 @@ def test_init_forms_in_a_fresh_job():
     assert proc.returncode == 0, log
     for rank in range(3):
         assert re.search(rf"^\[\d+,{rank}\]<stdout>: init_forms: all checks passed$", out, re.M), log
+
+
+#: hpccomm.horovod's modules, bottom layer first: a module imports only from layers below its own
+#: (module level and inside functions alike). "" is the package's __init__ (the public names).
+HOROVOD_LAYERS = (
+    ("basics", "compression", "elastic"),
+    ("process_sets",),
+    ("ops", "ops.checks"),
+    ("ops.handles",),
+    ("ops.negotiation",),
+    ("ops.allreduce", "ops.barrier"),
+    ("ops.allgather",),
+    ("ops.broadcast", "ops.alltoall", "ops.reducescatter"),
+    ("optimizer", "sync_batch_norm"),
+    ("ops.join", "functions"),
+    ("lifecycle",),
+    ("",),
+)
+#: hpccomm's private modules that hpccomm.horovod may import: the one the optimizer has always used
+#: (no new ones: hpccomm.horovod is a user of hpccomm's public API, and the core is renamed under it)
+HOROVOD_PRIVATE_KEPT = {"optimizer": ("hpccomm._compat",)}
+
+
+def _imported(module: str, source: str):
+    """Every name ``module`` (under hpccomm.horovod; "" the package) imports,
+    made absolute, also inside functions: ``hpccomm.horovod.ops.checks.Sum``."""
+    import ast
+
+    package = ["hpccomm", "horovod", *(module.split(".") if module else [])]
+    if module not in ("", "ops"):
+        package = package[:-1]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            stem = node.module or ""
+            if node.level:
+                base = package[:len(package) - (node.level - 1)]
+                stem = ".".join(base + ([node.module] if node.module else []))
+            yield from (f"{stem}.{a.name}" for a in node.names)
+
+
+def horovod_import_problems(sources: dict) -> list:
+    """Imports in ``sources`` (module name under hpccomm.horovod -> source)
+    that do not point down HOROVOD_LAYERS, or reach hpccomm's private modules."""
+    layer = {m: i for i, names in enumerate(HOROVOD_LAYERS) for m in names}
+    problems = [f"hpccomm.horovod.{m} is in no layer of HOROVOD_LAYERS" for m in sources if m not in layer]
+    for module, source in sources.items():
+        for target in _imported(module, source):
+            if target.startswith("hpccomm.horovod.") or target == "hpccomm.horovod":
+                inner = target[len("hpccomm.horovod."):]
+                while inner not in layer:  # `from .ops.allreduce import allreduce`: the module
+                    inner = inner.rpartition(".")[0]
+                if inner != module and layer[inner] >= layer.get(module, -1):
+                    problems.append(f"hpccomm.horovod.{module} imports hpccomm.horovod.{inner or '(package)'}, "
+                                    "which is not below it in HOROVOD_LAYERS")
+            elif target.startswith("hpccomm.") and any(part.startswith("_") for part in target.split(".")) \
+                    and not any(target == kept or target.startswith(kept + ".")
+                                for kept in HOROVOD_PRIVATE_KEPT.get(module, ())):
+                problems.append(f"hpccomm.horovod.{module} imports {target}, a private hpccomm module")
+    return problems
+
+
+def test_horovod_imports_point_one_way():
+    """hpccomm.horovod's imports point down HOROVOD_LAYERS (no circle, also
+    through imports inside functions), and reach the rest of hpccomm through
+    its public API only; the check fires on planted bad imports."""
+    root = REPO / "hpccomm" / "horovod"
+    sources = {}
+    for path in sorted(root.rglob("*.py")):
+        name = ".".join(path.relative_to(root).with_suffix("").parts)
+        sources[name.removesuffix("__init__").rstrip(".")] = path.read_text()
+    assert {"ops.handles", "ops.allreduce", "ops.join", "lifecycle", ""} <= set(sources), sorted(sources)
+    assert horovod_import_problems(sources) == []
+    planted = {
+        "basics": "def f():\n    from . import process_sets\n",
+        "ops.allreduce": "from .allgather import allgather\n",
+        "ops.handles": "from .handles import reset\nfrom ..optimizer import teardown\n",
+        "process_sets": "import hpccomm._init\n",
+        "ops.checks": "from hpccomm._status import watched\n",
+        "nonesuch": "x = 1\n",
+    }
+    found = horovod_import_problems(planted)
+    for module, what in (("basics", "process_sets"), ("ops.allreduce", "ops.allgather"), ("ops.handles", "optimizer"),
+                         ("process_sets", "hpccomm._init"), ("ops.checks", "hpccomm._status"),
+                         ("nonesuch", "in no layer")):
+        assert any(f"hpccomm.horovod.{module} " in f and what in f for f in found), (module, what, found)
+    assert not any("ops.handles imports hpccomm.horovod.ops.handles" in f for f in found), found

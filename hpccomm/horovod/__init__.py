@@ -15,17 +15,23 @@ See docs/horovod.md for what is supported and how it differs::
 from __future__ import annotations
 
 from .basics import (HorovodInternalError, ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
-                     gloo_enabled, init, is_homogeneous, is_initialized, local_rank, local_size, mpi_built,
-                     mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built, shutdown, size,
-                     start_timeline, stop_timeline)
+                     gloo_enabled, is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
+                     mpi_threads_supported, nccl_built, rank, rocm_built, size, start_timeline, stop_timeline)
 from .compression import Compression
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
-from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async, allreduce, allreduce_,
-                  allreduce_async, allreduce_async_, alltoall, alltoall_async, barrier, broadcast, broadcast_,
-                  broadcast_async, broadcast_async_, grouped_allgather, grouped_allgather_async, grouped_allreduce,
-                  grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter,
-                  grouped_reducescatter_async, join, poll, reducescatter, reducescatter_async, sparse_allreduce_async,
-                  synchronize)
+from .lifecycle import init, shutdown
+from .ops.allgather import (allgather, allgather_async, grouped_allgather, grouped_allgather_async,
+                            sparse_allreduce_async)
+from .ops.allreduce import (allreduce, allreduce_, allreduce_async, allreduce_async_, grouped_allreduce,
+                            grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_)
+from .ops.alltoall import alltoall, alltoall_async
+from .ops.barrier import barrier
+from .ops.broadcast import broadcast, broadcast_, broadcast_async, broadcast_async_
+from .ops.checks import Adasum, Average, Max, Min, Product, Sum
+from .ops.handles import poll, synchronize
+from .ops.join import join
+from .ops.reducescatter import (grouped_reducescatter, grouped_reducescatter_async, reducescatter,
+                                reducescatter_async)
 from .optimizer import DistributedOptimizer
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .sync_batch_norm import SyncBatchNorm

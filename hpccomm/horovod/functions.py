@@ -9,7 +9,10 @@ import pickle
 import torch
 
 from . import basics
-from .ops import _broadcast_handle, allgather, broadcast_, inline, synchronize
+from .optimizer import _DistributedMixin
+from .ops.allgather import allgather
+from .ops.broadcast import broadcast_, broadcast_handle
+from .ops.handles import inline, synchronize
 from .process_sets import global_process_set
 
 
@@ -41,7 +44,7 @@ def broadcast_parameters(params, root_rank) -> None:
         return
     tensors = [p for _, p in items]
     with torch.no_grad(), inline():
-        synchronize(_broadcast_handle("broadcast", tensors, root_rank, "broadcast_parameters", global_process_set,
+        synchronize(broadcast_handle("broadcast", tensors, root_rank, "broadcast_parameters", global_process_set,
                                       in_place=True, grouped=True))
 
 
@@ -66,8 +69,6 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None) -> None:
 
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     """
-    from .optimizer import _DistributedMixin
-
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
     state_dict = optimizer.state_dict()

@@ -31,7 +31,10 @@ import torch.distributed as dist
 from .. import _compat
 from . import basics
 from .compression import Compression
-from .ops import Adasum, Average, OP_NAMES, _start_allreduce, negotiate, sparse_allreduce_async
+from .ops.allgather import sparse_allreduce_async
+from .ops.allreduce import start_allreduce
+from .ops.checks import OP_NAMES, Adasum, Average
+from .ops.negotiation import negotiate
 from .process_sets import ProcessSet, global_process_set
 
 DEFAULT_FUSION_BYTES = 25 * 1024 * 1024
@@ -67,29 +70,40 @@ def _split_list(items, n):
     return [items[i * d + min(i, r):(i + 1) * d + min(i + 1, r)] for i in range(n)]
 
 
+def parameter_names(opt, named_parameters) -> dict:
+    """Horovod's ``_parameter_names``: ``{parameter: name}``, sorted by name.
+
+    Without ``named_parameters`` the names are ``allreduce.noname.<i>.<j>``, the
+    j-th parameter of param group i: the same unique names on every rank.
+
+    :raises ValueError: ``named_parameters`` is not a sequence of ``(name,
+        parameter)`` tuples, repeats a name, or leaves a parameter of ``opt`` out.
+    """
+    if named_parameters is not None:
+        named_parameters = list(named_parameters)
+    else:
+        named_parameters = [(f"allreduce.noname.{i}.{j}", p) for i, g in enumerate(opt.param_groups)
+                            for j, p in enumerate(g["params"])]
+    if any(not isinstance(p, tuple) for p in named_parameters):
+        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually produced by "
+                         "model.named_parameters().")
+    names = [k for k, _ in named_parameters]
+    dups = sorted({k for k in names if names.count(k) > 1})
+    if dups:
+        raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: %s"
+                         % ", ".join(dups))
+    named_ids = {id(p) for _, p in named_parameters}
+    unnamed = [id(p) for g in opt.param_groups for p in g["params"] if id(p) not in named_ids]
+    if unnamed:
+        raise ValueError("named_parameters was specified, but one or more model parameters were not named. "
+                         "Python object ids: %s" % ", ".join(str(i) for i in unnamed))
+    return {p: k for k, p in sorted(named_parameters, key=lambda kp: kp[0])}
+
+
 class _GradReducer:
     """The reduction state of one DistributedOptimizer."""
 
-    def __init__(self, opt, named_parameters, compression, passes, op, predivide, groups, sparse_as_dense,
-                 ps: ProcessSet) -> None:
-        if named_parameters is not None:
-            named_parameters = list(named_parameters)
-        else:
-            named_parameters = [(f"allreduce.noname.{i}.{j}", p) for i, g in enumerate(opt.param_groups)
-                                for j, p in enumerate(g["params"])]
-        if any(not isinstance(p, tuple) for p in named_parameters):
-            raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually produced by "
-                             "model.named_parameters().")
-        names = [k for k, _ in named_parameters]
-        dups = sorted({k for k in names if names.count(k) > 1})
-        if dups:
-            raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: %s"
-                             % ", ".join(dups))
-        named_ids = {id(p) for _, p in named_parameters}
-        unnamed = [id(p) for g in opt.param_groups for p in g["params"] if id(p) not in named_ids]
-        if unnamed:
-            raise ValueError("named_parameters was specified, but one or more model parameters were not named. "
-                             "Python object ids: %s" % ", ".join(str(i) for i in unnamed))
+    def __init__(self, opt, compression, passes, op, predivide, groups, sparse_as_dense, ps: ProcessSet) -> None:
         if groups is not None:
             if not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):
                 raise ValueError("groups should be a non-negative integer or a list of list of torch.Tensor.")
@@ -102,8 +116,7 @@ class _GradReducer:
                         if id(p) in seen:
                             raise ValueError("A parameter can only appear once in groups.")
                         seen.add(id(p))
-        self.opt = weakref.proxy(opt)
-        self.names = {id(p): k for k, p in named_parameters}
+        self.opt = weakref.proxy(opt)  # its _parameter_names name the sparse reductions, as in Horovod
         self.compression = compression
         self.passes = passes
         self.op = op
@@ -215,13 +228,13 @@ class _GradReducer:
             g = p.grad
             if g.is_sparse:
                 if not self.sparse_as_dense:
-                    sparse.append((p, sparse_allreduce_async(g, self.names[id(p)], self.op, self.ps)))
+                    sparse.append((p, sparse_allreduce_async(g, self.opt._parameter_names[p], self.op, self.ps)))
                     continue
                 g = g.to_dense()
             compressed, ctx = self.compression.compress(g)
             wire.append(compressed)
             back.append((p, ctx))
-        pending = _start_allreduce(self.ps, wire, self.op, pre, post, group=self.group) if wire else None
+        pending = start_allreduce(self.ps, wire, self.op, pre, post, group=self.group) if wire else None
         self.pending[i] = (pending, back, sparse)
 
     # -- step ------------------------------------------------------------------------------------------
@@ -243,16 +256,21 @@ class _GradReducer:
                     p.grad.copy_(result)
             for p, finish in sparse:
                 p.grad.zero_().add_(finish())
-        self.pending.clear()
-        self.ready.clear()
-        for pid in self.delay:
-            self.delay[pid] = self.passes
-        self.next_unit = 0
-        self.round_open = False
-        self.touched = False
+        self._new_round()
         self.synchronized = True
 
     def reset(self) -> None:
+        """At load_state_dict: forget this step's reductions (as Horovod does; a
+        sparse reduction's names are freed, its transfer still completes)."""
+        for _, _, sparse in self.pending.values():
+            for _, finish in sparse:
+                finish.discard()
+        self._new_round()
+        self.synchronized = False
+        self.should_synchronize = True
+
+    def _new_round(self) -> None:
+        """Nothing issued or ready, every parameter ``passes`` backward passes away from its reduction."""
         self.pending.clear()
         self.ready.clear()
         for pid in self.delay:
@@ -260,8 +278,6 @@ class _GradReducer:
         self.next_unit = 0
         self.round_open = False
         self.touched = False
-        self.synchronized = False
-        self.should_synchronize = True
 
     def feed(self, device):
         """As a joined rank: this step's reductions with zeros (started, not waited)."""
@@ -269,7 +285,7 @@ class _GradReducer:
         out = []
         for unit in self.units:
             zeros = [torch.zeros(p.shape, dtype=self._wire_dtype(p), device=device) for p in unit]
-            out.append(_start_allreduce(self.ps, zeros, self.op, pre, post, group=self.group))
+            out.append(start_allreduce(self.ps, zeros, self.op, pre, post, group=self.group))
         return out
 
 
@@ -302,8 +318,10 @@ class _DistributedMixin:
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op, gradient_predivide_factor,
                  groups, sparse_as_dense, process_set):
         super().__init__(params)
-        self._hvd = _GradReducer(self, named_parameters, compression, backward_passes_per_step, op,
-                                 gradient_predivide_factor, groups, sparse_as_dense, process_set)
+        #: Horovod's table of parameter names, ``{parameter: name}`` sorted by name (scripts and tests read it)
+        self._parameter_names = parameter_names(self, named_parameters)
+        self._hvd = _GradReducer(self, compression, backward_passes_per_step, op, gradient_predivide_factor, groups,
+                                 sparse_as_dense, process_set)
 
     @property
     def backward_passes_per_step(self) -> int:

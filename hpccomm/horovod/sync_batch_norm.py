@@ -21,7 +21,9 @@ import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import basics
-from .ops import Sum, allgather, allreduce
+from .ops.allgather import allgather
+from .ops.allreduce import allreduce
+from .ops.checks import Sum
 
 
 class SyncBatchNorm(_BatchNorm):

@@ -145,8 +145,8 @@ def main() -> int:
     if len(made) != 1:
         problems.append(f"the script made {len(made)} DistributedOptimizer(s), expected 1")
     opt = made[-1]
-    names = opt._hvd.names
-    hvd_params = {names[id(p)]: p.detach().clone() for g in opt.param_groups for p in g["params"]}
+    names = opt._parameter_names  # Horovod's {parameter: name}
+    hvd_params = {names[p]: p.detach().clone() for g in opt.param_groups for p in g["params"]}
     moved = max((p.detach() - initial[id(p)]).abs().max().item() for g in opt.param_groups for p in g["params"])
     if not moved > 0:
         problems.append("training did not change the weights (nothing was compared)")
