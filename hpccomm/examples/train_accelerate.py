@@ -2,7 +2,7 @@
 
     mpirun -n 4 python -m hpccomm.examples.train_accelerate
 
-Needs Accelerate (``pip install "hpccomm[frameworks]"``: the versions tested).
+Needs Accelerate (hpccomm's ``frameworks`` extra: the versions tested).
 Accelerate cannot be given the backend's name: on CPU it replaces every name
 but ``mpi`` with ``gloo``, and ``PartialState(backend="hpccomm")`` raises
 ``ValueError: Your assigned backend hpccomm is not available, please use

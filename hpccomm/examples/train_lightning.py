@@ -2,7 +2,7 @@
 
     mpirun -n 4 python -m hpccomm.examples.train_lightning
 
-Needs Lightning (``pip install "hpccomm[frameworks]"``: the versions tested).
+Needs Lightning (hpccomm's ``frameworks`` extra: the versions tested).
 Lightning finds the ranks itself under ``mpirun``: its ``MPIEnvironment``
 (chosen when mpi4py reports more than one process) gives rank, size and the
 rank's place on its node, and the strategy then calls

@@ -3,7 +3,7 @@
 
     mpirun -n 4 python -m hpccomm.examples.train_transformers
 
-Needs transformers and Accelerate (``pip install "hpccomm[frameworks]"``: the
+Needs transformers and Accelerate (hpccomm's ``frameworks`` extra: the
 versions tested).  The Trainer cannot be given the backend's name:
 ``--ddp_backend hpccomm`` is refused by its argument parser (``invalid
 choice: 'hpccomm' (choose from 'nccl', 'gloo', 'mpi', ...)``) and
