@@ -1,74 +1,42 @@
-"""The comm thread, and hpccomm's rule for which thread may call MPI.
+"""The comm thread: hpccomm's one background thread that calls MPI.
 
-THE THREAD RULE (every thread hpccomm makes is listed here; docs/design.md
-has the whole story):
+THE THREAD RULE.  Every thread hpccomm starts, and whether it may call MPI:
 
-- At MPI_THREAD_MULTIPLE (what hpccomm asks for, and what Open MPI, MPICH and
-  Intel MPI grant here), each communicator has one owner at a time, and only
-  these threads call MPI:
-  * the calling thread: checks every op, runs blocking collectives on the
-    group's ``comm`` when the group has no queued async op, posts
-    point-to-point ops (MPI_Isend/Irecv on the group's ``p2p`` communicator)
-    and waits on them, and (``HPCCOMM_ASYNC_NONBLOCKING=1``, off by
-    default: DDP's Join passes async_op=True on some ranks and False on
-    others) posts ``async_op=True`` all_reduce,
-    all_gather_into_tensor, reduce_scatter_tensor and broadcast as
-    nonblocking collectives (MPI_Iallreduce, MPI_Iallgather,
-    MPI_Ireduce_scatter_block, MPI_Ibcast on ``comm``) when the group has no
-    queued op, then tests (``is_completed``) and waits (``wait``) on such a
-    request itself, unless it was handed to ``hpccomm-comm``;
-  * ``hpccomm-comm`` (one daemon thread, this module): runs ``async_op=True``
-    collectives, and blocking ones queued behind them, in issue order on the
-    group's ``comm``; a group with queued ops is never used by the caller at
-    the same time (blocking ops queue behind), and every creation of a
-    sub-communicator or free of a communicator first drains its queue.  A
-    waiter whose op is the only one queued and not yet started runs it in
-    this thread's place (:meth:`Engine.steal`): the queue is the same, and
-    this thread runs nothing meanwhile.  Posted collectives: it waits on the
-    request of one whose future was asked for, as a queued job (a
-    Work is completed once: whoever holds its lock first, and never by the
-    caller after the hand-over); behind queued ops it posts an async
-    collective of those four kinds itself, in the same nonblocking form, and
-    waits (async ops past 64 KiB keep the blocking form here, for overlap:
-    hpccomm.ops._common.NONBLOCKING_MAX_BYTES).  Whether an op is nonblocking is decided only from what is equal
-    on every rank (op, ``async_op``, dtype, ReduceOp, element counts), never
-    from which thread runs it: MPI never matches a nonblocking collective
-    with a blocking one, so (with it on) ``async_op`` must be the same on
-    every rank;
-  * ``hpccomm-progress`` (hpccomm._work): MPI_Test on pending point-to-point
-    requests whose future someone asked for; a request is touched by one
-    thread at a time (the Work's lock).
-- Below MPI_THREAD_MULTIPLE only the calling thread calls MPI: async ops run
-  in the caller and complete before returning, a point-to-point Work's
-  future is completed by waiting in the caller when asked for, and neither
-  ``hpccomm-comm`` nor ``hpccomm-progress`` is started.  Logged once, shown
-  by ``hpccomm info``.
-- ``hpccomm-watchdog`` and ``hpccomm-signals`` never call MPI but for
-  MPI_Abort when ending the job; they read only settings validated at init.
-- ``hpccomm-init-watch`` (hpccomm._mpi) never calls MPI: it runs while
-  MPI_Init may be blocked, and ends the process with a message if MPI_Init
-  has not returned within init_process_group's timeout (the job
-  preflight's: 300 s).
-- At exit (hpccomm._mpi, before MPI_Finalize) the queued ops are run, the
-  comm and progress threads are stopped and joined, posted collectives are
-  waited for in the calling thread (MPI forbids cancelling or freeing them;
-  the group's timeout still applies), pending point-to-point requests
-  are completed or cancelled, and then the watchdog is stopped and joined
-  (it calls torch's store: a daemon thread inside such a call when Python
-  finalizes aborts the process).
+| thread | calls MPI? | on which communicators, and what it does |
+|---|---|---|
+| the calling thread | yes | checks every op (a refusal raises before any communication); runs blocking collectives on the group's ``comm`` when the group has nothing queued; posts point-to-point ops on the group's ``p2p`` and, with ``HPCCOMM_ASYNC_NONBLOCKING=1``, small ``async_op=True`` collectives on ``comm`` (hpccomm._runner), and tests and waits on those requests itself |
+| ``hpccomm-comm`` (this module; started at the first queued op, MPI_THREAD_MULTIPLE only) | yes | runs queued ops (``async_op=True`` collectives, and ops issued behind them) in issue order on each group's ``comm``; completes their Works and futures, so DDP's callbacks run here; tests the requests of posted ops whose future was asked for, until they complete |
+| ``hpccomm-watchdog`` (hpccomm._watchdog) | only MPI_Abort | ends an op that outlives its group's timeout, or that another rank refused |
+| ``hpccomm-signals`` (hpccomm._signals) | only MPI_Abort | one line when the launcher ends the rank with SIGTERM |
+| ``hpccomm-init-watch`` (hpccomm._mpi, while MPI_Init runs) | no | ends the process with a message if MPI_Init has not returned within the timeout |
 
-The comm thread: a blocking op (``async_op=False``) runs its MPI call in the
-calling thread, unless its group still has queued async ops: then it queues
-behind them and the caller waits, so ops on one communicator run in the
-order they were issued, on every rank (MPI's rule for collectives).  An
-async op is checked in the calling thread (bad input raises there, before
-any communication), then posted (the four ops above, see hpccomm._runner.
-post_collective) or queued; ``hpccomm-comm`` runs the queue in order,
-inside MPI calls that release the GIL.  The returned Work completes when
-its job has run or its request completed; a future, once asked for,
-completes on the comm thread, so DDP's callbacks run there.  Fault
-tolerance, debug mode, the GPU transports and MPI below THREAD_MULTIPLE
-keep the blocking form for every op (each is the same on every rank).
+Why one communicator is never used by two threads at once: a group with
+queued ops is used by the comm thread only (a blocking op queues behind
+them and its caller waits; building a sub-communicator or freeing a
+communicator first drains the group's queue: :meth:`Engine.flush`); a waiter
+that runs its own queued op in the comm thread's place (:meth:`Engine.steal`)
+counts as the comm thread meanwhile; an MPI request (a posted op) is touched
+by one thread at a time, under its Work's lock.  Whether an op is posted or
+runs in the blocking form is decided from what is equal on every rank (op,
+``async_op``, dtype, ReduceOp, counts), never from which thread runs it: MPI
+never matches a nonblocking collective with a blocking one.
+
+Below MPI_THREAD_MULTIPLE only the calling thread calls MPI: queued ops run
+in the caller and complete before returning, a pending Work's future is
+completed by waiting in the caller when asked for, and the comm thread is
+never started; logged once, shown by ``hpccomm info``.  Fault tolerance's
+revocation (hpccomm._ft) is the one exception to the one-owner rule:
+MPI_Comm_revoke exists to interrupt a communicator another thread is blocked
+in.  At exit (hpccomm._mpi, before MPI_Finalize) the queued ops run, the comm
+thread is stopped and joined, posted requests are settled (hpccomm._work),
+and then the watchdog is stopped and joined.
+
+One thread, not two: the comm thread also tests the posted requests whose
+futures were asked for (a separate progress thread did until this was
+measured: both are idle at the same moments, and a request tested between
+queued ops completes as soon as one tested in a thread of its own would,
+but for one queued op's duration).  It tests them with a back-off of up to
+1 ms while nothing else is queued; a submit wakes it at once.
 """
 from __future__ import annotations
 
@@ -76,7 +44,6 @@ import collections
 import logging
 import threading
 from _thread import allocate_lock as _allocate_lock
-from datetime import timedelta
 from typing import Optional
 
 from . import _mpi
@@ -87,6 +54,7 @@ log = logging.getLogger("hpccomm")
 _get_ident = threading.get_ident
 #: The comm thread's name (its track in hpccomm._trace's timeline).
 THREAD_NAME = "hpccomm-comm"
+_IDLE_MIN, _IDLE_MAX = 1e-5, 1e-3  # the back-off between tests of watched requests (seconds)
 
 
 def latch():
@@ -103,35 +71,29 @@ def _nothing(job) -> None:
 
 
 class Job:
-    """A queued op: ``run(job)`` communicates (``op``, ``call`` and ``args``
-    are the op path's), and where its result goes.  ``done``: a :func:`latch`
-    opened once a job without a Work (a flush) has run; a job with a Work
-    opens the Work's latch, if a waiter made one (after completing the Work)."""
+    """A queued op, and the :class:`hpccomm._work.Pending` of its Work:
+    ``run(job)`` communicates (in the comm thread, or in its waiter's place);
+    ``plan``, ``args`` and ``asynchronous`` are what the op path gave it to
+    run.  ``done``: a :func:`latch` opened once a job without a Work (a
+    flush) has run; a job with a Work lets the Work's waiters go."""
 
     engine_completes = True  # the comm thread completes the Work (hpccomm._work)
-    token = None  # the op registers itself with the watchdog while it runs
+    token = None
     done = None
-    result = None
     error: Optional[BaseException] = None
-    work = None  # the Work to complete (set by the submitter; let go of once complete)
+    work = None  # the Work to complete (set by whoever made it; let go of once complete)
     seq = None  # the op's number, taken when it runs
-    asynchronous = False  # issued with async_op=True (debug mode compares it across ranks)
 
-    def __init__(self, group, run, op: str = "", call=None, args=()) -> None:
-        self.group = group
-        self.run = run
-        self.op, self.call, self.args = op, call, args
+    def __init__(self, group, op: str, run, plan=None, args=(), asynchronous: bool = False) -> None:
+        self.group, self.op, self.run = group, op, run
+        self.plan, self.args, self.asynchronous = plan, args, asynchronous
 
     def describe(self) -> str:
         """What the Work is, for its messages: the op and, once it ran, its number."""
         g = self.group
         return f"{self.op} ({g.where(self.seq) if self.seq is not None else 'group ' + repr(g.name)})"
 
-    def describe_as(self, op: str):
-        self.op = op
-        return self.describe
-
-    # -- the Pending protocol of hpccomm._work (its Work waits in its own way) --
+    # -- the Pending protocol (its Work waits through the engine: Work._wait_for_engine) --
     def test(self) -> bool:
         if self.done is not None:
             if self.done.acquire(False):
@@ -141,36 +103,26 @@ class Job:
         return self.work is None or self.work._done
 
     def wait(self, seconds) -> bool:
-        if self.done is not None:
-            if self.done.acquire(True, -1 if seconds is None else seconds):
-                self.done.release()
-                return True
-            return False
-        work = self.work
-        if work is None:
+        if self.done is None:
+            raise RuntimeError("a queued op's Work waits through the engine")
+        if self.done.acquire(True, -1 if seconds is None else seconds):
+            self.done.release()
             return True
-        try:
-            work.wait(None if seconds is None else timedelta(seconds=seconds))
-        except TimeoutError:
-            return False
-        except Exception:  # noqa: BLE001 - finish() raises it
-            pass
-        return True
+        return False
 
     def finish(self):
         if self.error is not None:
             raise self.error
-        self.work._outputs = self.result  # the future's value: the op's outputs
         return None
 
 
 class Engine:
-    """One FIFO queue and the thread that runs it.
+    """One FIFO queue and the thread that runs it (see the module docstring).
 
-    The queue, the thread's sleep and every group's ``queued`` count are
-    guarded by one plain lock; the thread sleeps on another (released by the
-    submitter that finds it asleep), so a submit costs two lock operations,
-    not a Python Condition.
+    The queue, the thread's sleep, the watched Works and every group's
+    ``queued`` count are guarded by one plain lock; the thread sleeps on
+    another (released by the submitter that finds it asleep), so a submit
+    costs two lock operations, not a Python Condition.
     """
 
     def __init__(self) -> None:
@@ -184,9 +136,10 @@ class Engine:
         self._stealer = None  # the id of a waiter running its own job in the comm thread's place
         self._usable: Optional[bool] = None
         self._stopping = False
+        self._watched: list = []  # Works whose future was asked for: tested until they complete
 
     def usable(self) -> bool:
-        """Whether async ops may run on the comm thread (MPI_THREAD_MULTIPLE granted)."""
+        """Whether queued ops may run on the comm thread (MPI_THREAD_MULTIPLE granted)."""
         if self._usable is None:
             level = _mpi.thread_level()
             self._usable = level == "MULTIPLE"
@@ -196,8 +149,8 @@ class Engine:
         return self._usable
 
     def on_comm_thread(self) -> bool:
-        """Whether the caller is the comm thread (a callback of a completed op),
-        or a waiter standing in for it (:meth:`steal`)."""
+        """Whether the caller is the comm thread (a callback it runs), or a
+        waiter standing in for it (:meth:`steal`)."""
         ident = _get_ident()
         return ident == self._ident or ident == self._stealer
 
@@ -221,24 +174,13 @@ class Engine:
             queue.popleft()
             self._busy = True
             self._stealer = _get_ident()
-        try:
-            job.result = job.run(job)
-        except BaseException as exc:  # noqa: BLE001 - handed to the job's waiter
-            job.error = exc
-        work = job.work
-        try:
-            work._finish_on_engine()
-        finally:
-            job.work = None
-            with self._mutex:
-                self._busy = False
-                self._stealer = None
-                job.group.queued -= 1
-                if queue and self._sleeping:  # ops queued meanwhile: the comm thread runs them
-                    self._sleeping = False
-                    self._wake.release()
-            if work._completed is not None:
-                work._completed.release()  # another waiter of the Work
+        work = self._run(job)
+        with self._mutex:
+            self._busy = False
+            self._stealer = None
+            job.group.queued -= 1
+            self._wake_locked(queue)  # ops queued meanwhile, or Works to test: the comm thread takes them
+        work._release()  # another waiter of the Work
         return True
 
     def submit(self, job: Job) -> Job:
@@ -246,35 +188,67 @@ class Engine:
             self._stopping = False
             job.group.queued += 1
             self._queue.append(job)
-            if self._sleeping and not self._busy:  # (busy: the stealer wakes it when done)
-                self._sleeping = False
-                self._wake.release()
-            elif self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=THREAD_NAME, daemon=True)
-                self._thread.start()
+            if not self._busy:  # (busy: the thread, or the stealer, looks at the queue when done)
+                self._wake_locked(True)
         return job
+
+    def watch(self, work) -> None:
+        """Test ``work`` (a Work whose future was asked for) on the comm
+        thread until it completes, so its future completes on its own."""
+        with self._mutex:
+            self._stopping = False
+            if work not in self._watched:
+                self._watched.append(work)
+            self._wake_locked(True)
+
+    def _wake_locked(self, needed) -> None:
+        """(Mutex held) Wake the thread if it sleeps and ``needed``; start it if there is none."""
+        if not needed:
+            return
+        if self._sleeping:
+            self._sleeping = False
+            self._wake.release()
+        elif self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=THREAD_NAME, daemon=True)
+            self._thread.start()
 
     def flush(self, group) -> None:
         """Wait until ``group`` has no queued ops (before a collective that
         must not overlap them, such as building a sub-communicator)."""
         if group.queued:
-            job = Job(group, _nothing)
+            job = Job(group, "", _nothing)
             job.done = latch()
             self.submit(job)
             job.done.acquire()
             job.done.release()
 
-    def stop(self, seconds: float = 10.0) -> None:
+    def stop(self, seconds: float = 10.0) -> list:
         """Stop the comm thread once its queue is empty (at exit, before
-        MPI_Finalize); waits for it at most ``seconds``."""
+        MPI_Finalize); waits for it at most ``seconds``.  Returns the Works
+        it was still testing."""
         with self._mutex:
             self._stopping = True
             if self._sleeping:
                 self._sleeping = False
                 self._wake.release()
-            thread = self._thread
+            thread, left = self._thread, list(self._watched)
         if thread is not None and thread.is_alive() and thread is not threading.current_thread():
             thread.join(seconds)
+        return left
+
+    def _run(self, job: Job):
+        """Run ``job`` and complete its Work (callbacks included) before the
+        group counts as idle: ops that callbacks issue (DDP hooks) run now, in
+        the same place of the op sequence on every rank.  Returns the Work."""
+        try:
+            job.run(job)
+        except BaseException as exc:  # noqa: BLE001 - handed to the job's waiter
+            job.error = exc
+        work = job.work
+        if work is not None:
+            work._ran_on_engine()
+            job.work = None  # no Work <-> Job cycle left for the garbage collector
+        return work
 
     def _loop(self) -> None:
         try:
@@ -287,8 +261,10 @@ class Engine:
     def _serve(self) -> None:
         self._ident = _get_ident()
         queue, mutex, wake = self._queue, self._mutex, self._wake
+        idle = _IDLE_MIN
         while True:
             with mutex:
+                watched = bool(self._watched)
                 if queue and not self._busy:
                     job = queue.popleft()
                     self._busy = True
@@ -299,27 +275,39 @@ class Engine:
                     self._sleeping = True
                     job = None
             if job is None:
-                wake.acquire()  # until a submit (or stop) opens it
+                if not watched:
+                    wake.acquire()  # until a submit, a watch or stop opens it
+                    continue
+                if not wake.acquire(True, idle):  # nothing submitted meanwhile: test the watched Works
+                    with mutex:
+                        if self._sleeping:
+                            self._sleeping = False
+                        else:
+                            wake.acquire()  # opened just now by a submitter: close it again
+                    idle = _IDLE_MIN if self._test_watched() else min(idle * 2, _IDLE_MAX)
                 continue
-            try:
-                job.result = job.run(job)
-            except BaseException as exc:  # noqa: BLE001 - handed to the job's waiter
-                job.error = exc
-            work = job.work
-            if work is not None:
-                # Complete here, callbacks included, before the group counts as idle:
-                # ops that callbacks issue (DDP hooks) run now, in the same place of
-                # the op sequence on every rank.
-                work._finish_on_engine()
-                job.work = None  # no Work <-> Job cycle left for the garbage collector
+            work = self._run(job)
             with mutex:
                 self._busy = False
                 job.group.queued -= 1
             # The waiter goes on only now: the group is idle again, so its next
             # blocking op runs in the calling thread instead of queuing.
-            done = job.done if work is None else work._completed
-            if done is not None:
-                done.release()
+            if work is None:
+                if job.done is not None:
+                    job.done.release()
+            else:
+                work._release()
+
+    def _test_watched(self) -> bool:
+        """Test each watched Work once (completing those done, callbacks
+        included); True if any completed."""
+        with self._mutex:
+            works = list(self._watched)
+        finished = [w for w in works if w._poll()]
+        if finished:
+            with self._mutex:
+                self._watched = [w for w in self._watched if w not in finished]
+        return bool(finished)
 
 
 engine = Engine()

@@ -169,13 +169,6 @@ class Shrunk:
                            "member of; the default group is dist.group.WORLD") from None
 
 
-class _State:
-    enabled = False  # the mode is on (agreed at init)
-    first: Optional[RankFailure] = None  # the first failure seen since the last shrink
-    revoked = False  # every hpccomm communicator revoked since that failure
-
-
-state = _State()
 _lock = threading.RLock()
 
 
@@ -277,10 +270,10 @@ def check_launch(mode: str, env=None, library: Optional[str] = None, launch=None
 
 def enable(mode: str) -> None:
     """Set the mode (called once the ranks agreed on it at init)."""
-    state.enabled = mode == "ulfm"
+    _status.failures.tolerant = mode == "ulfm"
     from . import _compat
 
-    if state.enabled and _compat.py_backend():  # dist.shrink_group reaches hpccomm's Backend
+    if _status.failures.tolerant and _compat.py_backend():  # dist.shrink_group reaches hpccomm's Backend
         def is_ours(backend) -> bool:
             from .backend import BackendHpccomm
 
@@ -330,8 +323,8 @@ def failure(what: str, exc) -> Optional[RankFailure]:
     error = RankFailure(f"hpccomm {what}: {who}. The job can go on without it: call hpccomm.shrink() on every "
                         "surviving rank (docs/fault-tolerance.md)", failed)
     with _lock:
-        if state.first is None:
-            state.first = error
+        if _status.failures.first is None:
+            _status.failures.first = error
     return error
 
 
@@ -379,8 +372,8 @@ def damaged(what: str, exc) -> Optional[RankFailure]:
                         f"{type(exc).__name__}: {exc}). The job can go on without it: call hpccomm.shrink() on "
                         "every surviving rank (docs/fault-tolerance.md)", failed)
     with _lock:
-        if state.first is None:
-            state.first = error
+        if _status.failures.first is None:
+            _status.failures.first = error
     return error
 
 
@@ -415,7 +408,7 @@ def rank_failure(exc: Optional[BaseException] = None) -> Optional[RankFailure]:
     if isinstance(exc, RankFailure):
         return exc
     with _lock:
-        return state.first
+        return _status.failures.first
 
 
 def from_pending(what: str, pending, error):
@@ -493,7 +486,7 @@ def revoke_all() -> None:
     collective and point-to-point ones): every survivor's pending and later
     ops on them fail with MPI_ERR_REVOKED."""
     with _lock:
-        state.revoked = True
+        _status.failures.revoked = True
     for g in _live_groups():
         revoke(g)
 
@@ -522,7 +515,7 @@ def abort_group(g) -> bool:
     destroys): with fault tolerance on, revoke and free its communicators on
     this rank only, and return True; off, return False (the caller ends the
     job: MPI state cannot be recovered)."""
-    if not state.enabled:
+    if not _status.failures.tolerant:
         return False
     revoke(g)
     g.free(flush=True)  # queued ops fail at once on the revoked communicators
@@ -537,17 +530,13 @@ def _settle(groups) -> None:
     """Before the old groups go: their queued async ops run (and fail at
     once, their communicators being revoked), and point-to-point ops still
     pending on them stop being watched (their Works fail when waited on)."""
-    from . import _status
     from ._engine import engine
-    from ._watchdog import watchdog
-    from .ops.p2p import Pending
 
     for g in groups:
         engine.flush(g)
-    for pending in _status.records():  # a posted point-to-point op is its own record
-        if isinstance(pending, Pending):
-            token, pending.token = pending.token, None
-            watchdog.end(token)
+    for record in _status.records():  # a posted point-to-point op is its own record
+        if getattr(record, "kind", None) == "p2p":
+            _status.end(record.token)
 
 
 def _agree_on_survivors(g, groups, what: str):
@@ -604,7 +593,7 @@ def shrink(timeout=None) -> Shrunk:
     """
     from . import _init
 
-    if not state.enabled:
+    if not _status.failures.tolerant:
         raise HpccommError("hpccomm.shrink: fault tolerance is off; initialise with "
                            "hpccomm.init_process_group(fault_tolerance='ulfm') (or HPCCOMM_FAULT_TOLERANCE=ulfm) "
                            "under mpirun --with-ft ulfm")
@@ -626,7 +615,7 @@ def shrink(timeout=None) -> Shrunk:
         _unrecoverable(old_rank, failed, exc, new, [(r, *peers[r]) for r in survivors])
         raise
     with _lock:
-        state.first, state.revoked = None, False
+        _status.failures.first, _status.failures.revoked = None, False
     return Shrunk(failed, old_rank, old_size, new.Get_rank(), new.Get_size(), groups_map, time.monotonic() - t0)
 
 
@@ -666,7 +655,7 @@ def backend_shrink(backend, ranks_to_exclude, opts=None):
     from . import _init
 
     g = backend._g
-    if not state.enabled:
+    if not _status.failures.tolerant:
         raise HpccommError("dist.shrink_group on an hpccomm group needs fault tolerance "
                            "(HPCCOMM_FAULT_TOLERANCE=ulfm under mpirun --with-ft ulfm)")
     new, survivors = _agree_on_survivors(g, _live_groups(), "shrink_group")
@@ -685,5 +674,5 @@ def backend_shrink(backend, ranks_to_exclude, opts=None):
                                                      for r in dead if g.global_ranks[r] < len(peers)), exc)
         raise
     with _lock:
-        state.first, state.revoked = None, False
+        _status.failures.first, _status.failures.revoked = None, False
     return made

@@ -6,12 +6,7 @@ for torch 2.13, ``backend.py`` for torch >= 2.14) wrap one :class:`Group`.
 Op numbers.  ``seq`` counts the group's collectives and is the same on every
 member (debug-mode fingerprints and the watchdog's store keys depend on it);
 ``p2p_seq`` counts this rank's point-to-point ops, which other members need
-not match.  Each number is taken by the thread that runs the op, at the
-moment it runs (:meth:`next_seq`), from a counter whose ``next()`` is atomic
-under the GIL: collectives run in the same order on every rank (hpccomm's
-comm thread keeps issue order), so numbering them when they run numbers them
-alike everywhere, whichever thread issued them (a DDP hook issues ops from
-the comm thread).
+not match.  hpccomm._status.start takes them, and records what runs.
 """
 from __future__ import annotations
 
@@ -39,7 +34,7 @@ class Group:
     host = True
 
     def __init__(self, comm, global_ranks: Sequence[int], name: str = "", store=None,
-                 timeout=None, owns_comm: bool = True) -> None:
+                 timeout=None, owns_comm: bool = True, tag_ub: Optional[int] = None) -> None:
         self.comm = comm
         self.p2p = comm.Dup()  # collective over comm's members only
         self.rank = comm.Get_rank()
@@ -65,24 +60,17 @@ class Group:
         self.coalescing = None  # a list of pending p2p ops while torch coalesces them
         from . import _debug
 
+        # tracing or per-op debug logging (the settings, read when the group is made)
+        self._observed = bool(config.get("HPCCOMM_TRACE")) or config.get("HPCCOMM_LOG") == "DEBUG"
         self.debug = _debug.enabled()  # compare every collective across ranks first
         # async ops of up to 64 KiB posted as nonblocking MPI collectives (hpccomm._runner.post_collective)
         self.nonblocking = config.get("HPCCOMM_ASYNC_NONBLOCKING")
         self.max_count = config.get("HPCCOMM_MAX_MPI_COUNT")
-        self.tag_ub = _mpi.tag_ub()
+        self.tag_ub = _mpi.tag_ub() if tag_ub is None else tag_ub  # the largest tag MPI takes
         self._owns_comm = owns_comm
         self._lock = threading.Lock()
         _mpi.live.add(self)
         _status.groups.add(self)
-
-    def next_seq(self) -> int:
-        """The number of the collective about to run (taken by the thread running it)."""
-        self.seq = seq = next(self._seqs)
-        return seq
-
-    def next_p2p_seq(self) -> int:
-        self.p2p_seq = seq = next(self._p2p_seqs)
-        return seq
 
     def where(self, seq: int | None = None) -> str:
         """Context for error messages: op number, group and rank.  ``seq``
@@ -113,6 +101,18 @@ class Group:
         p2p.Free()
         if self._owns_comm:
             comm.Free()
+
+    @property
+    def debug(self) -> bool:
+        """Debug mode: every collective is compared across the group's ranks first (hpccomm._debug)."""
+        return self._debug
+
+    @debug.setter
+    def debug(self, on: bool) -> None:
+        self._debug = on
+        #: Debug mode, tracing or per-op debug logging: the op path takes its instrumented branch
+        #: (hpccomm._runner.execute); one attribute test on the latency-bound path.
+        self.instrumented = bool(on) or self._observed
 
     @property
     def freed(self) -> bool:

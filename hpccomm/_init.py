@@ -417,11 +417,11 @@ def _subgroup(opts, ranks) -> _group.Group:
     tag = _tag(ranks)
     token = watchdog.begin(creating, "new_group (MPI_Comm_create_group)", 0)
     try:
-        if _ft.state.enabled:
+        if _status.failures.tolerant:
             _ft.meet(parent, ranks, tag)  # a member that died raises here, not a hang in MPI_Comm_create_group
         comm = _group.create_group(parent, ranks, tag)
     except _mpi.mpi().Exception as exc:
-        failure = _ft.failure(f"new_group ({creating.where()})", exc) if _ft.state.enabled else None
+        failure = _ft.failure(f"new_group ({creating.where()})", exc) if _status.failures.tolerant else None
         if failure is None:
             raise
         raise failure from exc  # a member died (fault-tolerance mode): hpccomm.RankFailure

@@ -488,8 +488,6 @@ def buffer(t: torch.Tensor, offset: int = 0, count: int | None = None):
 
     The caller keeps ``t`` alive until MPI is done with the memory.
     """
-    if t.is_cuda:  # device memory (CUDA-aware MPI): MPI must not read it before queued kernels finish
-        device_ready(t)
     size = t.element_size()
     if count is None:
         count = t.numel() - offset
@@ -521,16 +519,10 @@ def host_buffer(t: torch.Tensor):
     return [_MPI.buffer.fromaddress(t.data_ptr(), count * kind[1]), count, kind[0]]
 
 
-def _synchronize_current_stream(t: torch.Tensor) -> None:
-    torch.cuda.current_stream(t.device).synchronize()
-
-
-#: Called with every device tensor handed to MPI, before the call: MPI is not
-#: stream-aware, so the kernels this thread queued that write ``t`` (a
-#: contiguous copy, a premultiplication) must be finished first.  Replaceable
-#: for tests (hpccomm.gpu.cuda_mpi injects a recording fake).
-device_ready = _synchronize_current_stream
-
-
 def in_place():
     return mpi().IN_PLACE
+
+
+def status():
+    """A new ``MPI.Status`` (a receive's source and count)."""
+    return _MPI.Status()

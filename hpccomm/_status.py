@@ -1,11 +1,22 @@
 """What is running on this rank, and who failed: the one place that knows.
 
-The op path records every op while it communicates (:func:`begin`/:func:`end`,
-a dict insert and delete); the watchdog (timeouts), the SIGTERM reporter
-(:mod:`hpccomm._signals`), the excepthook and :mod:`hpccomm.errors`' messages
-read it.  A rank that is about to end the job records why in the world
-group's key-value store (:func:`record_failure`), so that the other ranks'
-lines can name it.  Nothing here calls MPI or starts a thread.
+- Op numbers: :func:`start` numbers every op when it starts (a group's
+  collectives are numbered alike on every member: they run in the same order
+  everywhere; point-to-point ops are numbered per rank) and records it as
+  running, until :func:`finished` (a collective run in this thread) or
+  :func:`end` (a posted op, once its Work completes).  :func:`begin` records
+  what else may hang: group creation, debug-mode checks.
+- Who failed: a rank about to end the job records why in the world group's
+  key-value store (:func:`record_failure`), so that the other ranks' lines
+  can name it; :data:`failures` holds what fault tolerance (hpccomm._ft)
+  knows of lost ranks.
+- The keys of the key-value store that ranks use to tell each other of a
+  failure, a refusal or a timeout: :func:`failure_key`, :func:`refusal_key`,
+  :func:`timeout_key`.
+
+The watchdog (timeouts), the SIGTERM reporter (hpccomm._signals), the
+excepthook and hpccomm.errors' messages read it.  Nothing here calls MPI or
+starts a thread.
 """
 from __future__ import annotations
 
@@ -16,7 +27,7 @@ import socket
 import time
 from typing import Optional
 
-FAILURE_KEY = "hpccomm/failure"
+_monotonic = time.monotonic
 
 
 class Op:
@@ -34,18 +45,62 @@ class Op:
         return g.where_p2p(self.seq) if self.kind == "p2p" else g.where(self.seq)
 
 
-#: token -> Op: the point-to-point ops, posted collectives (and rare others) this rank is in now.
-#: The op path's hottest callers use it directly: ``watched.pop(token, None)`` is :func:`end`,
-#: ``watched[token] = op`` with a token ``next(ids)`` is :func:`watch`, without their calls.
+#: token -> Op (or a posted op's own record, hpccomm._work.Request): the ops this rank is in now
+#: besides each group's running collective.
 watched: dict = {}
 ids = itertools.count()
 #: The groups whose collectives run here: each says which one it is in, if
-#: any, in ``group.running`` = ``(name, seq, start)`` (set and cleared by the
-#: op path, no allocation but the tuple: the cheapest way for the hottest
-#: path), and its latest in ``group.last``.  hpccomm._group adds every group.
+#: any, in ``group.running`` = ``(name, seq, start)``, and its latest in
+#: ``group.last`` (set by :func:`start`).  hpccomm._group adds every group.
 groups = weakref.WeakSet()
-#: [the group whose collective started last on this rank]
+#: [the group whose op started last on this rank]
 last_group: list = [None]
+
+
+def start(group, op: str, record=None) -> int:
+    """Number op ``op`` of ``group`` and record it as running on this rank;
+    returns its number.
+
+    ``record`` None: a collective that runs now in the calling thread,
+    recorded in ``group.running`` until :func:`finished`.  Else a posted op's
+    record (hpccomm._work.Request: a point-to-point op, ``kind`` ``"p2p"``,
+    numbered apart, or a collective), which gets its number, start time and
+    deadline (the group's timeout) and is watched until :func:`end` with its
+    ``token``.  Collectives are numbered in the thread that runs (or posts)
+    them, when it does: they run in the same order on every member, so they
+    are numbered alike everywhere, whichever thread issued them; ``next()``
+    on the counters is atomic under the GIL.
+    """
+    now = _monotonic()
+    if record is None:
+        group.seq = seq = next(group._seqs)
+        group.running = group.last = (op, seq, now)
+        last_group[0] = group
+        return seq
+    if record.kind == "p2p":
+        group.p2p_seq = seq = next(group._p2p_seqs)
+    else:
+        group.seq = seq = next(group._seqs)
+        group.last = (op, seq, now)
+        last_group[0] = group
+    record.seq, record.start = seq, now
+    seconds = group.timeout_s
+    if seconds:
+        record.deadline = now + seconds
+    record.token = token = next(ids)
+    watched[token] = record
+    return seq
+
+
+def relabel(group, op: str) -> None:
+    """The collective running on ``group`` goes on as ``op`` (same number,
+    started now): after debug mode's fingerprint check, which ran under its own label."""
+    group.running = group.last = (op, group.seq, _monotonic())
+
+
+def finished(group) -> None:
+    """The collective :func:`start` recorded in ``group.running`` is over."""
+    group.running = None
 
 
 def begin(group, name: str, seq: int, seconds: Optional[float], kind: str = "collective", peer=None) -> int:
@@ -59,22 +114,13 @@ def begin(group, name: str, seq: int, seconds: Optional[float], kind: str = "col
     return token
 
 
-def watch(op) -> int:
-    """Record ``op`` as running: an :class:`Op`, or an object with its fields
-    and ``where()`` (a posted point-to-point op records itself, so posting
-    makes no record object).  Returns the token for :func:`end`."""
-    token = next(ids)
-    watched[token] = op
-    return token
-
-
 def records() -> list:
     """The records made by :func:`begin` and :func:`watch` still open (a snapshot)."""
     return list(watched.values())
 
 
 def end(token):
-    """The op of ``token`` is over; returns it (None if unknown)."""
+    """The op of ``token`` (:func:`begin`, :func:`start`) is over; returns it (None if unknown)."""
     return watched.pop(token, None)
 
 
@@ -118,6 +164,42 @@ class _World:
 world = _World()
 
 
+class Failures:
+    """What this rank knows of lost ranks (fault tolerance, hpccomm._ft)."""
+
+    tolerant = False  # fault tolerance is on (agreed at init): MPI errors may mean a rank died
+    first = None  # the first hpccomm.RankFailure seen since the last shrink
+    revoked = False  # every hpccomm communicator revoked since that failure
+
+
+failures = Failures()
+
+
+def failure_key() -> str:
+    """The world store's key where a rank ending the job says why (:func:`record_failure`)."""
+    return "hpccomm/failure"
+
+
+def refusal_key(g, kind: str, seq=None, from_rank=None, to_rank=None) -> str:
+    """Where a rank announces that it refused an op the others may wait in
+    (hpccomm._runner.refused): a collective by its number on the group, a
+    point-to-point op by its two world ranks."""
+    if kind == "p2p":
+        return f"hpccomm/refused/{g.key}/p2p/{from_rank}->{to_rank}"
+    return f"hpccomm/refused/{g.key}/{seq}"
+
+
+def timeout_key(op, rank=None) -> str:
+    """Where a watchdog reports that its rank timed out in ``op`` (an
+    :class:`Op`): this rank's key, or ``rank``'s (a world rank for a
+    point-to-point op, a group rank for a collective); ``rank=""`` gives the
+    prefix that every rank's key for that op starts with."""
+    g = op.group
+    if op.kind == "p2p":
+        return f"hpccomm/timeout/p2p/{g.global_ranks[g.rank] if rank is None else rank}"
+    return f"hpccomm/timeout/{op.seq}/{g.rank if rank is None else rank}"
+
+
 def set_world(rank: int, size: int, store, peers) -> None:
     """Called when the world group is made, with every rank's (host, pid)."""
     world.rank, world.size, world.store, world.peers = rank, size, store, list(peers)
@@ -129,7 +211,7 @@ def record_failure(what: str) -> None:
     if store is None or world.size == 1:
         return
     try:
-        store.set(FAILURE_KEY, f"rank {world.rank} {what}")
+        store.set(failure_key(), f"rank {world.rank} {what}")
     except Exception:  # noqa: BLE001 - the store's host may be the one failing
         pass
 
@@ -139,8 +221,8 @@ def recorded_failure() -> Optional[str]:
     if store is None:
         return None
     try:
-        if store.check([FAILURE_KEY]):
-            return store.get(FAILURE_KEY).decode(errors="replace")
+        if store.check([failure_key()]):
+            return store.get(failure_key()).decode(errors="replace")
     except Exception:  # noqa: BLE001 - the store's host (rank 0) may be dead
         return "the key-value store on rank 0 does not answer (rank 0 may be dead)"
     return None

@@ -42,15 +42,6 @@ _JOIN = _GRACE + 2 * _TICK  # at exit: how long to wait for the thread to leave 
 _AT_EXIT_ORDER = 9  # after the hooks that run queued ops and complete pending requests (hpccomm._mpi.at_exit)
 
 
-def refusal_key(g, kind: str, seq=None, from_rank=None, to_rank=None) -> str:
-    """Where a rank announces that it refused an op the others may wait in
-    (hpccomm._runner.refused): a collective by its number on the group, a
-    point-to-point op by its two world ranks."""
-    if kind == "p2p":
-        return f"hpccomm/refused/{g.key}/p2p/{from_rank}->{to_rank}"
-    return f"hpccomm/refused/{g.key}/{seq}"
-
-
 class Watchdog:
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -155,9 +146,9 @@ class Watchdog:
         if op.kind == "p2p":
             if op.peer is None:
                 return False
-            key = refusal_key(g, "p2p", from_rank=g.global_ranks[op.peer], to_rank=me)
+            key = _status.refusal_key(g, "p2p", from_rank=g.global_ranks[op.peer], to_rank=me)
         else:
-            key = refusal_key(g, "collective", seq=op.seq)
+            key = _status.refusal_key(g, "collective", seq=op.seq)
         if not g.store.check([key]):
             return False
         said = g.store.get(key).decode(errors="replace")
@@ -180,9 +171,9 @@ class Watchdog:
             return "no key-value store to ask the other ranks"
         if op.kind == "p2p":
             return self._diagnose_p2p(op)
-        prefix = f"hpccomm/timeout/{op.seq}/"
+        prefix = _status.timeout_key(op, "")
         try:
-            store.set(_key(op), f"{op.seq}:{op.name}")
+            store.set(_status.timeout_key(op), f"{op.seq}:{op.name}")
             answers = _collect(store, prefix, range(g.size), self._stopping)
         except Exception as exc:  # noqa: BLE001 - a diagnosis must not hide the timeout
             return f"could not ask the other ranks through the store ({exc})"
@@ -195,12 +186,12 @@ class Watchdog:
     def _diagnose_p2p(self, op: _status.Op) -> str:
         g = op.group
         store = g.store
-        prefix = "hpccomm/timeout/p2p/"
+        prefix = _status.timeout_key(op, "")
         me = str(g.global_ranks[g.rank])
         peers = range(g.size) if op.peer is None else [op.peer]
         others = [str(g.global_ranks[r]) for r in peers if r != g.rank]
         try:
-            store.set(_key(op), f"{op.name} ({op.where()})")
+            store.set(_status.timeout_key(op), f"{op.name} ({op.where()})")
             answers = _collect(store, prefix, others, self._stopping)
         except Exception as exc:  # noqa: BLE001 - a diagnosis must not hide the timeout
             return f"could not ask the other ranks through the store ({exc})"
@@ -215,20 +206,13 @@ class Watchdog:
                 "(busy outside hpccomm, hung or dead)")
 
 
-def _key(op: _status.Op) -> str:
-    g = op.group
-    if op.kind == "p2p":
-        return f"hpccomm/timeout/p2p/{g.global_ranks[g.rank]}"
-    return f"hpccomm/timeout/{op.seq}/{g.rank}"
-
-
 def _forget_report(op: _status.Op) -> None:
     """Delete this rank's report of a timed-out op that completed after all."""
     store = op.group.store
     if store is None:
         return
     try:
-        store.delete_key(_key(op))
+        store.delete_key(_status.timeout_key(op))
     except Exception:  # noqa: BLE001 - cleaning up a warning must not raise into the op path
         pass
 

@@ -1,20 +1,25 @@
-"""The Work objects hpccomm hands to torch.
+"""The Work objects hpccomm hands to torch, and the pending operations behind them.
 
-torch's C++ callers (DDP's reducer, functional collectives) wait on
-``get_future()`` and never call ``wait()``, so every Work's future must
-complete by itself; its value is the list of output tensors (DDP reads it).
+Every Work is made here, by :func:`done` (a blocking op that already ran) or
+by ``Work(outputs, pending)`` (an op still in flight); nothing outside this
+module writes a Work's fields.  torch's C++ callers (DDP's reducer,
+functional collectives) wait on ``get_future()`` and never call ``wait()``,
+so every Work's future must complete by itself; its value is the list of
+output tensors (DDP reads it).
 
-A Work is either born done (a blocking op already ran) or wraps a
-``Pending`` operation: an object with ``test() -> bool`` (non-blocking),
-``wait(seconds or None) -> bool`` and ``finish() -> source rank or None``
-(run once, after completion, in the completing thread; it may raise).  An
-error from any of them completes the Work with that error (wrapped in
+A pending Work waits on an object of the :class:`Pending` protocol:
+
+- :class:`Request`: a posted MPI request, a point-to-point op or a
+  collective in its nonblocking form;
+- ``hpccomm._engine.Job``: an op queued on the comm thread;
+- :class:`AllOf`: a batch of Works (torch's coalesced point-to-point ops).
+
+An error from any of them completes the Work with that error (wrapped in
 :class:`hpccomm.errors.HpccommError` naming the op), which ``wait()`` and the
-future raise: a pending op never dies silently on the progress thread.
-A pending Work completes when its owner calls ``wait()``, or, once someone
-asked for its future, on the progress thread, which then runs the callbacks
-chained on that future (a callback asking for another pending op's future
-gets it completed in place).
+future raise: a pending op never dies silently on another thread.  A pending
+Work completes when its owner calls ``wait()``, or, once someone asked for
+its future, on the comm thread (hpccomm._engine), which then runs the
+callbacks chained on that future.
 
 A failed op's future must fail where C++ sees it: ``Future.set_exception``
 only stores the exception as the future's *value* (unwrapped in Python), so
@@ -24,94 +29,87 @@ callback raises: torch records that as the future's error.
 """
 from __future__ import annotations
 
-import threading
+import sys
 import time
 from _thread import allocate_lock as _allocate_lock
 from datetime import timedelta
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 
-from . import _ft, _mpi, _status
+from . import _ft, _mpi, _status, _trace
 from ._compat import WorkBase, hide_from_compiler
-from ._engine import Job as _Job
-from ._engine import engine as _engine
-from ._engine import latch as _latch
-from ._watchdog import watchdog
+from ._engine import Job, engine, latch
 from .errors import HpccommError
-from .ops._common import Posted as _Posted
-from .ops.p2p import Pending as _P2P
+from .ops._common import AFTER, ARGS, NBYTES, OUTPUTS
 
-_work_init = WorkBase.__init__
-_end_watch = _status.end
-_watched = _status.watched
+
+class Pending(Protocol):
+    """What a pending Work waits on (implemented by :class:`Request`,
+    :class:`AllOf` and ``hpccomm._engine.Job``).  Only the Work holding it
+    calls these, under the Work's lock, so one thread at a time touches an MPI
+    request."""
+
+    #: The comm thread completes the Work, right after running the op (a queued job).
+    engine_completes: bool
+
+    def test(self) -> bool:
+        """Non-blocking progress: True once the op completed (with or without error)."""
+
+    def wait(self, seconds: Optional[float]) -> bool:
+        """Block until complete (``seconds`` None), or at most ``seconds``: False if not complete then."""
+
+    def finish(self) -> Optional[int]:
+        """Once complete, in the completing thread, once: raise the op's error,
+        else run its last step; the source rank of a receive, else None."""
+
+    def describe(self) -> str:
+        """What the op is, for messages: ``all_reduce (op #3 on group '0', rank 1/4)``."""
 
 
 class Work(WorkBase):
-    """A finished or pending hpccomm operation (see the module docstring)."""
+    """A pending hpccomm operation, as torch sees it (see the module docstring).
 
-    # Slots for what every Work sets, and a receive's source (an op path that makes a Work per op pays for
-    # no dict insertion through pybind's instance type); what few Works ever set is
-    # read from the class until then (an instance dict only when set).
+    ``Work(outputs, pending, describe="", devices=None)``: ``outputs`` is the
+    future's value (also keeps the tensors alive); ``pending`` the
+    :class:`Pending` it waits on; ``describe`` what it is for messages (a
+    string, a function making it, or "": the pending's describe());
+    ``devices`` the CUDA devices of its tensors (a future holding CUDA
+    tensors must name them: torch then orders the waiter's stream after the
+    completing thread's).
+    """
+
+    # Slots for what every Work sets, and a receive's source; what few Works ever set is read
+    # from the class until then (an instance dict only when set).
     __slots__ = ("_outputs", "_pending", "_done", "_lock", "_engine_completes", "_source", "__dict__")
-    # A future holding CUDA tensors must name their devices: torch then orders the
-    # waiter's stream after the completing thread's (hpccomm.gpu).
     _devices = None
-    _describe = ""  # a string, a function making it, or "": the pending's describe()
+    _describe = ""
     _error = None
-    # The future torch sees, and the one completion sets (the first is chained on
-    # it): made on the first get_future(), so an op nobody asks a future of never
-    # pays for one.
+    # The future torch sees, and the one completion sets (the first is chained on it): made on
+    # the first get_future(), so an op nobody asks a future of never pays for one.
     _future = _rawf = None
-    # An engine op's latch (hpccomm._engine.latch): made by the first waiter that
-    # has to sleep, opened once the Work is complete and its callbacks ran.
+    # A queued op's latch (hpccomm._engine.latch): made by the first waiter that has to sleep,
+    # opened once the Work is complete and its callbacks ran.
     _completed = None
 
-    def __init__(self, outputs, pending=None, describe="", devices=None) -> None:
-        _work_init(self)
-        self._outputs = outputs  # the future's value; also keeps the tensors alive
-        self._pending = pending  # holds the MPI request and its buffers until done
-        self._source = -1  # a receive's source rank, once known (a slot: every receive sets it)
+    def __init__(self, outputs, pending, describe="", devices=None) -> None:
+        WorkBase.__init__(self)
+        self._outputs = outputs
+        self._pending = pending
+        self._done = False
+        self._source = -1  # a receive's source rank, once known
+        self._lock = _allocate_lock()  # one thread at a time touches the pending op
+        # Queued ops are completed on the comm thread (or by their waiter in its place), right after
+        # they run, so callbacks chained on their futures (DDP hooks that issue more ops) run at the
+        # same point of the op sequence on every rank.
+        self._engine_completes = pending.engine_completes
         if describe:
             self._describe = describe
         if devices:
             self._devices = devices
-        if pending is None:
-            self._done = True
-            self._lock = None
-            self._engine_completes = False
-            return
-        self._done = False
-        self._lock = _allocate_lock()  # one thread at a time touches the MPI request
-        # Ops queued on the comm thread are always completed there (or by their waiter
-        # in its place), right after they run, so callbacks chained on their futures
-        # (DDP hooks that issue more ops) run at the same point of the op sequence on
-        # every rank.
-        self._engine_completes = pending.engine_completes
-
-    @property
-    def _raw(self) -> torch.futures.Future:
-        """The future that completion sets (made, with the chained one, on first use)."""
-        if self._rawf is None:
-            self._make_future()
-        return self._rawf
-
-    @_raw.setter
-    def _raw(self, future) -> None:
-        self._rawf = future
-
-    def _make_future(self) -> None:
-        """Make the futures (caller holds ``_lock``, or the Work is born done): the
-        chained one completes with the outputs, or fails visibly to C++ (see the
-        module docstring); complete at once if the op already is."""
-        raw = self._new_future()
-        self._rawf = raw
-        self._future = raw.then(self._result_or_raise)
-        if self._done:
-            raw.set_result(None)
 
     def _what(self, pending=None) -> str:
-        """What this Work is, for messages (an async op is numbered when it runs)."""
+        """What this Work is, for messages (a queued op is numbered when it runs)."""
         d = self._describe
         if d:
             return d() if callable(d) else d
@@ -121,19 +119,27 @@ class Work(WorkBase):
     def _new_future(self) -> torch.futures.Future:
         return torch.futures.Future(devices=self._devices) if self._devices else torch.futures.Future()
 
+    def _make_future(self) -> None:
+        """Make the futures (caller holds ``_lock``): the chained one completes
+        with the outputs, or fails visibly to C++ (see the module docstring);
+        completed at once if the op already is."""
+        raw = self._new_future()
+        self._rawf = raw
+        self._future = raw.then(self._result_or_raise)
+        if self._done:
+            raw.set_result(None)
+
     def _result_or_raise(self, _raw):
         if self._error is not None:
             raise self._error
         return self._outputs
 
     def _complete(self, error: Optional[BaseException] = None, release: bool = True) -> None:
-        """Run the pending op's finish step; caller holds ``_lock``, request
-        done (or failed with ``error``).  ``release``: open the latch of an
-        engine op now (the comm thread opens it itself, a moment later)."""
+        """Complete the Work (caller holds ``_lock``; the op completed, or
+        failed with ``error``): the pending's finish step, the error wrapped
+        naming the op, the future and its callbacks.  ``release``: open a
+        queued op's latch now (the comm thread opens it itself, a moment later)."""
         pending, self._pending = self._pending, None
-        token = getattr(pending, "token", None)
-        if token is not None:
-            _end_watch(token)  # the watchdog stops watching it (watchdog.end, without its call)
         if error is None:
             try:
                 source = pending.finish()
@@ -142,7 +148,7 @@ class Work(WorkBase):
             except BaseException as exc:  # noqa: BLE001 - handed to the waiter
                 error = exc
         if error is not None:  # the success path tests this one thing
-            if _ft.state.enabled:  # a rank died (fault-tolerance mode): hpccomm.RankFailure
+            if _status.failures.tolerant:  # a rank died (fault-tolerance mode): hpccomm.RankFailure
                 error = _ft.from_pending(self._what(pending), pending, error)
             if isinstance(error, Exception) and not isinstance(error, HpccommError):
                 wrapped = HpccommError(f"hpccomm {self._what(pending)}: {type(error).__name__}: {error}")
@@ -158,51 +164,45 @@ class Work(WorkBase):
 
     def _settled(self) -> bool:
         """Done and its future complete.  ``_done`` turns True a moment before
-        the completing thread completes the future (``_raw.set_result``): a
-        waiter on another thread must not return in between, or
-        ``get_future().value()`` finds an incomplete future."""
+        the completing thread completes the future: a waiter on another thread
+        must not return in between, or ``get_future().value()`` finds an
+        incomplete future."""
         return self._future is None or self._future.done()
 
-    def _finish_on_engine(self) -> None:
-        """The comm thread completes a Work whose op it just ran (callbacks
-        included); it opens the latch itself afterwards."""
+    # -- what the comm thread asks (hpccomm._engine) ----------------------------
+    def _ran_on_engine(self) -> None:
+        """Its queued op just ran (on the comm thread, or in its waiter's
+        place): complete the Work, callbacks included; the latch is opened
+        by :meth:`_release`, once the group counts as idle."""
         with self._lock:
             if not self._done:
-                job = self._pending
-                if job.error is None and self._rawf is None:
-                    # The common case, _complete's work without its calls: the op
-                    # succeeded and nobody asked for a future (no callbacks to run).
-                    self._outputs = job.result  # the future's value: the op's outputs
-                    self._pending = None
-                    self._done = True
-                    return
                 self._complete(release=False)
 
-    def _complete_on_engine(self) -> None:
-        """Complete a Work whose op just ran, and let its waiters go."""
-        with self._lock:
-            if not self._done:
-                self._complete()
+    def _release(self) -> None:
+        """Let a queued op's waiters go (after :meth:`_ran_on_engine`)."""
+        if self._completed is not None:
+            self._completed.release()
 
     def _hand_to_engine(self) -> None:
-        """A posted collective (hpccomm.ops._common.Posted) is from now on
-        completed by the comm thread: a queued job waits on its request and
-        completes this Work, callbacks included, at its place in the group's
-        op order (ops issued later on the group queue behind it on every
-        rank).  Asked for by :meth:`get_future`."""
-        with self._lock:  # not while a waiter or the progress thread is in the request
+        """A posted collective is from now on completed by the comm thread: a
+        queued job waits on its request and completes this Work, callbacks
+        included, at its place in the group's op order (ops issued later on
+        the group queue behind it on every rank).  Asked for by :meth:`get_future`."""
+        with self._lock:  # not while a waiter or the comm thread is in the request
             if self._done or self._engine_completes:
                 return
-            posting = self._pending
-            job = _Job(posting.group, _wait_posted, posting.op, posting)
-            job.seq = posting.seq
+            request = self._pending
+            job = Job(request.group, request.name, _complete_request)
+            job.plan = request
+            job.seq = request.seq
             job.work = self
             self._pending = job
             self._engine_completes = True
-        _engine.submit(job)
+        engine.submit(job)
 
     def _poll(self) -> bool:
-        """Non-blocking progress from the progress thread; True once done."""
+        """Non-blocking progress (the comm thread, for a Work whose future was
+        asked for; ``is_completed``); True once done."""
         if self._done:
             return self._settled()
         if self._engine_completes:
@@ -224,65 +224,24 @@ class Work(WorkBase):
 
     # -- torch's Work API ---------------------------------------------------
     def wait(self, timeout: timedelta | None = None) -> bool:
-        if not timeout and not self._done and (self._pending.__class__ is _Posted or self._pending.__class__ is _P2P) \
-                and not self._engine_completes:
-            # A posted collective or a point-to-point op waited for without a time limit (torch
-            # passes 0 or None for none; its blocking send/recv wait at once), the latency-bound
-            # case: _wait_pending and Request.wait without their calls, and when nothing is left
-            # to finish, _complete (with a receive's check of what arrived) without its calls.
-            with self._lock:
-                if not self._done and not self._engine_completes:
-                    pending = self._pending
-                    try:
-                        pending.req.Wait(pending.status)
-                    except _mpi.mpi().Exception as exc:  # finish() reports it, naming the op
-                        pending.error = exc
-                    else:
-                        if pending.after is None and not pending.traced and self._rawf is None:
-                            settled = True
-                            if pending.is_recv:  # from a named rank, as many elements as the tensor holds
-                                source = pending.peer
-                                count, datatype = pending.expect
-                                settled = source is not None and pending.status.Get_elements(datatype) == count
-                                if settled:
-                                    self._source = source
-                            if settled:
-                                _watched.pop(pending.token, None)  # _status.end, without its call
-                                self._pending = None
-                                self._done = True
-                                return True
-                    self._complete()  # any source, a staged receive, a short message, an error, a future
-                    if self._error is not None:
-                        raise self._error
-                    return True
         if not self._done:
-            seconds = None
-            if timeout is not None and timeout != timedelta(0):
-                seconds = timeout.total_seconds()
-            if not self._engine_completes:
-                finished = self._wait_pending(seconds)
-                if finished is None:  # handed to the comm thread meanwhile (get_future)
-                    return self.wait(timeout)
+            seconds = timeout.total_seconds() if timeout else None  # torch passes 0 or None for no limit
+            if self._engine_completes:
+                self._wait_for_engine(seconds)
             else:
-                job = self._pending
-                # Not run yet and nothing else queued: run it here rather than sleep while
-                # the comm thread does (hpccomm._engine.Engine.steal); with a time limit,
-                # wait instead (the op could outlast it).
-                if seconds is None and job is not None and _engine.steal(job):
-                    finished = True
-                else:
-                    with self._lock:  # (the comm thread opens the latch if it exists once done)
-                        latch = None if self._done else self._completed
-                        if latch is None and not self._done:
-                            latch = self._completed = _latch()
-                    finished = True
-                    if latch is not None:
-                        finished = latch.acquire(True, -1 if seconds is None else seconds)
-                        if finished:
-                            latch.release()  # open for any other waiter
-            if not finished:
-                raise TimeoutError(f"hpccomm {self._what()}: not complete after {seconds:g} s")
-        elif not self._settled():  # another thread is completing it right now: wait for its future
+                with self._lock:
+                    if not self._done and not self._engine_completes:
+                        try:
+                            finished = self._pending.wait(seconds)
+                        except Exception as exc:  # noqa: BLE001 - the op failed
+                            self._complete(exc)
+                        else:
+                            if not finished:
+                                raise TimeoutError(f"hpccomm {self._what()}: not complete after {seconds:g} s")
+                            self._complete()
+                if not self._done:  # handed to the comm thread meanwhile (get_future)
+                    return self.wait(timeout)
+        if self._future is not None and not self._settled():  # another thread completes it now: wait for it
             try:
                 self._future.wait()
             except Exception:  # noqa: BLE001 - the same error is raised below
@@ -291,50 +250,42 @@ class Work(WorkBase):
             raise self._error
         return True
 
-    def _wait_pending(self, seconds):
-        """Wait in the caller; None if the comm thread completes it now (:meth:`_hand_to_engine`)."""
+    def _wait_for_engine(self, seconds) -> None:
+        """Wait for a queued op: run it here if it is the only one queued and
+        the comm thread is idle (hpccomm._engine.Engine.steal), else sleep on
+        its latch, which the comm thread opens once the Work is complete."""
+        job = self._pending
+        if seconds is None and job is not None and engine.steal(job):
+            return
         with self._lock:
-            if self._done:
-                return True
-            if self._engine_completes:
-                return None
-            try:
-                finished = self._pending.wait(seconds)
-            except Exception as exc:  # noqa: BLE001 - the op failed
-                self._complete(exc)
-                return True
-            if finished:
-                self._complete()
-            return finished
+            latch_ = None if self._done else self._completed
+            if latch_ is None and not self._done:
+                latch_ = self._completed = latch()
+        if latch_ is not None:
+            if not latch_.acquire(True, -1 if seconds is None else seconds):
+                raise TimeoutError(f"hpccomm {self._what()}: not complete after {seconds:g} s")
+            latch_.release()  # open for any other waiter
 
     def get_future(self) -> torch.futures.Future:
         if self._future is None:  # made on first request
-            if self._lock is None:  # born done
-                future = self._new_future()
-                future.set_result(self._outputs)
-                self._future = future
-                return future
             with self._lock:  # not while another thread completes it
                 if self._future is None:
                     self._make_future()
-        if not self._done:
-            from ._engine import engine
-
-            if getattr(self._pending, "kind", "") == "collective" and engine.usable() and not _progress.is_current():
+        if not self._done and not self._engine_completes:
+            if isinstance(self._pending, Request) and self._pending.kind == "collective" and engine.usable():
                 # A posted collective: its callbacks run on the comm thread, in op order (see
-                # _hand_to_engine); never on the progress thread.
+                # _hand_to_engine).
                 self._hand_to_engine()
-            elif _progress.is_current() or (not self._engine_completes and not engine.usable()):
-                # Asked by a callback that the progress thread is running (that thread
-                # cannot complete this op while it runs the callback), or below
-                # MPI_THREAD_MULTIPLE, where no other thread may call MPI (hpccomm._engine):
-                # complete it here, in the caller (an error goes to the future).
+            elif engine.on_comm_thread() or not engine.usable():
+                # Asked on the comm thread (a callback it runs: it cannot complete this op meanwhile),
+                # or below MPI_THREAD_MULTIPLE, where no other thread may call MPI
+                # (hpccomm._engine): complete it here, in the caller (an error goes to the future).
                 try:
                     self.wait()
                 except Exception:  # noqa: BLE001 - the future carries it
                     pass
             else:
-                _progress.watch(self)
+                engine.watch(self)  # the comm thread tests it until it completes
         return self._future
 
     def is_completed(self) -> bool:
@@ -362,61 +313,10 @@ hide_from_compiler(Work, ["wait", "get_future", "is_completed", "is_success", "e
                           "source_rank", "_source_rank", "_result_or_raise"])
 
 
-def _wait_posted(job):
-    """The comm thread's job for a posted collective handed to it
-    (:meth:`Work._hand_to_engine`): wait on its request, finish it (an MPI
-    error raises naming the op), and let the watchdog stop watching it."""
-    posting = job.call
-    try:
-        posting.wait(None)
-        posting.finish()
-    finally:
-        token, posting.token = posting.token, None
-        if token is not None:
-            _end_watch(token)
-    return posting.outputs
-
-
-class AllOf:
-    """The Pending of a batch: done when every Work in ``works`` is (torch's
-    coalesced point-to-point ops, ``batch_isend_irecv``); the first error wins."""
-
-    token = None
-    engine_completes = False
-
-    def __init__(self, works) -> None:
-        self.works = list(works)
-
-    def test(self) -> bool:
-        return all(w._poll() for w in self.works)
-
-    def wait(self, seconds) -> bool:
-        deadline = None if seconds is None else time.monotonic() + seconds
-        for w in self.works:
-            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            if left is not None and left == 0.0 and not w._poll():
-                return False
-            try:
-                w.wait(None if left is None else timedelta(seconds=left))
-            except TimeoutError:
-                return False
-            except Exception:  # noqa: BLE001 - finish() raises the first error
-                pass
-        return True
-
-    def finish(self):
-        for w in self.works:
-            if w._error is not None:
-                raise w._error
-        return None
-
-
 class Done(WorkBase):
     """The Work of an op that already completed (the blocking path, which is
-    latency-bound): the outputs, and their devices for a future of CUDA
-    tensors; no lock, event or future until someone asks.  Made by
-    :func:`done` (or filled in the same way by the op path): no Python
-    constructor runs, and its three fields are slots."""
+    latency-bound): its outputs, and their devices for a future of CUDA
+    tensors; no lock or future until someone asks.  Made by :func:`done`."""
 
     __slots__ = ("_outputs", "_devices", "_future")
 
@@ -454,82 +354,206 @@ hide_from_compiler(Done, ["wait", "get_future", "is_completed", "is_success", "e
 
 
 def done(outputs, devices=None) -> Done:
-    """A Work for an op that already completed (the blocking path)."""
+    """The Work of an op that already completed: ``outputs`` is its future's
+    value (also keeps the tensors alive), ``devices`` the CUDA devices of
+    its tensors (None on the CPU)."""
     work = Done()
-    work._outputs = outputs  # the future's value; also keeps the tensors alive
+    work._outputs = outputs
     work._devices = devices
     work._future = None
     return work
 
 
-class _Progress:
-    """A daemon thread that completes watched pending Works, so that their
-    futures complete without anyone calling ``wait()``."""
+class Request:
+    """A posted MPI request: a point-to-point op (``kind`` ``"p2p"``) or a
+    collective in its nonblocking form (``"collective"``); the :class:`Pending`
+    of its Work.
 
-    def __init__(self) -> None:
-        self._works: list[Work] = []
-        self._cv = threading.Condition()
-        self._thread: Optional[threading.Thread] = None
-        self._stopping = False
+    Made by hpccomm._runner once the op's plan (hpccomm.ops._common) is
+    posted: ``req`` the MPI request, ``plan`` the op's plan (its ``keep``
+    holds the buffers MPI reads or writes, alive until the request
+    completes; its ``after`` runs once the data is in place).  While posted
+    it is also this rank's record of the op in :mod:`hpccomm._status`, with
+    the fields the watchdog reads (``group``, ``name``, ``seq``, ``start``,
+    ``deadline``, ``kind``, ``peer``, ``where()``); through that record it is
+    settled at exit (a collective's request cannot be cancelled or freed).
+    ``peer``: a point-to-point op's other rank (None: any source).
+    ``status``: filled for a receive (the source, and the count checked
+    against the tensor).
+    """
 
-    def stop(self, seconds: float = 5.0) -> list:
-        """Stop the thread (at exit, before MPI_Finalize); returns the Works
-        it was still watching."""
-        with self._cv:
-            self._stopping = True
-            self._cv.notify()
-            thread, left = self._thread, list(self._works)
-        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
-            thread.join(seconds)
-        return left
+    __slots__ = ("group", "name", "kind", "peer", "plan", "req", "status", "error", "seq", "start", "deadline",
+                 "token", "traced")
+    engine_completes = False  # completed by whoever waits or tests, until handed to the comm thread
 
-    def is_current(self) -> bool:
-        """Whether the calling thread is the progress thread (running a future's callback)."""
-        return self._thread is not None and threading.current_thread() is self._thread
+    def __init__(self, group, name: str, kind: str, plan, peer=None) -> None:
+        self.group, self.name, self.kind, self.plan, self.peer = group, name, kind, plan, peer
+        self.req = self.error = self.deadline = self.token = None
+        self.traced = 0  # the tracer's start time (ns) when the tracer draws it
+        self.status = _mpi.status() if name == "recv" else None
 
-    def watch(self, work: Work) -> None:
-        with self._cv:
-            self._stopping = False
-            if work not in self._works:
-                self._works.append(work)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="hpccomm-progress", daemon=True)
-                self._thread.start()
-            self._cv.notify()
+    def where(self) -> str:
+        g = self.group
+        return g.where_p2p(self.seq) if self.kind == "p2p" else g.where(self.seq)
 
-    def _run(self) -> None:
-        idle = 1e-5
-        while True:
-            with self._cv:
-                while not self._works and not self._stopping:
-                    self._cv.wait()
-                if self._stopping:
-                    self._thread = None
-                    return
-                works = list(self._works)
-            finished = [w for w in works if w._poll()]
-            if finished:
-                with self._cv:
-                    self._works = [w for w in self._works if w not in finished]
-                idle = 1e-5
+    def describe(self) -> str:
+        return f"{self.name} ({self.where()})"
+
+    def test(self) -> bool:
+        try:
+            return self.req.Test(self.status)
+        except _mpi.mpi().Exception as exc:  # completed with an error: finish() reports it
+            self.error = exc
+            return True
+
+    def wait(self, seconds) -> bool:
+        if seconds is None:
+            try:
+                self.req.Wait(self.status)
+            except _mpi.mpi().Exception as exc:
+                self.error = exc
+            return True
+        deadline = time.monotonic() + seconds
+        idle = 1e-6
+        while not self.test():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(idle)
+            idle = min(idle * 2, 1e-3)
+        return True
+
+    def finish(self):
+        """After completion: the watchdog stops watching it; an MPI error raises
+        naming the op; a receive's count is checked against its tensor; then
+        the plan's last step.  The source rank of a receive, else None."""
+        _status.end(self.token)
+        if self.traced:
+            tracer = _trace.active()
+            if tracer:  # posted here, completed here or on another thread: drawn from post to completion
+                tracer.record(self.name, self.group.name, self.seq, self.plan[NBYTES], self.traced, _trace.now_ns())
+        if self.error is not None:
+            raise self._failure()
+        source = None
+        if self.status is not None:
+            source = self.peer
+            if source is None:
+                source = self.status.Get_source()
+            message = self.plan[ARGS][0]
+            if message.__class__ is list:  # [memory, count, MPI datatype]: what the tensor holds
+                n, datatype = message[1], message[2]
+            else:  # (past the count limit: a derived datatype described the tensor's elements)
+                tensor = self.plan[OUTPUTS][0]
+                n, datatype = tensor.numel(), _mpi.mpi_type(tensor.dtype)
+            got = self.status.Get_elements(datatype)
+            if got != n:
+                raise self._fail(f"received {got} elements from rank {source} but the tensor has {n}; "
+                                 f"only its first {got} elements were written",
+                                 "Sender and receiver must pass tensors with the same number of elements")
+        after = self.plan[AFTER]
+        if after is not None:
+            after()
+        return source
+
+    def _fail(self, what: str, fix: str = "") -> HpccommError:
+        return HpccommError(f"hpccomm {self.describe()}: {what}" + (f". {fix}" if fix else ""))
+
+    def _failure(self) -> HpccommError:
+        """The error of a request that completed with MPI error ``self.error``."""
+        exc = self.error
+        if _status.failures.tolerant:
+            failure = _ft.failure(self.describe(), exc)
+            if failure is not None:
+                return failure
+        if self.status is not None and exc.Get_error_class() == _mpi.mpi().ERR_TRUNCATE:
+            source = self.peer if self.peer is not None else self.status.Get_source()
+            return self._fail(f"the message from rank {source} is larger than the tensor "
+                              f"({self.plan[OUTPUTS][0].numel()} elements); the tensor may be partly overwritten",
+                              "Sender and receiver must pass tensors with the same number of elements")
+        return self._fail(f"MPI failed: {exc}")
+
+
+def _complete_request(job):
+    """The comm thread's job for a posted collective handed to it
+    (:meth:`Work._hand_to_engine`): wait on its request and finish it."""
+    request = job.plan
+    request.wait(None)
+    request.finish()
+
+
+class AllOf:
+    """The Pending of a batch: done when every Work in ``works`` is (torch's
+    coalesced point-to-point ops, ``batch_isend_irecv``); the first error wins."""
+
+    engine_completes = False
+
+    def __init__(self, works, description: str) -> None:
+        self.works = list(works)
+        self.description = description
+
+    def describe(self) -> str:
+        return self.description
+
+    def test(self) -> bool:
+        return all(w._poll() for w in self.works)
+
+    def wait(self, seconds) -> bool:
+        deadline = None if seconds is None else time.monotonic() + seconds
+        for w in self.works:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            if left is not None and left == 0.0 and not w._poll():
+                return False
+            try:
+                w.wait(None if left is None else timedelta(seconds=left))
+            except TimeoutError:
+                return False
+            except Exception:  # noqa: BLE001 - finish() raises the first error
+                pass
+        return True
+
+    def finish(self):
+        for w in self.works:
+            if w._error is not None:
+                raise w._error
+        return None
+
+
+def _settle_at_exit(seconds: float = 2.0) -> None:
+    """At exit, before MPI_Finalize, once the comm thread has stopped
+    (hpccomm._engine's thread rule): every request still posted is settled.
+    A collective's is waited for (MPI forbids cancelling or freeing it; the
+    other ranks run the same collective, so it completes; one still running
+    past its group's timeout ends the job with the watchdog's kind of
+    message, the watchdog may have stopped).  A point-to-point request is
+    completed if it can be within ``seconds`` (a send whose receiver is also
+    exiting), else a receive is cancelled and a send's request freed (MPI
+    lets it finish on its own)."""
+    MPI = _mpi.mpi()
+    requests = [r for r in _status.records() if isinstance(r, Request) and r.req is not None]
+    deadline = time.monotonic() + seconds
+    for r in requests:
+        try:
+            if r.kind == "collective":
+                while not r.req.Test():
+                    if r.deadline is not None and time.monotonic() > r.deadline + 2.0:
+                        print(f"hpccomm: {r.describe()} did not complete within the group's timeout at exit "
+                              "(a rank never posted it?); ending the job", file=sys.stderr, flush=True)
+                        _status.record_failure(f"timed out in {r.describe()} at exit")
+                        _mpi.abort(1)
+                    time.sleep(1e-4)
+                continue
+            if r.req == MPI.REQUEST_NULL:
+                continue
+            while not r.req.Test() and time.monotonic() < deadline:
+                time.sleep(1e-3)
+            if r.req == MPI.REQUEST_NULL:
+                continue
+            if r.status is not None:
+                r.req.Cancel()
+                r.req.Wait()
             else:
-                time.sleep(idle)  # back off up to 1 ms while nothing completes
-                idle = min(idle * 2, 1e-3)
+                r.req.Free()
+        except MPI.Exception:  # at exit: settle the others
+            pass
 
 
-_progress = _Progress()
-
-
-def _stop_progress() -> None:
-    """At exit: stop the progress thread (what it watched is settled by
-    hpccomm.ops.p2p's exit hook)."""
-    _progress.stop()
-
-
-def _register_exit_hook() -> None:
-    from . import _mpi
-
-    _mpi.at_exit.append((1, _stop_progress))
-
-
-_register_exit_hook()
+_mpi.at_exit.append((1.5, _settle_at_exit))

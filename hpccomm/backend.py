@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from . import _adapter, _engine, _ft, _group, _mpi, _runner
+from . import _adapter, _engine, _ft, _group, _mpi, _runner, _status
 from ._adapter import BACKEND_NAME
 from ._compat import BackendBase, BackendOptions
 from ._watchdog import watchdog
@@ -83,7 +83,7 @@ class BackendHpccomm(_adapter.TorchOps, BackendBase):
     @property
     def supports_shrinking(self) -> bool:
         """``dist.shrink_group`` works in fault-tolerance mode (HPCCOMM_FAULT_TOLERANCE=ulfm)."""
-        return _ft.state.enabled
+        return _status.failures.tolerant
 
     def _get_sequence_number_for_group(self) -> int:
         return self._g.seq

@@ -239,21 +239,39 @@ class NoComm:
         raise AssertionError(f"used the communicator ({name}) where no communication may happen")
 
 
+class FakeComm(NoComm):
+    """A communicator's rank, size and duplicates, and nothing else (:class:`NoComm`)."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self._rank, self._size = rank, size
+
+    def Get_rank(self) -> int:
+        return self._rank
+
+    def Get_size(self) -> int:
+        return self._size
+
+    def Dup(self):
+        return FakeComm(self._rank, self._size)
+
+
 def fake_group(rank: int = 1, size: int = 4, store=None, timeout=None, done: int = 6):
     """A real :class:`hpccomm._group.Group` (so ``where()`` and the op
     counters are the real ones) without MPI: its communicators are
-    :class:`NoComm`.  ``done``: collectives and p2p ops already run (the op
-    being checked is ``done + 1``)."""
-    import threading
+    :class:`FakeComm`.  ``done``: collectives and p2p ops already run (the op
+    being checked is ``done + 1``), numbered as the op path numbers them."""
+    import types
 
-    from hpccomm import _group
+    from hpccomm import _group, _status
 
-    g = _group.Group.__new__(_group.Group)
-    g.__dict__.update(comm=NoComm(), p2p=NoComm(), rank=rank, size=size, global_ranks=list(range(size)),
-                      name="fake", desc="", store=store, seq=done, p2p_seq=done, max_count=2**31 - 1,
-                      tag_ub=32767, _owns_comm=False, coalescing=None, queued=0, debug=False, is_world=False,
-                      _lock=threading.Lock(), key=f"{','.join(map(str, range(size)))}#0")
-    g.timeout = timeout
+    g = _group.Group(FakeComm(rank, size), range(size), name="fake", store=store, timeout=timeout,
+                     owns_comm=False, tag_ub=32767)
+    for _ in range(done):
+        _status.start(g, "done")
+        _status.finished(g)
+        record = types.SimpleNamespace(kind="p2p", deadline=None)
+        _status.start(g, "done", record)
+        _status.end(record.token)
     return g
 
 

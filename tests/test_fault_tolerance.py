@@ -33,7 +33,7 @@ import torch.distributed as dist
 from mpilaunch import LAUNCH, no_orphans, require
 
 import hpccomm
-from hpccomm import _compat, _ft, _mpi, launcher
+from hpccomm import _compat, _ft, _mpi, _status, launcher
 
 REPO = Path(__file__).resolve().parent.parent
 #: Whether the MPI family of this run can survive a lost rank (Open MPI's ULFM); under MPICH and Intel
@@ -647,16 +647,16 @@ def test_rank_failure_is_a_dist_backend_error_that_pickles():
 
 def test_rank_failure_finds_the_failure_behind_torchs_runtime_error(monkeypatch):
     failure = hpccomm.RankFailure("rank 3 failed", [(3, "n2", 42)])
-    monkeypatch.setattr(_ft.state, "first", None)
+    monkeypatch.setattr(_status.failures, "first", None)
     assert hpccomm.rank_failure(failure) is failure
     assert hpccomm.rank_failure(RuntimeError("other")) is None and hpccomm.rank_failure() is None
-    monkeypatch.setattr(_ft.state, "first", failure)
+    monkeypatch.setattr(_status.failures, "first", failure)
     wrapped = RuntimeError("Got the following error when running the callback: RankFailure: rank 3 failed")
     assert hpccomm.rank_failure(wrapped) is failure and hpccomm.rank_failure() is failure
 
 
 def test_shrink_needs_the_mode(monkeypatch):
-    monkeypatch.setattr(_ft.state, "enabled", False)
+    monkeypatch.setattr(_status.failures, "tolerant", False)
     with pytest.raises(hpccomm.HpccommError, match=r"^hpccomm\.shrink: fault tolerance is off; initialise with "
                        r"hpccomm\.init_process_group\(fault_tolerance='ulfm'\) \(or HPCCOMM_FAULT_TOLERANCE=ulfm\) "
                        r"under mpirun --with-ft ulfm$"):
@@ -674,7 +674,7 @@ def test_a_damaged_exchange_with_a_failed_rank_is_that_failure(monkeypatch):
     the failure MPI knows of, if any (Open MPI once completed such an
     allgather on a survivor with the dead rank's part left zero); else the
     caller raises the error as it is."""
-    monkeypatch.setattr(_ft.state, "first", None)
+    monkeypatch.setattr(_status.failures, "first", None)
     monkeypatch.setattr(_ft, "revoke_all", lambda: None)
     monkeypatch.setattr(_ft, "failed_ranks", lambda wait=0.0: ())
     error = pickle.UnpicklingError("invalid load key, '\\x00'.")

@@ -464,9 +464,9 @@ def test_host_path_still_refuses_device_tensors():
     with pytest.raises(hpccomm.OpTypeError, match=r"tensor is on device cuda:0; this path moves CPU tensors only\. "
                        r"CUDA tensors go through torch\.distributed calls, which route them to a GPU transport "
                        r"\(docs/gpu\.md\)\. Move it to the CPU with \.cpu\(\)$"):
-        reduce.allreduce(fake_group(), [fake_cuda(torch.ones(2))], R.SUM)
+        reduce.all_reduce(fake_group(), [fake_cuda(torch.ones(2))], R.SUM)
     view = cuda_mpi.DeviceView(fake_group(), "cuda")
-    reduce.allreduce(view, [fake_cuda(torch.ones(2))], R.SUM)  # accepted: checks only, nothing runs
+    reduce.all_reduce(view, [fake_cuda(torch.ones(2))], R.SUM)  # accepted: checks only, nothing runs
 
 
 # --------------------------------------------------------------------------
@@ -510,10 +510,10 @@ def test_cuda_mpi_stream_order_with_a_fake_op():
 
 
 OPS_ON_SELF = [
-    ("all_reduce", reduce.allreduce, lambda t: ([t], R.SUM), lambda t: t),
-    ("all_reduce-avg", reduce.allreduce, lambda t: ([t], R.AVG), lambda t: t),
+    ("all_reduce", reduce.all_reduce, lambda t: ([t], R.SUM), lambda t: t),
+    ("all_reduce-avg", reduce.all_reduce, lambda t: ([t], R.AVG), lambda t: t),
     ("broadcast", scatter.broadcast, lambda t: ([t], 0), lambda t: t),
-    ("all_gather_into_tensor", gather.all_gather_single, lambda t: (fake_cuda(torch.zeros(4)), t), None),
+    ("all_gather_into_tensor", gather.all_gather_into_tensor, lambda t: (fake_cuda(torch.zeros(4)), t), None),
     ("all_to_all_single", alltoall.all_to_all_single, lambda t: (fake_cuda(torch.zeros(4)), t, None, None), None),
 ]
 
@@ -549,8 +549,8 @@ def test_cuda_mpi_half_reductions_are_widened(self_group, caplog, monkeypatch, d
     made = cuda_mpi.CudaAwareMPI(CUDA0, "test", streams=rec)
     t = fake_cuda(torch.tensor([1.5, 2.25, -3.0], dtype=dtype))
     with caplog.at_level(logging.INFO, logger="hpccomm"):
-        out = made.wrap("all_reduce", reduce.allreduce)(self_group, [t], R.AVG)()
-        made.wrap("all_reduce", reduce.allreduce)(self_group, [t], dist._make_nccl_premul_sum(2.0))()
+        out = made.wrap("all_reduce", reduce.all_reduce)(self_group, [t], R.AVG)()
+        made.wrap("all_reduce", reduce.all_reduce)(self_group, [t], dist._make_nccl_premul_sum(2.0))()
     assert out[0] is t
     assert torch.equal(t.as_subclass(torch.Tensor), torch.tensor([3.0, 4.5, -6.0], dtype=dtype))
     assert {e[1] for e in rec.log if e[0] == "device_ready"} == {torch.float32}
@@ -561,7 +561,7 @@ def test_cuda_mpi_half_reductions_are_widened(self_group, caplog, monkeypatch, d
     rec.log.clear()
     o = fake_cuda(torch.zeros(3, dtype=dtype))
     i = fake_cuda(torch.tensor([0.5, 1.0, 1.5], dtype=dtype))
-    made.wrap("reduce_scatter_tensor", reduce.reduce_scatter_single)(self_group, o, i, R.SUM)()
+    made.wrap("reduce_scatter_tensor", reduce.reduce_scatter_tensor)(self_group, o, i, R.SUM)()
     assert torch.equal(o.as_subclass(torch.Tensor), torch.tensor([0.5, 1.0, 1.5], dtype=dtype))
     # a 16-bit broadcast moves bytes only: not widened
     rec.log.clear()
@@ -595,7 +595,7 @@ def test_staged_copies_and_reuse_on_self(self_group):
     made = staged.Staged(CUDA0, "test", streams=rec, alloc=alloc, copy=rec.copy)
     t = fake_cuda(torch.arange(6.0).reshape(2, 3))
     for _ in range(3):
-        out = made.wrap("all_reduce", reduce.allreduce)(self_group, [t], R.SUM)()
+        out = made.wrap("all_reduce", reduce.all_reduce)(self_group, [t], R.SUM)()
         assert out[0] is t  # the Work's future holds the user's tensor, not the host stand-in
     assert len(alloc.sizes) == 1, alloc.sizes  # reused, not reallocated per call
     assert rec.names() == ["record", "wait", "copy", "copy", "synchronize"] * 3
@@ -605,7 +605,7 @@ def test_staged_copies_and_reuse_on_self(self_group):
     base = fake_cuda(torch.zeros(4, 2))
     out = base[:, 0]
     src = fake_cuda(torch.tensor([1.0, 2.0, 3.0, 4.0]))
-    made.wrap("all_gather_into_tensor", gather.all_gather_single)(self_group, out, src)()
+    made.wrap("all_gather_into_tensor", gather.all_gather_into_tensor)(self_group, out, src)()
     copies = [e for e in rec.log if e[0] == "copy"]
     assert copies == [("copy", "to-host", (4,)), ("copy", "to-device", (4,))], copies
     assert torch.equal(base.as_subclass(torch.Tensor)[:, 0], torch.tensor([1.0, 2.0, 3.0, 4.0]))
@@ -616,7 +616,7 @@ def test_staged_refuses_before_copying():
     rec = Recorder()
     made = staged.Staged(CUDA0, "test", streams=rec, alloc=CountingAlloc(), copy=rec.copy)
     with pytest.raises(hpccomm.OpValueError, match=r"input has 5 elements, expected output's 3 × group size 4"):
-        made.wrap("reduce_scatter_tensor", reduce.reduce_scatter_single)(
+        made.wrap("reduce_scatter_tensor", reduce.reduce_scatter_tensor)(
             fake_group(), fake_cuda(torch.zeros(3)), fake_cuda(torch.zeros(5)), R.SUM)
     assert rec.log == []
 
@@ -1036,13 +1036,13 @@ def test_staged_matches_cpu_ops(world):
     for _ in range(2):
         t = fake_cuda(torch.arange(6.0) + rank)
         ref = torch.arange(6.0) + rank
-        via_staged("all_reduce", reduce.allreduce, [t], R.SUM)
+        via_staged("all_reduce", reduce.all_reduce, [t], R.SUM)
         dist.all_reduce(ref)
         problems.expect(torch.equal(_plain(t), ref), ("all_reduce", t, ref))
         problems.expect(torch.equal(ref, torch.arange(6.0) * n + ranks_sum), ("all_reduce closed form", ref))
     allocations = len(alloc.sizes)
     h = fake_cuda(torch.full((3,), float(rank), dtype=torch.bfloat16))
-    via_staged("all_reduce", reduce.allreduce, [h], R.AVG)
+    via_staged("all_reduce", reduce.all_reduce, [h], R.AVG)
     problems.expect(torch.equal(_plain(h), torch.full((3,), ranks_sum / n, dtype=torch.bfloat16)), ("avg", h))
     # broadcast from the last rank
     b = fake_cuda(torch.full((5,), float(rank)))
@@ -1050,16 +1050,16 @@ def test_staged_matches_cpu_ops(world):
     problems.expect(torch.equal(_plain(b), torch.full((5,), float(n - 1))), ("broadcast", b))
     # all_gather_into_tensor and all_gather (lists)
     out = fake_cuda(torch.zeros(2 * n))
-    via_staged("all_gather_into_tensor", gather.all_gather_single, out, fake_cuda(torch.full((2,), float(rank))))
+    via_staged("all_gather_into_tensor", gather.all_gather_into_tensor, out, fake_cuda(torch.full((2,), float(rank))))
     problems.expect(torch.equal(_plain(out), torch.arange(n).float().repeat_interleave(2)), ("all_gather", out))
     outs = [fake_cuda(torch.zeros(2)) for _ in range(n)]
-    via_staged("all_gather", gather.allgather, [outs], [fake_cuda(torch.full((2,), rank + 1.0))])
+    via_staged("all_gather", gather.all_gather, [outs], [fake_cuda(torch.full((2,), rank + 1.0))])
     problems.expect(all(torch.equal(_plain(o), torch.full((2,), r + 1.0)) for r, o in enumerate(outs)),
                     ("all_gather list", outs))
     # reduce_scatter_tensor, against the CPU op
     inp = torch.arange(3.0 * n) * (rank + 1)
     out, ref = fake_cuda(torch.zeros(3)), torch.zeros(3)
-    via_staged("reduce_scatter_tensor", reduce.reduce_scatter_single, out, fake_cuda(inp.clone()), R.SUM)
+    via_staged("reduce_scatter_tensor", reduce.reduce_scatter_tensor, out, fake_cuda(inp.clone()), R.SUM)
     dist.reduce_scatter_tensor(ref, inp.clone())
     problems.expect(torch.equal(_plain(out), ref), ("reduce_scatter_tensor", out, ref))
     problems.expect(torch.equal(ref, torch.arange(3.0 * rank, 3.0 * rank + 3) * (n * (n + 1) / 2)),

@@ -22,17 +22,12 @@ import logging
 
 import torch
 
-from ..ops.p2p import Pending
+from ..ops._common import Stepped
 from .streams import CudaStreams
 
 log = logging.getLogger("hpccomm")
 
-#: Ops that reduce (their 16-bit float tensors are widened to float32).
-REDUCING = frozenset({"all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor",
-                      "reduce_scatter_tensor_coalesced"})
 _HALF = (torch.float16, torch.bfloat16)
-#: Reductions whose first argument is read as well as written.
-_IN_OUT = frozenset({"all_reduce", "all_reduce_coalesced", "reduce"})
 
 
 def _translate(result, back):
@@ -48,7 +43,7 @@ class DeviceView:
     """A group as the op modules see it on the device path: the same group,
     but its checks accept tensors of ``device_type``."""
 
-    host = False  # device memory: MPI buffers made with hpccomm._mpi.buffer (which orders streams)
+    host = False  # device memory: MPI buffers made with hpccomm._mpi.buffer
 
     def __init__(self, group, device_type: str) -> None:
         self._group = group
@@ -71,7 +66,7 @@ class CudaAwareMPI:
     """Hands device memory to MPI; see the module's docstring."""
 
     name = "mpi"
-    delegates = False  # runs hpccomm's own ops (wrap)
+    delegates = False  # runs hpccomm's own plans (plan)
 
     def __init__(self, device, reason: str, streams=None) -> None:
         self.device = device
@@ -79,66 +74,64 @@ class CudaAwareMPI:
         self.streams = streams if streams is not None else CudaStreams()
         self._said_half = False
 
-    def _widened(self, op: str, prepare):
-        """``prepare`` for float32 stand-ins of the call's 16-bit tensors: the
-        op module checks them now; the run casts up, reduces, casts back."""
+    def _widened(self, op, args):
+        """``(args, pairs)``: float32 stand-ins for the call's 16-bit tensors,
+        and ``(user tensor, stand-in, copy in, copy back)`` for each."""
         if not self._said_half:
             self._said_half = True
             log.info("hpccomm: float16/bfloat16 reductions of CUDA tensors over CUDA-aware MPI are computed in "
                      "float32 on the device (hpccomm's 16-bit reduction op runs on host memory)")
+        pairs = []
 
-        def prepared(group, *args):
-            pairs = []  # (user tensor, float32 stand-in, copy in, copy back)
+        def wide(x, copy_in: bool, copy_back: bool):
+            if isinstance(x, torch.Tensor):
+                if x.dtype not in _HALF:
+                    return x
+                w = torch.empty_like(x, dtype=torch.float32, memory_format=torch.contiguous_format)
+                pairs.append((x, w, copy_in, copy_back))
+                return w
+            if isinstance(x, (list, tuple)):
+                return type(x)(wide(y, copy_in, copy_back) for y in x)
+            return x
 
-            def wide(x, copy_in: bool, copy_back: bool):
-                if isinstance(x, torch.Tensor):
-                    if x.dtype not in _HALF:
-                        return x
-                    w = torch.empty_like(x, dtype=torch.float32, memory_format=torch.contiguous_format)
-                    pairs.append((x, w, copy_in, copy_back))
-                    return w
-                if isinstance(x, (list, tuple)):
-                    return type(x)(wide(y, copy_in, copy_back) for y in x)
-                return x
+        return [wide(a, i > 0 or op.first == "inout", i == 0) for i, a in enumerate(args)], pairs
 
-            wide_args = [wide(a, i > 0 or op in _IN_OUT, i == 0) for i, a in enumerate(args)]
-            run = prepare(group, *wide_args)  # raises before any communication
-            back = {id(w): x for x, w, _, _ in pairs}
+    def plan(self, op, group, args):
+        """``op``'s plan (hpccomm.ops.table) for device tensors ``args``: the op
+        module's plan over a :class:`DeviceView` (its checks on the caller's
+        thread), an event marking the caller's stream, and steps that wait for
+        it before MPI reads, and leave no kernel pending when the op completes
+        (hpccomm.gpu.streams).  A point-to-point op is posted at once: the
+        caller's stream is waited for now.  Device plans keep the blocking form."""
+        pairs = []
+        if op.reducing and any(t.dtype in _HALF for t in tensors_in(args)):
+            args, pairs = self._widened(op, args)
+        call, cargs, icall, outputs, keep, before, after, nbytes = op.plan(DeviceView(group, "cuda"), *args)
+        outputs = _translate(outputs, {id(w): x for x, w, _, _ in pairs})
+        streams, device = self.streams, self.device
+        if op.p2p:  # posted now, after the kernels this thread queued on the tensor
+            streams.synchronize(device)
+            return (call, cargs, icall, outputs, keep, before, after, nbytes)
+        event = streams.record(device)
+        if isinstance(call, Stepped):  # its steps run in ordered(), around the MPI call
+            call = call.call
 
-            def widened():
-                for x, w, copy_in, _ in pairs:
-                    if copy_in:
-                        w.copy_(x)
-                result = run()
-                for x, w, _, copy_back in pairs:
-                    if copy_back:
+        def ordered(*mpi_args):
+            streams.wait(event)  # the caller's kernels producing the inputs are done
+            for x, w, copy_in, _ in pairs:
+                if copy_in:
+                    w.copy_(x)
+            if before is not None:
+                before()
+            streams.synchronize(device)  # the op's own kernels (copies, scaling) are done before MPI reads
+            try:
+                call(*mpi_args)
+                if after is not None:
+                    after()
+                for x, w, _, back in pairs:
+                    if back:
                         x.copy_(w)
-                return _translate(result, back)
+            finally:
+                streams.synchronize(device)  # no kernel of the op is pending when it completes or fails
 
-            return widened
-
-        return prepared
-
-    def wrap(self, op: str, prepare):
-        """``prepare`` (an op module's function) for device tensors: checks on
-        the caller's thread, an event marking the caller's stream, and a run
-        that waits for it and leaves no kernel pending when it returns."""
-        def prepared(group, *args):
-            inner = prepare
-            if op in REDUCING and any(t.dtype in _HALF for t in tensors_in(args)):
-                inner = self._widened(op, prepare)
-            run = inner(DeviceView(group, "cuda"), *args)
-            if isinstance(run, Pending):  # p2p, posted now: _mpi.buffer waited for this thread's stream
-                return run
-            event = self.streams.record(self.device)
-
-            def ordered():
-                self.streams.wait(event)  # the caller's kernels producing the inputs are done
-                try:
-                    return run()
-                finally:
-                    self.streams.synchronize(self.device)  # the op's own write-back kernels are done
-
-            return ordered
-
-        return prepared
+        return (ordered, cargs, None, outputs, (keep, pairs), None, None, nbytes)

@@ -1,7 +1,7 @@
 """Routing CUDA tensors to a GPU transport, per group and device.
 
-The torch-facing adapter (``process_group.py``) asks :func:`cuda_device`
-for every op: None (no CUDA tensor: hpccomm's CPU path), the one CUDA device
+The op path (hpccomm._runner) asks :func:`cuda_device` for every op that
+meets a device tensor: None (no CUDA tensor: hpccomm's CPU path), the one CUDA device
 of the call, or an :class:`~hpccomm.errors.OpValueError` for a call that
 mixes devices, raised before any communication.  :func:`transport` then
 gives the group's transport for that device, chosen once (see
@@ -20,7 +20,6 @@ import torch
 from .. import _compat, _work, config
 from ..errors import OpTypeError, OpValueError
 from . import probe, select
-from ..ops.p2p import CHECKS
 from .cuda_mpi import CudaAwareMPI, DeviceView, tensors_in
 from .nccl_cupy import CupyNCCL
 from .nccl_torch import TorchNCCL
@@ -136,12 +135,9 @@ def decide(group, op: str, caps: select.Capabilities, requested: str, mapped=Non
     return choice
 
 
-#: Ops that only some members of a group call: no agreement (it is collective).
-P2P = frozenset({"send", "recv"})
-
-
-def transport(group, op: str, device):
-    """The group's transport for ``device``, chosen on first use; raises OpTypeError.
+def transport(group, op, device):
+    """The group's transport for ``device``, chosen on first use by ``op`` (an
+    entry of hpccomm.ops.table); raises OpTypeError.
 
     A collective chooses with the members' agreement and the choice stays.
     A point-to-point op involves only two members, so it cannot ask the
@@ -159,7 +155,7 @@ def transport(group, op: str, device):
     if found is not None:
         return found
     requested, mapped = config.get("HPCCOMM_GPU_TRANSPORT"), _maps.get(group)
-    if op in P2P:
+    if op.p2p:  # only some members of a group call it: no agreement (that is collective)
         with _lock:
             local = _local.setdefault(group, {})
             if device in local:
@@ -167,11 +163,11 @@ def transport(group, op: str, device):
         try:
             choice = select.choose(requested, capabilities(), mapped)
         except select.NoTransport as exc:
-            raise OpTypeError(op, group.where(), f"CUDA tensors cannot be sent: {exc}") from None
+            raise OpTypeError(op.name, group.where(), f"CUDA tensors cannot be sent: {exc}") from None
         with _lock:
             made = _local.setdefault(group, {}).setdefault(device, BUILDERS[choice.transport](device, choice.reason))
     else:
-        choice = decide(group, op, capabilities(), requested, mapped)  # collective: no lock held
+        choice = decide(group, op.name, capabilities(), requested, mapped)  # collective: no lock held
         with _lock:
             per_group = _transports.setdefault(group, {})
             if device in per_group:
@@ -198,15 +194,12 @@ def future_devices(device, cuda=None):
     return [device] if cuda.is_available() else None
 
 
-def check_only(group, op: str, prepare, args) -> None:
-    """The op module's checks for a call a delegating transport (NCCL) will
-    run: raises OpError before any communication, posts nothing."""
-    view = DeviceView(group, "cuda")
-    checks = CHECKS.get(op)
-    if checks is not None:  # point-to-point: prepare would post the MPI message
-        checks(view, *args)
-    else:
-        prepare(view, *args)  # a collective's prepare only checks; its run is dropped
+def check_only(group, op, args) -> None:
+    """The checks of ``op`` (an entry of hpccomm.ops.table) for a call a
+    delegating transport (NCCL) will run: its plan function, over the
+    group's device view, raises OpError before any communication (a plan
+    function never communicates; the plan is dropped)."""
+    op.plan(DeviceView(group, "cuda"), *args)
 
 
 def delegated(made, group, op: str, args, opts):

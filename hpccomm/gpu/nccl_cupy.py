@@ -122,8 +122,8 @@ class CupyNCCL:
             comm.recv(first.data_ptr(), first.numel(), dtype, args[1], s)
         return [first] if not isinstance(args[0], (list, tuple)) else args[0]
 
-    def wrap(self, op, prepare):
-        raise AssertionError("CupyNCCL delegates; it never wraps")
+    def plan(self, op, group, args):
+        raise AssertionError("CupyNCCL delegates: it runs no hpccomm plan")
 
 
 def _mpi_bcast(group, obj):

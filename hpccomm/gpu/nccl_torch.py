@@ -115,8 +115,8 @@ class TorchNCCL:
             raise OpValueError(op, group.where(), f"{op} has no NCCL form in hpccomm")
         return call(self._backend(group), args, opts)
 
-    def wrap(self, op, prepare):
-        raise AssertionError("TorchNCCL delegates; it never wraps")
+    def plan(self, op, group, args):
+        raise AssertionError("TorchNCCL delegates: it runs no hpccomm plan")
 
     def close(self) -> None:
         backend, self.backend = self.backend, None

@@ -16,14 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.p2p import Pending
+from ..ops._common import steps, with_steps
 from .streams import CudaStreams
-
-#: Ops whose first argument (the outputs) is read as well as written.
-IN_OUT = frozenset({"all_reduce", "all_reduce_coalesced", "reduce", "broadcast"})
-#: Ops whose first argument is an input (nothing to copy back).
-INPUT_FIRST = frozenset({"send"})
-P2P = frozenset({"send", "recv"})
 
 
 def pinned(nbytes: int) -> torch.Tensor:
@@ -65,7 +59,7 @@ class Staged:
     """
 
     name = "staged"
-    delegates = False  # runs hpccomm's own ops (wrap)
+    delegates = False  # runs hpccomm's own plans (plan)
 
     def __init__(self, device, reason: str, streams=None, alloc=pinned, copy=copy) -> None:
         self.device = device
@@ -75,8 +69,10 @@ class Staged:
         self.copy = copy
         self.buffers = HostBuffers(alloc)
 
-    def _stand_ins(self, op: str, args, buffers):
-        """``(host args, [(device tensor, host tensor, copy in, copy back)])``."""
+    def _stand_ins(self, op, args, buffers):
+        """``(host args, [(device tensor, host tensor, copy in, copy back)])``:
+        the first argument's role is the op's (hpccomm.ops.table); the others
+        are inputs."""
         pairs: list = []
 
         def host(x, copy_in: bool, copy_back: bool):
@@ -94,8 +90,8 @@ class Staged:
 
         out = []
         for i, a in enumerate(args):
-            if i == 0 and op not in INPUT_FIRST:
-                out.append(host(a, op in IN_OUT, True))
+            if i == 0:
+                out.append(host(a, op.first != "out", op.first != "in"))
             else:
                 out.append(host(a, True, False))
         return out, pairs
@@ -110,42 +106,37 @@ class Staged:
             if copy_back:
                 self.copy(dev, h)
 
-    def wrap(self, op: str, prepare):
-        """``prepare`` run on host stand-ins: the op module's checks on the
-        caller's thread; copy in, the CPU op, copy back where it runs."""
-        def prepared(group, *args):
-            if op in P2P:  # pending after return: buffers of its own, copied now
-                host_args, pairs = self._stand_ins(op, args, None)
-                self.streams.synchronize(self.device)
-                self._copy_in(pairs)
-                run = prepare(group, *host_args)
-                if isinstance(run, Pending) and op == "recv":
-                    after = run.after
+    def plan(self, op, group, args):
+        """``op``'s plan (hpccomm.ops.table) run on host stand-ins of device
+        tensors ``args``: the op module's checks on the caller's thread; then,
+        where it runs, copy in, the CPU op, copy back.  A point-to-point op is
+        posted at once and stays pending after the call returns: it gets host
+        buffers of its own, copied in now (a receive's copied back once it
+        arrived).  Staged plans keep the blocking form."""
+        if op.p2p:
+            host_args, pairs = self._stand_ins(op, args, None)
+            plan = op.plan(group, *host_args)  # raises before any communication or copy
+            self.streams.synchronize(self.device)
+            self._copy_in(pairs)
+            call, cargs, icall, outputs, keep, before, after, nbytes = plan
+            outputs = _translate(outputs, {id(h): dev for dev, h, _, _ in pairs})
+            # the host buffers MPI reads or writes: alive (in keep) until done
+            return (call, cargs, icall, outputs, (keep, pairs), before, steps(after, lambda: self._copy_back(pairs)),
+                    nbytes)
+        host_args, pairs = self._stand_ins(op, args, self.buffers)
+        call, cargs, _, outputs, keep, _, _, nbytes = op.plan(group, *host_args)  # (call: its steps included)
+        event = self.streams.record(self.device)
 
-                    def copy_back():
-                        if after is not None:
-                            after()
-                        self._copy_back(pairs)
+        def staged_before():
+            self.streams.wait(event)  # the caller's kernels producing the inputs are done
+            self._copy_in(pairs)
 
-                    run.after = copy_back
-                    run.keep = (run.keep, pairs)  # the host buffers MPI writes: alive until done
-                return run
-            host_args, pairs = self._stand_ins(op, args, self.buffers)
-            run = prepare(group, *host_args)  # raises before any communication or copy
-            event = self.streams.record(self.device)
-            to_device = {id(h): dev for dev, h, _, _ in pairs}
+        def staged_after():
+            self._copy_back(pairs)
+            self.streams.synchronize(self.device)
 
-            def staged():
-                self.streams.wait(event)  # the caller's kernels producing the inputs are done
-                self._copy_in(pairs)
-                result = run()
-                self._copy_back(pairs)
-                self.streams.synchronize(self.device)
-                return _translate(result, to_device)
-
-            return staged
-
-        return prepared
+        return with_steps(call, cargs, None, _translate(outputs, {id(h): dev for dev, h, _, _ in pairs}),
+                          (keep, pairs), staged_before, staged_after, nbytes)
 
 
 def _translate(result, to_device):

@@ -1,7 +1,55 @@
-"""Checks and staging shared by the op modules."""
+"""What every op module shares: the plan, the checks and the staging helpers.
+
+A plan is what one call of an op needs, stated once by its op module's plan
+function (``reduce.all_reduce(group, tensors, redop)`` ...) after every check
+passed, and executed by :mod:`hpccomm._runner` in whichever form the call
+takes: blocking in the calling thread, on the comm thread (``async_op=True``),
+posted as a nonblocking MPI call, or through a GPU transport, which wraps it
+(:mod:`hpccomm.gpu`).  A plan function never communicates: every refusal is
+raised before anything is sent.  A plan is a tuple (one is made per call, and
+a tuple costs a fraction of an object's constructor), its fields in the order
+of :data:`FIELDS` (indexes :data:`CALL` ... :data:`NBYTES`):
+
+``call``
+    the blocking form, run as ``call(*args)``: the MPI call (a bound method of
+    the group's communicator, such as ``comm.Allreduce``), or a function that
+    makes it with the op's steps around it (:func:`with_steps`), or several;
+    None for point-to-point ops, which are always posted;
+``args``
+    its arguments: MPI buffers on the tensors' memory (zero copy when they
+    are contiguous), ``MPI_IN_PLACE``, counts, roots, the MPI op;
+``icall``
+    the nonblocking MPI call taking the same ``args`` and returning the
+    request (``comm.Iallreduce``, ``p2p.Isend``), or None where this call has
+    no nonblocking form.  Whether it has one depends only on what is equal on
+    every rank (the op, dtype, ReduceOp, counts): MPI never matches a
+    nonblocking collective with a blocking one;
+``outputs``
+    the op's result, the value of the Work's future (DDP reads it);
+``keep``
+    what MPI reads or writes (the tensors, staging buffers): alive until the
+    op completes (the buffers in ``args`` hold addresses, not tensors);
+``before``, ``after``
+    the op's steps around its MPI call, where it reads its inputs and once
+    its data is in place: a strided tensor copied into a contiguous buffer
+    and back, PREMUL_SUM's scaling, an aliased input copied apart, AVG's
+    division (None: none).  ``call`` runs them; the posted form runs them
+    around ``icall`` and the request's completion;
+``nbytes``
+    the bytes of this rank's input (the posted form is taken up to
+    ``hpccomm._runner.NONBLOCKING_MAX_BYTES``).
+
+Example: a blocking all_reduce of a contiguous float32 tensor ``t`` has the
+plan ``(comm.Allreduce, (MPI_IN_PLACE, [t's memory, n, MPI_FLOAT], MPI_SUM),
+comm.Iallreduce, [t], t, None, None, 4 * n)``.
+
+The parts of a plan that depend only on the dtype and the ReduceOp (the same
+on every rank), the MPI op and datatype and whether the reduction has a
+nonblocking form, are computed once per pair and cached (:func:`reduction`).
+"""
 from __future__ import annotations
 
-import time
+from functools import partial
 from typing import Sequence
 
 import torch
@@ -10,12 +58,19 @@ from .. import _mpi, _status
 from .._compat import RedOpType, premul_sum_factor, reduce_op_type
 from ..errors import OpError, OpTypeError, OpValueError  # noqa: F401 - OpError for the op modules
 
+#: The fields of a plan, in order, and their indexes (see the module docstring).
+FIELDS = ("call", "args", "icall", "outputs", "keep", "before", "after", "nbytes")
+CALL, ARGS, ICALL, OUTPUTS, KEEP, BEFORE, AFTER, NBYTES = range(len(FIELDS))
 _R = RedOpType
 _UNSIGNED_WIDE = (torch.uint16, torch.uint32, torch.uint64)
 #: (dtype, RedOpType value) -> :func:`reduction`'s answer, for the pairs it accepted (never PREMUL_SUM, whose
 #: factor varies).  Keyed by the enum's int: hashing or comparing torch's pybind enums costs several
 #: thousand instructions each, more than the rest of a small op's checks.
 _REDUCTIONS: dict = {}
+
+
+_Tensor = torch.Tensor
+_STRIDED = torch.strided
 
 
 class NotOnCPU(OpTypeError):
@@ -29,6 +84,8 @@ def check_tensor(group, op: str, t, what: str = "tensor") -> None:
     """``t`` is a dense tensor of a dtype hpccomm moves, on the CPU or on the
     device the group serves (``group.device_type``: a GPU transport's view of
     the group, see :mod:`hpccomm.gpu`)."""
+    if t.__class__ is _Tensor and t.layout is _STRIDED and t.is_cpu and t.dtype in _mpi.DTYPES:
+        return  # the common case, told apart in one test (the refusals below each take several)
     if not isinstance(t, torch.Tensor):
         raise OpTypeError(op, group.where(), f"{what} is a {type(t).__name__}, not a torch.Tensor")
     if t.layout != torch.strided:
@@ -44,29 +101,6 @@ def check_tensor(group, op: str, t, what: str = "tensor") -> None:
     if t.dtype not in _mpi.DTYPES:
         raise OpTypeError(op, group.where(), f"{what} has dtype {t.dtype}, which hpccomm cannot send",
                           f"Supported: {', '.join(str(d).replace('torch.', '') for d in _mpi.DTYPES)}")
-
-
-_Tensor = torch.Tensor
-_STRIDED = torch.strided
-
-
-def plain_buffer(group, tensors):
-    """The plain case of an op on one tensor (broadcast and send/recv, either
-    form: hpccomm.ops.scatter.ibroadcast, hpccomm._runner.run_broadcast,
-    run_send, run_recv): ``tensors`` a list of one dense contiguous CPU tensor
-    of a dtype hpccomm has moved before (_mpi.host_types), within the count
-    limit: ``[memory, count, MPI type]`` on the tensor's own memory
-    (:func:`single`'s checks and _mpi.host_buffer without their calls); else
-    None (the general case, which checks and refuses)."""
-    if tensors.__class__ is list and len(tensors) == 1:
-        t = tensors[0]
-        if t.__class__ is _Tensor and t.layout is _STRIDED and t.is_cpu:
-            kind = _mpi.host_types.get(t.dtype)
-            if kind is not None and t.is_contiguous():
-                count = t.numel()
-                if count <= group.max_count:
-                    return [_mpi.fromaddress(t.data_ptr(), count * kind[1]), count, kind[0]]
-    return None
 
 
 def single(group, op: str, tensors, what: str = "tensors") -> torch.Tensor:
@@ -167,46 +201,41 @@ def reduce_op(group, op: str, dtype: torch.dtype, redop):
 
 
 class Reduction:
-    """How an op module reduces one dtype with one ReduceOp (made by :func:`reduction`).
+    """How one dtype reduces with one ReduceOp: the part of a reducing op's
+    plan that depends only on that pair (made once per pair by :func:`reduction`).
 
     ``kind``: the RedOpType; ``average``: divide the SUM by the group size
     afterwards (AVG); ``factor``: PREMUL_SUM's factor (else None); ``mop``:
-    the MPI op, looked up on first use (MPI is not asked before anything
-    communicates): read it as ``r.mop or r.resolve()``.
+    the MPI op; ``nonblocking``: the reduction has a nonblocking form (MPI
+    predefines its op: float16/bfloat16 reduce through user-defined ops,
+    which MPI would call back into Python from whichever thread drives a
+    posted request, so they keep the blocking form).
     """
 
-    __slots__ = ("dtype", "kind", "average", "factor", "mop")
+    __slots__ = ("dtype", "kind", "average", "factor", "mop", "nonblocking")
 
     def __init__(self, dtype, kind, factor) -> None:
-        self.dtype, self.kind, self.factor, self.mop = dtype, kind, factor, None
+        self.dtype, self.kind, self.factor = dtype, kind, factor
         self.average = kind == _R.AVG
-
-    def resolve(self):
-        self.mop = _mpi.mpi_op(self.dtype, self.kind)
-        return self.mop
-
-
-def redop_code(redop):
-    """The RedOpType value of ``redop`` (a ``ReduceOp`` or ``RedOpType``), the
-    key the caches of reductions use (hashing torch's pybind enums themselves
-    costs thousands of instructions); None if it is neither."""
-    try:
-        return redop.value if redop.__class__ is _R else redop.op.value
-    except AttributeError:
-        return None  # not a ReduceOp: reduce_op says so
+        self.mop = _mpi.mpi_op(dtype, kind)
+        self.nonblocking = self.mop.is_predefined
 
 
 def reduction(group, op: str, dtype: torch.dtype, redop) -> Reduction:
     """:class:`Reduction` of ``redop`` (a ``ReduceOp`` or ``RedOpType``) on
     ``dtype``.  Refuses as :func:`reduce_op` does, with its messages; a pair
-    accepted once is looked up by the enum's value afterwards.
+    accepted once is looked up by the enum's value afterwards (PREMUL_SUM,
+    whose factor varies from call to call, is made each time).
 
     Example::
 
         r = reduction(group, "all_reduce", t.dtype, dist.ReduceOp.AVG)
-        comm.Allreduce(_mpi.IN_PLACE, _mpi.host_buffer(t), op=r.mop or r.resolve())
+        comm.Allreduce(_mpi.IN_PLACE, _mpi.host_buffer(t), op=r.mop)
     """
-    code = redop_code(redop)
+    try:  # the key is the enum's value: hashing torch's pybind enums costs more than a small op's checks
+        code = redop.value if redop.__class__ is _R else redop.op.value
+    except AttributeError:
+        code = None  # not a ReduceOp: reduce_op says so
     hit = _REDUCTIONS.get((dtype, code))
     if hit is not None:
         return hit
@@ -242,7 +271,7 @@ def finish_average(t: torch.Tensor, n: int) -> None:
 
 
 def contiguous(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when MPI can use its memory, else a contiguous copy."""
+    """``t`` itself when MPI can use its memory, else a contiguous copy (made now)."""
     return t if t.is_contiguous() else t.contiguous()
 
 
@@ -255,6 +284,102 @@ def out_buffer(t: torch.Tensor) -> torch.Tensor:
 def write_back(user: torch.Tensor, staged: torch.Tensor) -> None:
     if staged is not user:
         user.copy_(staged)
+
+
+def staged_input(t: torch.Tensor):
+    """``(buffer, before)``: where MPI reads ``t`` from, and the plan step
+    that fills it when the op runs (None: ``t`` itself, contiguous)."""
+    if t.is_contiguous():
+        return t, None
+    buf = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    return buf, partial(buf.copy_, t)
+
+
+def staged_output(t: torch.Tensor):
+    """``(buffer, after)``: where MPI writes ``t``'s result, and the plan step
+    that copies it into ``t`` once it is there (None: ``t`` itself)."""
+    if t.is_contiguous():
+        return t, None
+    buf = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    return buf, partial(t.copy_, buf)
+
+
+def copy_apart(t: torch.Tensor):
+    """``(buffer, before)``: a contiguous buffer of ``t``'s size and the plan
+    step copying ``t`` into it when the op runs (MPI forbids aliased buffers)."""
+    buf = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    return buf, partial(buf.copy_, t)
+
+
+def scaled(t: torch.Tensor, factor):
+    """``(buffer, before)``: PREMUL_SUM's ``t * factor`` in a new contiguous
+    buffer, computed when the op runs (the user's tensor is left as it is
+    should MPI fail)."""
+    if isinstance(factor, torch.Tensor):  # NCCL's form is a 1-element tensor: make it a scalar
+        factor = factor.to(device=t.device, dtype=t.dtype).reshape(())
+    buf = torch.empty_like(t, memory_format=torch.contiguous_format)
+    return buf, partial(torch.mul, t, factor, out=buf)
+
+
+def steps(*fns):
+    """One plan step doing ``fns`` in order (the Nones left out), or None."""
+    todo = [f for f in fns if f is not None]
+    if not todo:
+        return None
+    if len(todo) == 1:
+        return todo[0]
+
+    def in_order():
+        for f in todo:
+            f()
+
+    return in_order
+
+
+class Stepped:
+    """The blocking form of a plan whose MPI call (or function) ``call`` has
+    steps around it: ``before()``, ``call(*args)``, ``after()`` (either step
+    may be None).  A GPU transport reaches ``call`` to put its own steps in
+    between (hpccomm.gpu)."""
+
+    __slots__ = ("before", "call", "after")
+
+    def __init__(self, before, call, after) -> None:
+        self.before, self.call, self.after = before, call, after
+
+    def __call__(self, *args) -> None:
+        if self.before is not None:
+            self.before()
+        self.call(*args)
+        if self.after is not None:
+            self.after()
+
+
+def with_steps(call, args, icall, outputs, keep, before, after, nbytes: int):
+    """The plan of an MPI call (or function) ``call`` with steps around it
+    (``before``, ``after``, either may be None): its blocking form runs them
+    around the call (:class:`Stepped`)."""
+    if before is None and after is None:
+        return (call, args, icall, outputs, keep, None, None, nbytes)
+    return (Stepped(before, call, after), args, icall, outputs, keep, before, after, nbytes)
+
+
+def sequence(plans, outputs, nbytes: int = 0):
+    """The plan of an op made of other ops' plans run one after the other (the
+    coalesced forms): blocking only."""
+    plans = list(plans)
+
+    def run():
+        for p in plans:
+            p[CALL](*p[ARGS])
+
+    return (run, (), None, outputs, plans, None, None, nbytes)
+
+
+def blocking(run, outputs, keep=None, nbytes: int = 0):
+    """The plan of an op whose blocking form is ``run()`` (several MPI calls,
+    or one chosen per rank, steps included), with no nonblocking form."""
+    return (run, (), None, outputs, keep, None, None, nbytes)
 
 
 def flat_view(ts: Sequence[torch.Tensor]):
@@ -306,151 +431,3 @@ def chunks(count: int, limit: int):
         yield off, min(limit, count - off)
 
 
-#: The largest async collective (bytes per rank's tensor) that takes the
-#: nonblocking form.  Larger ones keep the blocking form on the comm thread:
-#: with Open MPI nothing progresses a posted collective until someone tests or
-#: waits, and even with the comm thread waiting on it, a posted 64 MiB
-#: all_reduce overlapped compute far worse (both 280 ms for 100 ms of comm and
-#: 60 ms of compute) than the blocking call on the comm thread (both 110 ms):
-#: docs/benchmarks.md.  The size is equal on every rank, so the form is too.
-NONBLOCKING_MAX_BYTES = 64 << 10
-
-
-class Request:
-    """A posted MPI request, as hpccomm._work's Pending protocol tests and
-    waits on it (a point-to-point op, hpccomm.ops.p2p.Pending, and a
-    nonblocking collective, :class:`Posted`): ``req``, the request;
-    ``status``, the MPI status to fill (None: not needed); ``error``, the MPI
-    error it completed with, which the subclass's ``finish()`` reports."""
-
-    req = None
-    status = None
-    error = None
-    after = None  # the finish step once the data is in place, or None
-    traced = 0  # the tracer's start time (ns) when the tracer draws it (collectives only)
-    is_recv = False  # a point-to-point receive (its finish() checks what arrived)
-
-    def test(self) -> bool:
-        """Non-blocking: True once the request completed (with or without error)."""
-        try:
-            return self.req.Test(self.status)
-        except _mpi.mpi().Exception as exc:  # completed with an error: finish() reports it
-            self.error = exc
-            return True
-
-    def wait(self, seconds) -> bool:
-        """Block until complete (``seconds`` None) or for at most ``seconds``."""
-        if seconds is None:
-            try:
-                self.req.Wait(self.status)
-            except _mpi.mpi().Exception as exc:
-                self.error = exc
-            return True
-        deadline = time.monotonic() + seconds
-        idle = 1e-6
-        while not self.test():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(idle)
-            idle = min(idle * 2, 1e-3)
-        return True
-
-
-class Posted(Request):
-    """An ``async_op=True`` collective in its nonblocking MPI form
-    (MPI_Iallreduce, MPI_Iallgather, MPI_Ireduce_scatter_block, MPI_Ibcast):
-    how to post it, and its request once posted.
-
-    Made by an op module's nonblocking form (``reduce.iallreduce`` ...) once
-    its checks passed; :mod:`hpccomm._runner` posts it (``req = _start()``) and
-    hands it to a Work as its Pending (``test``/``wait``/``finish``, see
-    hpccomm._work), or, behind queued ops, lets the comm thread post it and
-    wait (:meth:`run`).  While posted it is its own watchdog record in
-    :mod:`hpccomm._status` (``group``, ``name``, ``seq``, ``start``,
-    ``deadline``, ``kind``, ``peer``, ``where()``), which keeps it, and so
-    its buffers, alive until it completes, and through which it is waited
-    for at exit (MPI forbids cancelling or freeing a collective's request).
-
-    ``_start()`` (the ``start`` argument) posts and returns the request; ``outputs``: the op's result
-    (the future's value); ``keep``: the buffers MPI reads or writes; ``after``:
-    the finish step once the data is in place (AVG's division, the write-back
-    of a staged tensor), or None.
-    """
-
-    kind = "collective"
-    peer = None
-    engine_completes = False  # completed by whoever waits or tests (hpccomm._work), until handed to the comm thread
-    group = None
-    seq = 0
-    start = deadline = None
-    token = None
-
-    def __init__(self, op: str, start, outputs, keep, after=None, nbytes: int = 0) -> None:
-        self.op = self.name = op
-        self._start = start
-        self.outputs = outputs
-        self.keep = keep  # the buffers MPI reads or writes: alive until the request completes
-        self.after = after
-        self.nbytes = nbytes
-
-    def where(self) -> str:
-        return self.group.where(self.seq) if self.group is not None else f"{self.op} not posted"
-
-    def describe(self) -> str:
-        return f"{self.op} ({self.where()})"
-
-    def run(self):
-        """Post and wait (the comm thread, or a callback there: the op runs at
-        once, in its nonblocking form like on every other rank); the outputs."""
-        self.req = self._start()
-        self.req.Wait()
-        if self.after is not None:
-            self.after()
-        return self.outputs
-
-    def finish(self):
-        """After completion: raise the MPI error naming the op, else the finish step."""
-        if self.traced:
-            from .. import _trace
-
-            tracer = _trace._tracer
-            if tracer:  # posted here, completed here or on another thread: drawn from post to completion
-                tracer.record(self.op, self.group.name, self.seq, self.nbytes, self.traced, _trace.now_ns())
-        if self.error is not None:
-            from .. import _ft
-            from ..errors import HpccommError
-
-            what = self.describe()
-            failure = _ft.failure(what, self.error) if _ft.state.enabled else None
-            if failure is not None:
-                raise failure
-            raise HpccommError(f"hpccomm {what}: MPI failed: {self.error}")
-        if self.after is not None:
-            self.after()
-        return None
-
-
-def _settle_posted_at_exit() -> None:
-    """At exit, before MPI_Finalize, once the comm and progress threads have
-    stopped (hpccomm._engine's thread rule): every posted collective not yet
-    complete is waited for.  MPI forbids cancelling or freeing a collective's
-    request, and the other ranks run the same collective, so it completes;
-    one still running past its group's timeout ends the job with the
-    watchdog's kind of message (the watchdog may already have stopped)."""
-    posted = [p for p in _status.records() if isinstance(p, Posted) and p.req is not None]
-    for p in posted:
-        try:
-            while not p.req.Test():
-                if p.deadline is not None and time.monotonic() > p.deadline + 2.0:
-                    import sys
-
-                    print(f"hpccomm: {p.describe()} did not complete within the group's timeout at exit "
-                          "(a rank never posted it?); ending the job", file=sys.stderr, flush=True)
-                    _status.record_failure(f"timed out in {p.describe()} at exit")
-                    _mpi.abort(1)
-                time.sleep(1e-4)
-        except _mpi.mpi().Exception:  # completed with an error: at exit, settle the others
-            pass
-
-
-_mpi.at_exit.append((1.5, _settle_posted_at_exit))

@@ -1,4 +1,7 @@
-"""All-to-all: all_to_all_single (even and uneven splits) and all_to_all (lists)."""
+"""All-to-all: all_to_all_single (even and uneven splits) and all_to_all (lists).
+
+Each function here is one op's plan function (see :mod:`hpccomm.ops._common`).
+"""
 from __future__ import annotations
 
 import itertools
@@ -101,16 +104,16 @@ def all_to_all_single(group, output, input, output_splits, input_splits, op: str
     rcounts = _splits(group, op, output, output_splits, "output")
     _check_counts(group, op, scounts, rcounts)
 
-    def run():
-        send = c.contiguous(input)
-        out = c.out_buffer(output)
-        if c.overlaps(send, out):
-            send = send.clone()  # MPI forbids aliased send and receive buffers
-        _alltoallv(group, send, scounts, out, rcounts, op)
-        c.write_back(output, out)
-        return [output]
+    send, before = c.staged_input(input)
+    out, after = c.staged_output(output)
+    if before is None and c.overlaps(send, out):
+        send, before = c.copy_apart(input)  # MPI forbids aliased send and receive buffers
 
-    return run
+    def run():
+        _alltoallv(group, send, scounts, out, rcounts, op)
+
+    return c.with_steps(run, (), None, [output], (input, output, send, out), before, after,
+                        input.numel() * input.element_size())
 
 
 def alltoall(group, outputs, inputs, op: str = "all_to_all"):
@@ -123,20 +126,26 @@ def alltoall(group, outputs, inputs, op: str = "all_to_all"):
     c.check_same_dtype(group, op, outputs, dtype, "output_tensor_list")
     _check_counts(group, op, [t.numel() for t in inputs], [t.numel() for t in outputs])
 
-    def run():
-        scounts = [t.numel() for t in inputs]
-        rcounts = [t.numel() for t in outputs]
-        send = c.flat_view(inputs)
-        if send is None:
-            send = torch.cat([t.reshape(-1) for t in inputs])
-        recv = c.flat_view(outputs)
-        direct = recv is not None and not c.overlaps(send, recv)
-        if not direct:
-            recv = torch.empty(sum(rcounts), dtype=dtype, device=send.device)
-        _alltoallv(group, send, scounts, recv, rcounts, op)
-        if not direct:
+    scounts = [t.numel() for t in inputs]
+    rcounts = [t.numel() for t in outputs]
+    send = c.flat_view(inputs)
+    before = after = None
+    if send is None:
+        send = torch.empty(sum(scounts), dtype=dtype, device=inputs[0].device)
+
+        def before():
+            torch.cat([t.reshape(-1) for t in inputs], out=send)
+
+    recv = c.flat_view(outputs)
+    if recv is None or c.overlaps(send, recv):
+        recv = torch.empty(sum(rcounts), dtype=dtype, device=send.device)
+
+        def after():
             for t, part in zip(outputs, torch.split(recv, rcounts)):
                 t.copy_(part.view(t.shape))
-        return outputs
 
-    return run
+    def run():
+        _alltoallv(group, send, scounts, recv, rcounts, op)
+
+    return c.with_steps(run, (), None, outputs, (inputs, outputs, send, recv), before, after,
+                        sum(scounts) * send.element_size())

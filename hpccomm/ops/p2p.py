@@ -1,8 +1,10 @@
-"""Point-to-point: send, recv (from a rank or any source) and barrier.
+"""Point-to-point: send, recv (from a rank or any source), and barrier.
 
-Sends and receives are nonblocking MPI calls on the group's private
-point-to-point communicator (so they never match hpccomm's own internal
-messages); the returned :class:`Pending` completes them.
+Each function here is one op's plan function (see :mod:`hpccomm.ops._common`).
+Sends and receives have no blocking form: hpccomm._runner posts them
+(MPI_Isend/MPI_Irecv on the group's private point-to-point communicator, so
+they never match hpccomm's own internal messages) and returns a pending
+Work; hpccomm._work checks what a receive got when it completes.
 
 A tensor always travels as ONE MPI message.  Past the per-call count limit
 (``group.max_count``) it is described by a derived datatype whose count fits,
@@ -17,98 +19,12 @@ torch itself refuses a blocking ``send`` to self.
 """
 from __future__ import annotations
 
-import time
+from functools import partial
 
 import torch
 
-from .. import _mpi, _status
-from ..errors import HpccommError
+from .. import _mpi
 from . import _common as c
-
-
-class Pending(c.Request):
-    """One MPI request plus what to do once it completes.
-
-    ``peer``: the group rank a send goes to or a receive names (None: any
-    source, read from the status).  ``expect``: for a receive, ``(elements,
-    MPI datatype)`` the tensor holds, checked against what arrived.
-    ``after``: run once the data is in place (the write-back of a staged
-    receive).
-
-    Once posted (hpccomm._runner.posted), a Pending is also what
-    :mod:`hpccomm._status` records as running, with the fields of a
-    :class:`hpccomm._status.Op`: ``group``, ``name``, ``seq``, ``start``,
-    ``deadline``, ``kind``, ``peer`` and ``where()``; no record is made for it.
-    """
-
-    kind = "p2p"
-    engine_completes = False  # completed by whoever waits or tests (hpccomm._work)
-    #: Set by the op path once posted: the op's number, its group, when it was
-    #: posted, its deadline and the watchdog's token (ended when the Work completes).
-    #: While posted it is in hpccomm._status's records, which keep it (and so its
-    #: tensors) alive until it completes, and through which it is settled at exit.
-    seq = 0
-    group = None
-    start = deadline = None
-    token = None
-    expect = None  # a receive's (elements, MPI datatype)
-    # (a send's defaults, from hpccomm.ops._common.Request: is_recv False, after None, status None)
-
-    def __init__(self, req, keep, op: str, peer=None, is_recv: bool = False, expect=None, after=None) -> None:
-        self.req = req
-        self.keep = keep  # the tensors MPI reads or writes: alive until done
-        self.op = self.name = op
-        self.peer = peer
-        if is_recv:
-            self.is_recv = True
-            self.expect = expect
-            self.status = _mpi.mpi().Status()
-            if after is not None:
-                self.after = after
-
-    @property
-    def source(self):
-        """The rank a receive named (None: any source)."""
-        return self.peer if self.is_recv else None
-
-    def where(self) -> str:
-        """``p2p op #N on group 'G', rank r/n`` (for messages; made only when needed)."""
-        return self.group.where_p2p(self.seq) if self.group is not None else f"{self.op} not posted"
-
-    def describe(self) -> str:
-        return f"{self.op} ({self.where()})"
-
-    def _fail(self, what: str, fix: str = "") -> HpccommError:
-        return HpccommError(f"hpccomm {self.op} ({self.where()}): {what}" + (f". {fix}" if fix else ""))
-
-    def finish(self):
-        """After completion: check what arrived, write it back; the group rank
-        of the sender for a receive, else None.  Raises HpccommError."""
-        if self.error is not None:
-            MPI = _mpi.mpi()
-            exc = self.error
-            source = self.peer
-            if self.is_recv and source is None:
-                source = self.status.Get_source()
-            if exc.Get_error_class() == MPI.ERR_TRUNCATE:
-                raise self._fail(f"the message from rank {source} is larger than the tensor "
-                                 f"({self.expect[0]} elements); the tensor may be partly overwritten",
-                                 "Sender and receiver must pass tensors with the same number of elements")
-            raise self._fail(f"MPI failed: {exc}")
-        if not self.is_recv:
-            return None
-        source = self.peer
-        if source is None:
-            source = self.status.Get_source()
-        n, datatype = self.expect
-        got = self.status.Get_elements(datatype)
-        if got != n:
-            raise self._fail(f"received {got} elements from rank {source} but the tensor has {n}; "
-                             f"only its first {got} elements were written",
-                             "Sender and receiver must pass tensors with the same number of elements")
-        if self.after is not None:
-            self.after()
-        return source
 
 
 def _cover(base, n: int, limit: int, extent: int, made: list):
@@ -127,20 +43,17 @@ def _cover(base, n: int, limit: int, extent: int, made: list):
     return whole, 1
 
 
-def _post(t: torch.Tensor, limit: int, start):
-    """Post ``start(message)`` for all of contiguous ``t`` as one message."""
+def _post_large(start, t: torch.Tensor, limit: int, *rest):
+    """Post ``start(message, *rest)`` for all of contiguous ``t`` (more than
+    ``limit`` elements) as one message, described by a derived datatype."""
     n = t.numel()
-    if n <= limit:
-        return start(_mpi.buffer(t))
     MPI = _mpi.mpi()
-    if t.is_cuda:
-        _mpi.device_ready(t)
     made: list = []
     try:
         datatype, count = _cover(_mpi.mpi_type(t.dtype), n, limit, t.element_size(), made)
         datatype.Commit()
         mem = MPI.buffer.fromaddress(t.data_ptr(), n * t.element_size())
-        return start([mem, count, datatype])
+        return start([mem, count, datatype], *rest)
     finally:
         for d in made:  # MPI keeps what a pending request still uses
             d.Free()
@@ -151,23 +64,41 @@ def _relabelled(group, exc):
     return type(exc)(exc.op, group.where_p2p(), exc.what, exc.fix)
 
 
-def check_send(group, tensors, dst: int, tag: int, op: str = "send"):
-    """Check a send's arguments (raises OpError); returns the tensor."""
+def _message(group, t: torch.Tensor, icall, peer, tag, *, receive: bool):
+    """``(icall, args, keep, after)`` posting all of ``t`` (a checked tensor)
+    as one message: on its own memory when contiguous, else through a
+    contiguous copy (a send's copy taken now: the send is posted now; a
+    receive's written back once it arrived)."""
+    if t.is_contiguous() and group.host and t.numel() <= group.max_count:  # the common case: on the tensor's memory
+        return icall, (_mpi.host_buffer(t), peer, tag), t, None
+    if receive:
+        buf, after = c.staged_output(t)
+    else:
+        buf, after = c.contiguous(t), None
+    if buf.numel() <= group.max_count:
+        return icall, (_mpi.host_buffer(buf) if group.host else _mpi.buffer(buf), peer, tag), (t, buf), after
+    return partial(_post_large, icall, buf, group.max_count), (peer, tag), (t, buf), after
+
+
+def send(group, tensors, dst: int, tag: int, op: str = "send"):
+    """send's plan: ``tensors[0]`` to group rank ``dst`` (MPI_Isend)."""
     try:
-        c.single(group, op, tensors)
-        # check_root and check_tag's tests, asked first without their calls: they raise only when one fails
+        t = c.single(group, op, tensors)
+        # check_root and check_tag's tests, asked first: they raise only when one fails
         if not (dst.__class__ is int and 0 <= dst < group.size and tag.__class__ is int and 0 <= tag <= group.tag_ub):
             c.check_root(group, op, dst, "dst")
             c.check_tag(group, op, tag)
     except c.OpError as exc:
         raise _relabelled(group, exc) from None
-    return tensors[0]
+    icall, args, keep, after = _message(group, t, group.p2p.Isend, dst, tag, receive=False)
+    return (None, args, icall, tensors, keep, None, after, t.numel() * t.element_size())
 
 
-def check_recv(group, tensors, src, tag: int, op: str = "recv"):
-    """Check a receive's arguments (raises OpError); returns the tensor."""
+def recv(group, tensors, src, tag: int, op: str = "recv"):
+    """recv's plan: into ``tensors[0]`` from group rank ``src`` (None: any
+    source; MPI_Irecv).  What arrives is checked when it completes."""
     try:
-        c.single(group, op, tensors)
+        t = c.single(group, op, tensors)
         if not ((src is None or (src.__class__ is int and 0 <= src < group.size))
                 and tag.__class__ is int and 0 <= tag <= group.tag_ub):
             if src is not None:
@@ -175,68 +106,11 @@ def check_recv(group, tensors, src, tag: int, op: str = "recv"):
             c.check_tag(group, op, tag)
     except c.OpError as exc:
         raise _relabelled(group, exc) from None
-    return tensors[0]
-
-
-def send(group, tensors, dst: int, tag: int, op: str = "send"):
-    """Send ``tensors[0]`` to group rank ``dst``; a posted :class:`Pending`."""
-    t = check_send(group, tensors, dst, tag, op)
-    buf = t if t.is_contiguous() else t.contiguous()
-    if group.host:  # the common case: one message on the tensor's own memory
-        spec = _mpi.host_buffer(buf)
-        if spec[1] <= group.max_count:
-            return Pending(group.p2p.Isend(spec, dest=dst, tag=tag), (t, buf), op, dst)
-    req = _post(buf, group.max_count, lambda m: group.p2p.Isend(m, dest=dst, tag=tag))
-    return Pending(req, (t, buf), op, dst)
-
-
-def recv(group, tensors, src, tag: int, op: str = "recv"):
-    """Receive into ``tensors[0]`` from group rank ``src`` (None: any source); a posted :class:`Pending`."""
-    t = check_recv(group, tensors, src, tag, op)
-    MPI = _mpi.mpi()
-    source = MPI.ANY_SOURCE if src is None else src
-    if group.host and t.is_contiguous():  # the common case: one message into the tensor's own memory
-        spec = _mpi.host_buffer(t)
-        if spec[1] <= group.max_count:
-            return Pending(group.p2p.Irecv(spec, source=source, tag=tag), (t, t), op, src, True,
-                           (spec[1], spec[2]))
-    out = c.out_buffer(t)
-    req = _post(out, group.max_count, lambda m: group.p2p.Irecv(m, source=source, tag=tag))
-    return Pending(req, (t, out), op, src, True, (t.numel(), _mpi.mpi_type(t.dtype)),
-                   None if out is t else lambda: c.write_back(t, out))
-
-
-def _settle_at_exit(seconds: float = 2.0) -> None:
-    """At exit, before MPI_Finalize (hpccomm._engine's thread rule): every
-    request still pending is completed if it can be within ``seconds`` (a
-    send whose receiver is also exiting), else a receive is cancelled and a
-    send's request freed (MPI lets it finish on its own)."""
-    MPI = _mpi.mpi()
-    pending = [p for p in _status.records() if isinstance(p, Pending) and p.req is not None
-               and p.req != MPI.REQUEST_NULL]
-    deadline = time.monotonic() + seconds
-    for p in pending:
-        try:
-            while not p.req.Test() and time.monotonic() < deadline:
-                time.sleep(1e-3)
-            if p.req == MPI.REQUEST_NULL:
-                continue
-            if p.is_recv:
-                p.req.Cancel()
-                p.req.Wait()
-            else:
-                p.req.Free()
-        except MPI.Exception:  # at exit: settle the others
-            pass
-
-
-_mpi.at_exit.append((2, _settle_at_exit))
-
-
-#: The checks alone, by op name, for transports that hand the op to NCCL.
-CHECKS = {"send": check_send, "recv": check_recv}
+    source = _mpi.mpi().ANY_SOURCE if src is None else src
+    icall, args, keep, after = _message(group, t, group.p2p.Irecv, source, tag, receive=True)
+    return (None, args, icall, tensors, keep, None, after, t.numel() * t.element_size())
 
 
 def barrier(group, op: str = "barrier"):
-    group.comm.Barrier()
-    return []
+    """barrier's plan: MPI_Barrier."""
+    return (group.comm.Barrier, (), None, [], None, None, None, 0)

@@ -1,17 +1,17 @@
 """Reductions: all_reduce, reduce, reduce_scatter and their coalesced forms.
 
+Each function here is one op's plan function (see :mod:`hpccomm.ops._common`):
+it checks every argument and returns the op's plan; hpccomm._runner runs it.
+
 AVG and PREMUL_SUM reduce with SUM plus a local step (divide after, multiply
 before), as NCCL does; float16/bfloat16 reduce through a user-defined MPI op
-that computes in that dtype (see ``_mpi.DTYPES``).
-
-Like every op module, each op checks its arguments and returns ``run``, a
-function that communicates and returns the outputs; the caller decides which
-thread runs it.
+that computes in that dtype (see ``_mpi.DTYPES``), which has no nonblocking
+form.
 """
 from __future__ import annotations
 
 import math
-from functools import partial as _partial
+from functools import partial
 
 import torch
 
@@ -21,8 +21,6 @@ from ..errors import HpccommError
 from . import _common as c
 
 _R = RedOpType
-_Tensor = torch.Tensor
-_STRIDED = torch.strided
 _FLATTEN_BYTES = 1 << 18  # coalesced ops below this total go as one message
 # Open MPI's allreduce allocates scratch memory of up to half the message (a 1 GiB
 # float32 all_reduce peaked at 1.5x the tensor above baseline, raw mpi4py as well):
@@ -31,151 +29,158 @@ _FLATTEN_BYTES = 1 << 18  # coalesced ops below this total go as one message
 _ALLREDUCE_PIECE_BYTES = 64 << 20
 
 
-def _allreduce_flat(group, t: torch.Tensor, mop, send=None) -> None:
-    """MPI_Allreduce into contiguous ``t`` (in place, or from contiguous
-    ``send`` of the same size), in pieces past the count limit or past
-    ``_ALLREDUCE_PIECE_BYTES``."""
-    comm, count = group.comm, t.numel()
+def _pieces(group, t: torch.Tensor, r, send=None):
+    """The blocking form of an all_reduce into contiguous ``t`` (in place, or
+    from contiguous ``send`` of the same size) in pieces of at most the count
+    limit and ``_ALLREDUCE_PIECE_BYTES``."""
+    comm, mop = group.comm, r.mop
     limit = min(group.max_count, max(_ALLREDUCE_PIECE_BYTES // t.element_size(), 1))
-    if count <= limit:  # the common case, without the chunk generator
-        comm.Allreduce(_mpi.in_place() if send is None else _mpi.buffer(send), _mpi.buffer(t, 0, count), op=mop)
-        return
-    for off, n in c.chunks(count, limit):
-        comm.Allreduce(_mpi.in_place() if send is None else _mpi.buffer(send, off, n), _mpi.buffer(t, off, n),
-                       op=mop)
-
-
-def allreduce(group, tensors, redop, op: str = "all_reduce", sparse: bool = False):
-    """``sparse``: take a sparse COO tensor to :func:`allreduce_sparse`
-    (torch's allreduce carries DDP's sparse gradients) instead of refusing
-    it; learned from the refusal, so a dense tensor pays nothing for it."""
-    try:
-        t = c.single(group, op, tensors)
-    except c.OpTypeError:
-        t = tensors[0] if isinstance(tensors, (list, tuple)) and len(tensors) == 1 else None
-        if sparse and isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo:
-            return allreduce_sparse(group, tensors, redop, op)
-        raise
-    r = c.reduction(group, op, t.dtype, redop)
 
     def run():
-        mop = r.mop or r.resolve()
-        if r.factor is None and group.host and t.is_contiguous():
-            # The common case: in place on the user's memory, one MPI call (the blocking
-            # path is latency-bound: no helper calls but the buffer's).
-            buf = _mpi.host_buffer(t)
-            if buf[1] <= group.max_count and buf[0].nbytes <= _ALLREDUCE_PIECE_BYTES:
-                group.comm.Allreduce(_mpi.IN_PLACE, buf, op=mop)
-                if mop.is_predefined:  # the next such op is the plain case (hpccomm._runner)
-                    _remember_plain(t.dtype, redop, r, mop)
-            else:
-                _allreduce_flat(group, t, mop)
-            if r.average:
-                c.finish_average(t, group.size)
-            return tensors
-        work = c.out_buffer(t)
-        # PREMUL_SUM scales a copy: should MPI fail, the user's tensor is as it was
-        send = c.premultiplied(t, r.factor, inplace=False) if r.factor is not None else None
-        if send is None and work is not t:
-            work.copy_(t)
-        _allreduce_flat(group, work, mop, send)
-        if r.average:
-            c.finish_average(work, group.size)
-        c.write_back(t, work)
-        return tensors
+        for off, n in c.chunks(t.numel(), limit):
+            comm.Allreduce(_mpi.IN_PLACE if send is None else _mpi.buffer(send, off, n), _mpi.buffer(t, off, n),
+                           op=mop)
 
     return run
 
 
-def allreduce_or_sparse(group, tensors, redop, op: str = "all_reduce"):
-    """:func:`allreduce`, taking a sparse COO tensor to :func:`allreduce_sparse`
-    (torch's allreduce carries DDP's sparse gradients on torch 2.13)."""
-    return allreduce(group, tensors, redop, op, True)
+def all_reduce(group, tensors, redop, op: str = "all_reduce"):
+    """all_reduce's plan: in place on the tensor's memory (one MPI call, with
+    a nonblocking form where the reduction has one); a strided tensor
+    through a contiguous copy, PREMUL_SUM from a scaled copy, large tensors
+    in pieces.  A sparse COO tensor (DDP's sparse gradients reach torch's
+    allreduce) is :func:`all_reduce_sparse`'s."""
+    try:
+        t = c.single(group, op, tensors)
+    except c.OpTypeError:
+        t = tensors[0] if isinstance(tensors, (list, tuple)) and len(tensors) == 1 else None
+        if isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo:
+            return all_reduce_sparse(group, tensors, redop, op)
+        raise
+    r = c.reduction(group, op, t.dtype, redop)
+    comm = group.comm
+    if r.factor is None and group.host and t.is_contiguous():  # the common case: in place on the user's memory
+        buf = _mpi.host_buffer(t)
+        nbytes = buf[0].nbytes
+        if buf[1] <= group.max_count and nbytes <= _ALLREDUCE_PIECE_BYTES:
+            plan = (comm.Allreduce, (_mpi.IN_PLACE, buf, r.mop), comm.Iallreduce if r.nonblocking else None, tensors, t,
+                    None, None, nbytes)
+            return c.with_steps(*plan[:6], partial(c.finish_average, t, group.size), nbytes) if r.average else plan
+    work, write_back = c.staged_output(t)  # a strided tensor: MPI reduces a contiguous copy
+    before = None if work is t else partial(work.copy_, t)
+    send = None
+    if r.factor is not None:  # PREMUL_SUM reduces a scaled copy: should MPI fail, the tensor is as it was
+        send, before = c.scaled(t, r.factor)
+    after = c.steps(partial(c.finish_average, work, group.size) if r.average else None, write_back)
+    nbytes = t.numel() * t.element_size()
+    keep = (t, work, send)
+    if t.numel() > group.max_count or nbytes > _ALLREDUCE_PIECE_BYTES:
+        return c.with_steps(_pieces(group, work, r, send), (), None, tensors, keep, before, after, nbytes)
+    sendbuf = _mpi.IN_PLACE if send is None else _mpi.buffer(send)
+    return c.with_steps(comm.Allreduce, (sendbuf, _mpi.buffer(work), r.mop),
+                        comm.Iallreduce if r.nonblocking else None, tensors, keep, before, after, nbytes)
 
 
-def allreduce_coalesced(group, tensors, redop, op: str = "all_reduce_coalesced"):
+def all_reduce_coalesced(group, tensors, redop, op: str = "all_reduce_coalesced"):
+    """Several all_reduces at once: small tensors of one dtype travel as one
+    message (one latency, not many), the rest one by one."""
     if not isinstance(tensors, (list, tuple)):
         c.check_list(group, op, tensors, 0, "tensors")
     c.check_tensors(group, op, tensors)
     for t in tensors:  # every check before the first message
         c.reduction(group, op, t.dtype, redop)
+    by_dtype: dict = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    plans = []
+    for ts in by_dtype.values():
+        if len(ts) > 1 and sum(t.numel() for t in ts) * ts[0].element_size() <= _FLATTEN_BYTES:
+            flat = torch.empty(sum(t.numel() for t in ts), dtype=ts[0].dtype, device=ts[0].device)
+            inner = all_reduce(group, [flat], redop, op)
 
-    def run():
-        # Small tensors of one dtype travel as one message: one latency, not many.
-        by_dtype: dict = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        for ts in by_dtype.values():
-            if len(ts) > 1 and sum(t.numel() for t in ts) * ts[0].element_size() <= _FLATTEN_BYTES:
-                flat = torch.cat([t.reshape(-1) for t in ts])
-                allreduce(group, [flat], redop, op)()
+            def gather_in(ts=ts, flat=flat):
+                torch.cat([t.reshape(-1) for t in ts], out=flat)
+
+            def scatter_out(ts=ts, flat=flat):
                 off = 0
                 for t in ts:
                     t.copy_(flat[off:off + t.numel()].view(t.shape))
                     off += t.numel()
-            else:
-                for t in ts:
-                    allreduce(group, [t], redop, op)()
-        return tensors
 
-    return run
+            plans.append(c.with_steps(inner[c.CALL], inner[c.ARGS], None, tensors, (inner[c.KEEP], ts), gather_in,
+                                      scatter_out, inner[c.NBYTES]))
+        else:
+            plans.extend(all_reduce(group, [t], redop, op) for t in ts)
+    return c.sequence(plans, tensors)
 
 
 def reduce(group, tensors, root: int, redop, op: str = "reduce"):
+    """reduce's plan: MPI_Reduce to ``root`` (in place there); only the root's
+    tensor is an output, the others' are left untouched."""
     c.check_list(group, op, tensors, 1, "tensors")
     t = tensors[0]
     c.check_tensor(group, op, t)
     c.check_root(group, op, root, "dst")
     r = c.reduction(group, op, t.dtype, redop)
-    factor = r.factor
+    comm, limit = group.comm, group.max_count
+    if group.rank == root:
+        work, write_back = c.staged_output(t)
+        before = None if work is t else partial(work.copy_, t)
+        send = None
+        if r.factor is not None:
+            send, before = c.scaled(t, r.factor)
+        after = c.steps(partial(c.finish_average, work, group.size) if r.average else None, write_back)
+
+        def run():
+            for off, n in c.chunks(work.numel(), limit):
+                sendbuf = _mpi.IN_PLACE if send is None else _mpi.buffer(send, off, n)
+                comm.Reduce(sendbuf, _mpi.buffer(work, off, n), op=r.mop, root=root)
+
+        return c.with_steps(run, (), None, tensors, (t, work, send), before, after, t.numel() * t.element_size())
+    if r.factor is not None:
+        send, before = c.scaled(t, r.factor)
+    else:
+        send, before = c.staged_input(t)
 
     def run():
-        mop = r.mop or r.resolve()
-        comm = group.comm
-        if group.rank == root:
-            work = c.out_buffer(t)
-            # PREMUL_SUM scales a copy: should MPI fail, the user's tensor is as it was
-            send = c.premultiplied(t, factor, inplace=False) if factor is not None else None
-            if send is None and work is not t:
-                work.copy_(t)
-            for off, n in c.chunks(work.numel(), group.max_count):
-                sendbuf = _mpi.in_place() if send is None else _mpi.buffer(send, off, n)
-                comm.Reduce(sendbuf, _mpi.buffer(work, off, n), op=mop, root=root)
-            if r.average:
-                c.finish_average(work, group.size)
-            c.write_back(t, work)
-        else:
-            # Only the root's tensor is an output: leave this rank's untouched.
-            send = c.premultiplied(t, factor, inplace=False) if factor is not None else c.contiguous(t)
-            for off, n in c.chunks(send.numel(), group.max_count):
-                comm.Reduce(_mpi.buffer(send, off, n), None, op=mop, root=root)
-        return tensors
+        for off, n in c.chunks(send.numel(), limit):
+            comm.Reduce(_mpi.buffer(send, off, n), None, op=r.mop, root=root)
+
+    return c.with_steps(run, (), None, tensors, (t, send), before, None, t.numel() * t.element_size())
+
+
+def _reduce_scatter_blocks(group, send: torch.Tensor, out: torch.Tensor, r):
+    """The blocking form of reduce_scatter past the count limit: one chunked
+    reduce per destination rank."""
+    comm, n = group.comm, out.numel()
+
+    def run():
+        for rank in range(group.size):
+            for off, k in c.chunks(n, group.max_count):
+                recv = _mpi.buffer(out, off, k) if rank == group.rank else None
+                comm.Reduce(_mpi.buffer(send, rank * n + off, k), recv, op=r.mop, root=rank)
 
     return run
 
 
-def _reduce_scatter_flat(group, send: torch.Tensor, out: torch.Tensor, mop) -> None:
-    """MPI_Reduce_scatter_block of contiguous ``send`` (size × n) into ``out`` (n)."""
-    comm, n = group.comm, out.numel()
-    if n <= group.max_count:
-        sendspec = _mpi.buffer(send)
-        sendspec[1] = n  # mpi4py counts the send side per block
-        comm.Reduce_scatter_block(sendspec, _mpi.buffer(out), op=mop)
-        return
-    # Past the count limit: one chunked reduce per destination rank.
-    for r in range(group.size):
-        for off, k in c.chunks(n, group.max_count):
-            recv = _mpi.buffer(out, off, k) if r == group.rank else None
-            comm.Reduce(_mpi.buffer(send, r * n + off, k), recv, op=mop, root=r)
+def _reduce_scatter_plan(group, send, out, r, before, after, outputs, keep):
+    """The plan of MPI_Reduce_scatter_block of contiguous ``send`` (size × n)
+    into contiguous ``out`` (n)."""
+    n = out.numel()
+    nbytes = send.numel() * send.element_size()
+    if n > group.max_count:
+        return c.with_steps(_reduce_scatter_blocks(group, send, out, r), (), None, outputs, keep, before, after,
+                            nbytes)
+    sendspec = _mpi.buffer(send)
+    sendspec[1] = n  # mpi4py counts the send side per block
+    comm = group.comm
+    return c.with_steps(comm.Reduce_scatter_block, (sendspec, _mpi.buffer(out), r.mop),
+                        comm.Ireduce_scatter_block if r.nonblocking else None, outputs, keep, before, after, nbytes)
 
 
-def _finish_reduce_scatter(group, out, r, user_out):
-    if r.average:
-        c.finish_average(out, group.size)
-    c.write_back(user_out, out)
-
-
-def reduce_scatter_single(group, output, input, redop, op: str = "reduce_scatter_tensor"):
+def reduce_scatter_tensor(group, output, input, redop, op: str = "reduce_scatter_tensor"):
+    """reduce_scatter_tensor's plan: MPI reads the input and writes the output
+    in place when both are contiguous and apart; else through copies."""
     c.check_tensor(group, op, output, "output")
     c.check_tensor(group, op, input, "input")
     if input.dtype != output.dtype:
@@ -184,33 +189,29 @@ def reduce_scatter_single(group, output, input, redop, op: str = "reduce_scatter
         raise c.OpValueError(op, group.where(), f"input has {input.numel()} elements, expected output's "
                              f"{output.numel()} × group size {group.size} = {output.numel() * group.size}")
     r = c.reduction(group, op, input.dtype, redop)
-
-    def run():
-        mop = r.mop or r.resolve()
-        if r.factor is None and group.host and input.is_contiguous() and output.is_contiguous():
-            # The common case (latency-bound when small): MPI reads the input and writes the output in place.
-            send, recv = _mpi.host_buffer(input), _mpi.host_buffer(output)
-            n = recv[1]
-            if n <= group.max_count and c.disjoint(send[0], recv[0]):
-                send[1] = n  # mpi4py counts the send side per block
-                group.comm.Reduce_scatter_block(send, recv, op=mop)
-                if mop.is_predefined:  # the next such op is the plain case (hpccomm._runner)
-                    _remember_plain(input.dtype, redop, r, mop)
-                if r.average:
-                    c.finish_average(output, group.size)
-                return [output]
-        send = c.premultiplied(input, r.factor, inplace=False) if r.factor is not None else c.contiguous(input)
-        if c.overlaps(send, output):
-            send = send.clone()  # MPI forbids aliased send and receive buffers
-        out = c.out_buffer(output)
-        _reduce_scatter_flat(group, send, out, mop)
-        _finish_reduce_scatter(group, out, r, output)
-        return [output]
-
-    return run
+    if r.factor is None and group.host and input.is_contiguous() and output.is_contiguous():
+        send, recv = _mpi.host_buffer(input), _mpi.host_buffer(output)
+        n = recv[1]
+        if n <= group.max_count and c.disjoint(send[0], recv[0]):  # the common case: on the user's memory
+            send[1] = n  # mpi4py counts the send side per block
+            comm = group.comm
+            plan = (comm.Reduce_scatter_block, (send, recv, r.mop), comm.Ireduce_scatter_block if r.nonblocking else None,
+                    [output], (input, output), None, None, send[0].nbytes)
+            return c.with_steps(*plan[:6], partial(c.finish_average, output, group.size), plan[7]) if r.average else plan
+    if r.factor is not None:
+        send, before = c.scaled(input, r.factor)
+    else:
+        send, before = c.staged_input(input)
+        if before is None and c.overlaps(send, output):
+            send, before = c.copy_apart(input)  # MPI forbids aliased send and receive buffers
+    out, write_back = c.staged_output(output)
+    after = c.steps(partial(c.finish_average, out, group.size) if r.average else None, write_back)
+    return _reduce_scatter_plan(group, send, out, r, before, after, [output], (input, output, send, out))
 
 
 def reduce_scatter(group, outputs, input_lists, redop, op: str = "reduce_scatter"):
+    """reduce_scatter (a list of inputs, one per rank): read in place when the
+    inputs are laid end to end in one storage, else concatenated."""
     c.check_list(group, op, outputs, 1, "output_tensors")
     c.check_list(group, op, input_lists, 1, "input_tensor_lists")
     output, inputs = outputs[0], input_lists[0]
@@ -224,34 +225,27 @@ def reduce_scatter(group, outputs, input_lists, redop, op: str = "reduce_scatter
                                  f"{output.numel()}", "Every input must have the output's size")
     r = c.reduction(group, op, output.dtype, redop)
     factor = r.factor
+    send = c.flat_view(inputs)
+    before = None
+    if send is None or factor is not None or c.overlaps(send, output):
+        send = torch.empty(output.numel() * group.size, dtype=output.dtype, device=output.device)
 
-    def run():
-        send = c.flat_view(inputs)
-        if send is None or factor is not None or c.overlaps(send, output):
-            send = torch.cat([t.reshape(-1) for t in inputs])
+        def before(send=send):
+            torch.cat([t.reshape(-1) for t in inputs], out=send)
             if factor is not None:
                 c.premultiplied(send, factor, inplace=True)
-        out = c.out_buffer(output)
-        _reduce_scatter_flat(group, send, out, r.mop or r.resolve())
-        _finish_reduce_scatter(group, out, r, output)
-        return outputs
 
-    return run
+    out, write_back = c.staged_output(output)
+    after = c.steps(partial(c.finish_average, out, group.size) if r.average else None, write_back)
+    return _reduce_scatter_plan(group, send, out, r, before, after, outputs, (inputs, output, send, out))
 
 
-def reduce_scatter_single_coalesced(group, outputs, inputs, redop, op: str = "reduce_scatter_tensor_coalesced"):
+def reduce_scatter_tensor_coalesced(group, outputs, inputs, redop, op: str = "reduce_scatter_tensor_coalesced"):
     c.check_list(group, op, inputs, len(outputs), "inputs")
-    runs = [reduce_scatter_single(group, o, i, redop, op) for o, i in zip(outputs, inputs)]
-
-    def run():
-        for r in runs:
-            r()
-        return outputs
-
-    return run
+    return c.sequence([reduce_scatter_tensor(group, o, i, redop, op) for o, i in zip(outputs, inputs)], outputs)
 
 
-def allreduce_sparse(group, tensors, redop, op: str = "all_reduce"):
+def all_reduce_sparse(group, tensors, redop, op: str = "all_reduce"):
     """SUM of a sparse COO tensor over the group, as torch's gloo backend does
     it (DDP with ``nn.Embedding(sparse=True)`` needs it): every rank's
     coalesced indices and values are gathered, summed and coalesced; the
@@ -275,6 +269,8 @@ def allreduce_sparse(group, tensors, redop, op: str = "all_reduce"):
                             f"not {str(kind).split('.')[-1]}", "Call .to_dense() first for other ReduceOps")
 
     def run():
+        from .gather import allgatherv
+
         local = t.coalesce()
         indices = local.indices().contiguous()  # int64 [sparse_dim, nnz]
         values = local.values().contiguous()  # [nnz, *dense sizes]
@@ -282,180 +278,19 @@ def allreduce_sparse(group, tensors, redop, op: str = "all_reduce"):
         shapes = {f[:3] for f in facts}
         if len(shapes) > 1:
             raise HpccommError(f"hpccomm {op} ({group.where()}): the ranks' sparse tensors differ in shape, "
-                                 f"sparse dimensions or dtype: {[f[:3] for f in facts]}")
+                               f"sparse dimensions or dtype: {[f[:3] for f in facts]}")
         nnzs = [f[3] for f in facts]
         row = math.prod(values.shape[1:])  # elements per value (1: no dense dimensions)
         all_indices = torch.empty(indices.shape[0], sum(nnzs), dtype=torch.int64)
         all_values = torch.empty((sum(nnzs), *values.shape[1:]), dtype=values.dtype)
         # indices are [sparse_dim, nnz]: gather their transpose so each rank's part is contiguous
         gathered_idx = torch.empty(sum(nnzs), indices.shape[0], dtype=torch.int64)
-        from .gather import _allgatherv
-
-        _allgatherv(group, indices.t().contiguous(), gathered_idx, [n * indices.shape[0] for n in nnzs])
-        _allgatherv(group, values, all_values, [n * row for n in nnzs])
+        for send, recv, counts in ((indices.t().contiguous(), gathered_idx, [n * indices.shape[0] for n in nnzs]),
+                                   (values, all_values, [n * row for n in nnzs])):
+            call, args = allgatherv(group, send, recv, counts)
+            call(*args)
         all_indices.copy_(gathered_idx.t())
         total = torch.sparse_coo_tensor(all_indices, all_values, t.shape, dtype=t.dtype).coalesce()
         t.copy_(total)
-        return tensors
 
-    return run
-
-
-# -- nonblocking forms (async_op=True; hpccomm._runner) ------------------------
-# Each takes the op's arguments after its checks passed and returns a
-# c.Posted, or None when the op keeps its blocking form (run on the comm
-# thread): past c.NONBLOCKING_MAX_BYTES, or a user-defined MPI op.  Which form
-# an op takes is decided only from what is equal on every rank (dtype,
-# ReduceOp, element counts), never from strides or timing: MPI never matches a nonblocking collective with a blocking
-# one.  A strided tensor is staged through a contiguous buffer instead.
-
-def _predefined(r):
-    """The MPI op of ``r`` if MPI predefines it (float16/bfloat16 reduce through
-    user-defined ops, which keep the blocking form: MPI would call back into
-    Python from whichever thread drives the request's progress)."""
-    mop = r.mop or r.resolve()
-    return mop if mop.is_predefined else None
-
-
-#: (dtype, RedOpType value) -> (MPI op, MPI datatype, bytes per element) of the
-#: pairs whose all_reduce and reduce_scatter are the plain case (a predefined
-#: MPI op, no factor, no division): filled by :func:`allreduce`,
-#: :func:`iallreduce` and :func:`ireduce_scatter_single` once a pair has passed
-#: its checks, after which a dense contiguous CPU tensor of that pair is posted
-#: (or, blocking, reduced: hpccomm._runner.run_allreduce) without asking the
-#: checks again.
-PLAIN: dict = {}
-
-
-def _remember_plain(dtype, redop, r, mop) -> None:
-    """Enter (``dtype``, ``redop``) in :data:`PLAIN` when its checked
-    reduction ``r`` (MPI op ``mop``, predefined) is the plain case and
-    :func:`hpccomm._mpi.host_buffer` has met the dtype."""
-    kind = _mpi.host_types.get(dtype)
-    if kind is not None and r.factor is None and not r.average:
-        PLAIN[(dtype, c.redop_code(redop))] = (mop, kind[0], kind[1])
-
-
-def iallreduce(group, tensors, redop, op: str = "all_reduce"):
-    """all_reduce's nonblocking form, checks included: hpccomm._runner calls
-    it for ``async_op=True`` in place of :func:`allreduce` (one pass over the
-    checks), and falls back to :func:`allreduce` when it returns None (past
-    the size limits, a user-defined MPI op) or sees a tensor it does not take
-    (a sparse or device tensor, or a refusal: :func:`allreduce` raises it
-    with its message)."""
-    plain = plain_allreduce_buffer(group, tensors, redop)
-    if plain is not None and plain[0][0].nbytes <= c.NONBLOCKING_MAX_BYTES:
-        return c.Posted(op, _partial(group.comm.Iallreduce, _mpi.IN_PLACE, plain[0], op=plain[1]), tensors,
-                        tensors[0], None, plain[0][0].nbytes)
-    try:
-        t = c.single(group, op, tensors)
-    except c.OpTypeError:
-        return None
-    r = c.reduction(group, op, t.dtype, redop)
-    mop = _predefined(r)
-    count, size = t.numel(), t.element_size()
-    if mop is None or count > group.max_count or count * size > c.NONBLOCKING_MAX_BYTES:
-        return None
-    comm = group.comm
-    if r.factor is None and t.is_contiguous():
-        buf = _mpi.host_buffer(t)
-        _remember_plain(t.dtype, redop, r, mop)
-        after = (lambda: c.finish_average(t, group.size)) if r.average else None
-        return c.Posted(op, _partial(comm.Iallreduce, _mpi.IN_PLACE, buf, op=mop), tensors, t, after, count * size)
-    work = c.out_buffer(t)
-    # PREMUL_SUM scales a copy: should MPI fail, the user's tensor is as it was
-    send = c.premultiplied(t, r.factor, inplace=False) if r.factor is not None else None
-    if send is None and work is not t:
-        work.copy_(t)
-
-    def after():
-        if r.average:
-            c.finish_average(work, group.size)
-        c.write_back(t, work)
-
-    sendbuf = _mpi.IN_PLACE if send is None else _mpi.buffer(send)
-    return c.Posted(op, _partial(comm.Iallreduce, sendbuf, _mpi.buffer(work), op=mop), tensors, (t, work, send),
-                    after, count * size)
-
-
-def plain_allreduce_buffer(group, tensors, redop):
-    """all_reduce's plain case, either form (:func:`iallreduce`,
-    hpccomm._runner.run_allreduce): one dense contiguous CPU tensor whose
-    (dtype, ReduceOp) pair is in :data:`PLAIN`, within the count limit:
-    ``([memory, count, MPI type], MPI op)`` on the tensor's memory (c.single's
-    checks, the cached reduction and _mpi.host_buffer without their calls);
-    else None (the general case)."""
-    if tensors.__class__ is list and len(tensors) == 1:
-        t = tensors[0]
-        if t.__class__ is _Tensor and t.layout is _STRIDED and t.is_cpu:
-            plain = PLAIN.get((t.dtype, c.redop_code(redop)))
-            if plain is not None and t.is_contiguous():
-                count = t.numel()
-                if count <= group.max_count:
-                    return [_mpi.fromaddress(t.data_ptr(), count * plain[2]), count, plain[1]], plain[0]
-    return None
-
-
-def plain_scatter_buffers(group, output, input, redop):
-    """reduce_scatter_tensor's plain case, either form (this module's
-    :func:`ireduce_scatter_single`, hpccomm._runner.run_reduce_scatter_single):
-    dense contiguous CPU tensors of one dtype, its (dtype, ReduceOp) pair in
-    :data:`PLAIN`, within the count limit, the buffers apart: ``(send, receive,
-    MPI op, bytes of the input)`` on the tensors' memory (reduce_scatter_single's
-    checks, the cached reduction and _mpi.host_buffer without their calls); else
-    None (the general case)."""
-    if (output.__class__ is _Tensor and input.__class__ is _Tensor and output.layout is _STRIDED
-            and input.layout is _STRIDED and output.is_cpu and input.is_cpu and output.dtype is input.dtype
-            and output.is_contiguous() and input.is_contiguous()):
-        plain = PLAIN.get((input.dtype, c.redop_code(redop)))
-        n = output.numel()
-        total = input.numel()
-        if plain is not None and n and total == n * group.size and n <= group.max_count:
-            size = plain[2]
-            at, into = input.data_ptr(), output.data_ptr()
-            if at + total * size <= into or into + n * size <= at:
-                return ([_mpi.fromaddress(at, total * size), n, plain[1]],  # counted per block
-                        [_mpi.fromaddress(into, n * size), n, plain[1]], plain[0], total * size)
-    return None
-
-
-def ireduce_scatter_single(group, output, input, redop, op: str = "reduce_scatter_tensor"):
-    """reduce_scatter_tensor's nonblocking form (MPI_Ireduce_scatter_block),
-    checks included (:func:`reduce_scatter_single`'s), or None past the size
-    limits."""
-    plain = plain_scatter_buffers(group, output, input, redop)
-    if plain is not None and plain[3] <= c.NONBLOCKING_MAX_BYTES:
-        return c.Posted(op, _partial(group.comm.Ireduce_scatter_block, plain[0], plain[1], op=plain[2]), [output],
-                        (input, output), None, plain[3])
-    reduce_scatter_single(group, output, input, redop, op)  # its checks (the closure it returns is not used)
-    if input.numel() * input.element_size() > c.NONBLOCKING_MAX_BYTES:
-        return None
-    r = c.reduction(group, op, input.dtype, redop)
-    mop = _predefined(r)
-    n = output.numel()
-    if mop is None or n > group.max_count:
-        return None
-    comm = group.comm
-    send = None
-    if r.factor is None and input.is_contiguous() and output.is_contiguous():
-        send, recv, out = _mpi.host_buffer(input), _mpi.host_buffer(output), output
-        keep = (input, output)
-        _remember_plain(input.dtype, redop, r, mop)
-        if not c.disjoint(send[0], recv[0]):
-            send = None  # aliased: MPI forbids it (staged below)
-    if send is None:
-        src = c.premultiplied(input, r.factor, inplace=False) if r.factor is not None else c.contiguous(input)
-        if c.overlaps(src, output):
-            src = src.clone()  # MPI forbids aliased send and receive buffers
-        out = c.out_buffer(output)
-        send, recv = _mpi.buffer(src), _mpi.buffer(out)
-        keep = (input, output, src, out)
-    send[1] = n  # mpi4py counts the send side per block
-
-    def after():
-        if r.average:
-            c.finish_average(out, group.size)
-        c.write_back(output, out)
-
-    return c.Posted(op, _partial(comm.Ireduce_scatter_block, send, recv, op=mop), [output], keep,
-                    after if (r.average or out is not output) else None, input.numel() * input.element_size())
+    return c.blocking(run, tensors, t)

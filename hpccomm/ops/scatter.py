@@ -1,7 +1,8 @@
-"""Rooted distribution: broadcast and scatter."""
-from __future__ import annotations
+"""Rooted distribution: broadcast and scatter.
 
-from functools import partial as _partial
+Each function here is one op's plan function (see :mod:`hpccomm.ops._common`).
+"""
+from __future__ import annotations
 
 import torch
 
@@ -10,24 +11,30 @@ from . import _common as c
 
 
 def broadcast(group, tensors, root: int, op: str = "broadcast"):
+    """broadcast's plan: MPI_Bcast on the tensor's memory; a strided tensor
+    through a contiguous copy (sent from it on the root, written back on the
+    others); past the count limit in chunks."""
     t = c.single(group, op, tensors)
-    if not (root.__class__ is int and 0 <= root < group.size):  # (check_root's test, without its call)
+    if not (root.__class__ is int and 0 <= root < group.size):  # (check_root's test first: it raises)
         c.check_root(group, op, root, "src")
+    comm = group.comm
+    if group.host and t.is_contiguous():  # the common case: one call on the user's memory
+        buf = _mpi.host_buffer(t)
+        if buf[1] <= group.max_count:
+            return (comm.Bcast, (buf, root), comm.Ibcast, tensors, t, None, None, buf[0].nbytes)
+    before = after = None
+    if group.rank == root:
+        buf, before = c.staged_input(t)
+    else:
+        buf, after = c.staged_output(t)
+    nbytes = t.numel() * t.element_size()
+    if t.numel() > group.max_count:
+        def run():
+            for off, n in c.chunks(buf.numel(), group.max_count):
+                comm.Bcast(_mpi.buffer(buf, off, n), root=root)
 
-    def run():
-        if group.host and t.is_contiguous():  # the common case: one call on the user's memory
-            buf = _mpi.host_buffer(t)
-            if buf[1] <= group.max_count:
-                group.comm.Bcast(buf, root=root)
-                return tensors
-        buf = c.contiguous(t)
-        for off, n in c.chunks(buf.numel(), group.max_count):
-            group.comm.Bcast(_mpi.buffer(buf, off, n), root=root)
-        if group.rank != root:
-            c.write_back(t, buf)
-        return tensors
-
-    return run
+        return c.with_steps(run, (), None, tensors, (t, buf), before, after, nbytes)
+    return c.with_steps(comm.Bcast, (_mpi.buffer(buf), root), comm.Ibcast, tensors, (t, buf), before, after, nbytes)
 
 
 def scatter(group, outputs, input_lists, root: int, op: str = "scatter"):
@@ -39,7 +46,7 @@ def scatter(group, outputs, input_lists, root: int, op: str = "scatter"):
         if input_lists and any(len(i) for i in input_lists):
             raise c.OpValueError(op, group.where(), f"scatter_list must be empty or None on rank {group.rank}, "
                                  f"which is not the source (rank {root})")
-        return lambda: _scatter_recv(group, output, root, outputs)
+        return _scatter_recv(group, output, root, outputs)
     c.check_list(group, op, input_lists, 1, "input_tensor_lists")
     inputs = input_lists[0]
     n = output.numel()
@@ -50,7 +57,7 @@ def scatter(group, outputs, input_lists, root: int, op: str = "scatter"):
         if t.numel() != n:
             raise c.OpValueError(op, group.where(), f"scatter_list[{i}] has {t.numel()} elements but the output "
                                  f"has {n}", "scatter needs tensors of the output's size")
-    return lambda: _scatter_send(group, output, inputs, root, outputs)
+    return _scatter_send(group, output, inputs, root, outputs)
 
 
 def _big(group, n: int) -> bool:
@@ -58,56 +65,45 @@ def _big(group, n: int) -> bool:
 
 
 def _scatter_recv(group, output, root, outputs):
+    """A non-root's part of scatter: its slot from ``root``."""
     comm, n = group.comm, output.numel()
-    out = c.out_buffer(output)
-    if _big(group, n):
-        for off, k in c.chunks(n, group.max_count):
-            comm.Recv(_mpi.buffer(out, off, k), source=root, tag=0)
-    else:
-        comm.Scatter(None, _mpi.buffer(out), root=root)
-    c.write_back(output, out)
-    return outputs
+    out, after = c.staged_output(output)
+
+    def run():
+        if _big(group, n):
+            for off, k in c.chunks(n, group.max_count):
+                comm.Recv(_mpi.buffer(out, off, k), source=root, tag=0)
+        else:
+            comm.Scatter(None, _mpi.buffer(out), root=root)
+
+    return c.with_steps(run, (), None, outputs, (output, out), None, after, n * output.element_size())
 
 
 def _scatter_send(group, output, inputs, root, outputs):
+    """The root's part of scatter: read in place when the inputs are laid end
+    to end in one storage, else concatenated."""
     comm, n = group.comm, output.numel()
-    out = c.out_buffer(output)
+    out, after = c.staged_output(output)
     send = c.flat_view(inputs)
+    before = None
     if send is None or c.overlaps(send, out):
-        send = (torch.cat([t.reshape(-1) for t in inputs]) if inputs
-                else torch.empty(0, dtype=output.dtype, device=output.device))
-    if _big(group, n):
-        out.view(-1).copy_(send[root * n:(root + 1) * n])
-        reqs = []
-        for r in range(group.size):
-            if r != root:
-                for off, k in c.chunks(n, group.max_count):
-                    reqs.append(comm.Isend(_mpi.buffer(send, r * n + off, k), dest=r, tag=0))
-        _mpi.mpi().Request.Waitall(reqs)
-    else:
-        sendbuf = _mpi.buffer(send)
-        sendbuf[1] = n  # mpi4py reads an explicit count as the count per rank, not the total
-        comm.Scatter(sendbuf, _mpi.buffer(out), root=root)
-    c.write_back(output, out)
-    return outputs
+        send = torch.empty(n * group.size, dtype=output.dtype, device=output.device)
+        if inputs:
+            def before():
+                torch.cat([t.reshape(-1) for t in inputs], out=send)
 
+    def run():
+        if _big(group, n):
+            out.view(-1).copy_(send[root * n:(root + 1) * n])
+            reqs = []
+            for r in range(group.size):
+                if r != root:
+                    for off, k in c.chunks(n, group.max_count):
+                        reqs.append(comm.Isend(_mpi.buffer(send, r * n + off, k), dest=r, tag=0))
+            _mpi.mpi().Request.Waitall(reqs)
+        else:
+            sendbuf = _mpi.buffer(send)
+            sendbuf[1] = n  # mpi4py reads an explicit count as the count per rank, not the total
+            comm.Scatter(sendbuf, _mpi.buffer(out), root=root)
 
-def ibroadcast(group, tensors, root: int, op: str = "broadcast"):
-    """broadcast's nonblocking form (MPI_Ibcast), checks included (see
-    hpccomm.ops.reduce.iallreduce), or None past the size limits (see
-    hpccomm.ops.reduce's note on nonblocking forms)."""
-    if root.__class__ is int and 0 <= root < group.size:
-        buf = c.plain_buffer(group, tensors)  # the plain case: posted on the tensor's own memory
-        if buf is not None and buf[0].nbytes <= c.NONBLOCKING_MAX_BYTES:
-            return c.Posted(op, _partial(group.comm.Ibcast, buf, root=root), tensors, tensors[0], None,
-                            buf[0].nbytes)
-    t = c.single(group, op, tensors)
-    if not (root.__class__ is int and 0 <= root < group.size):  # (check_root's test, without its call)
-        c.check_root(group, op, root, "src")
-    if t.numel() > group.max_count or t.numel() * t.element_size() > c.NONBLOCKING_MAX_BYTES:
-        return None
-    buf = c.contiguous(t)
-    spec = _mpi.host_buffer(buf)
-    comm = group.comm
-    after = (lambda: c.write_back(t, buf)) if buf is not t and group.rank != root else None
-    return c.Posted(op, _partial(comm.Ibcast, spec, root=root), tensors, (t, buf), after, t.numel() * t.element_size())
+    return c.with_steps(run, (), None, outputs, (inputs, output, send, out), before, after, n * output.element_size())
