@@ -31,7 +31,7 @@ from . import _debug, _engine, _ft, _mpi, _status, _trace
 from ._work import AllOf, Request, Work, done
 from .errors import HpccommError, OpError
 from .gpu import dispatch as _gpu
-from .ops._common import AFTER, ARGS, BEFORE, CALL, ICALL, NBYTES, OUTPUTS, NotOnCPU, with_steps
+from .ops._common import AFTER, ARGS, BEFORE, CALL, ICALL, NBYTES, OUTPUTS, NotOnCPU, Stepped, with_steps
 
 log = logging.getLogger("hpccomm")
 
@@ -70,8 +70,10 @@ def run(g, op, args, opts=None):
     except OpError as exc:
         refused(g, op, args, exc)  # the other ranks must not wait for this op
         raise
+    if op.p2p:  # always posted (form)
+        return _post(g, op, plan, args[1], None)
     asynchronous = opts is not None and getattr(opts, "asyncOp", False)
-    if op.p2p or asynchronous or g.queued:
+    if asynchronous or g.queued:
         return start(g, op, plan, args, asynchronous)
     return done(execute(g, op.name, plan, args))  # the latency-bound case: blocking, here (form: "here")
 
@@ -169,8 +171,8 @@ def _post(g, op, plan, peer, devices):
     """Post ``plan`` in its nonblocking form here: numbered, watched until it
     completes (its Request is its own record in hpccomm._status), its Work
     pending on it; a point-to-point op joins torch's coalescing window."""
-    request = Request(g, op.name, "p2p" if op.p2p else "collective", plan, peer)
-    seq = _status.start(g, op.name, request)
+    request = Request(g, op.name, op.p2p, plan, peer)
+    _status.start(g, op.name, request)
     if g.instrumented and not op.p2p and _trace.active():
         request.traced = _trace.now_ns()
     before = plan[BEFORE]
@@ -182,7 +184,7 @@ def _post(g, op, plan, peer, devices):
         _status.end(request.token)
         failure = _ft.failure(request.describe(), exc) if _status.failures.tolerant else None
         raise (failure or HpccommError(f"hpccomm {request.describe()}: MPI failed: {exc}")) from exc
-    work = Work(plan[OUTPUTS], request, "", devices)
+    work = Work(plan[OUTPUTS], request, devices=devices)
     if op.p2p and g.coalescing is not None:
         g.coalescing.append(work)
     return work
@@ -353,6 +355,8 @@ def explain(op: str, *args, group=None, async_op: bool = False) -> Explained:
     plan = info.plan(g, *args)
     where, nonblocking = form(g, info, plan, async_op)
     call = plan[ICALL] if nonblocking else plan[CALL]
+    if isinstance(call, Stepped):
+        call = call.call
     buffers = tuple("IN_PLACE" if a is _mpi.IN_PLACE else (a[0].address, a[1]) for a in plan[ARGS]
                     if a is _mpi.IN_PLACE or (isinstance(a, list) and len(a) == 3))
     mpi_call = type(getattr(call, "__self__", None)).__module__ == "mpi4py.MPI"  # else Python making several

@@ -85,8 +85,7 @@ def start(group, op: str, record=None) -> int:
         last_group[0] = group
     record.seq, record.start = seq, now
     seconds = group.timeout_s
-    if seconds:
-        record.deadline = now + seconds
+    record.deadline = now + seconds if seconds else None
     record.token = token = next(ids)
     watched[token] = record
     return seq

@@ -382,15 +382,21 @@ class Request:
     against the tensor).
     """
 
-    __slots__ = ("group", "name", "kind", "peer", "plan", "req", "status", "error", "seq", "start", "deadline",
-                 "token", "traced")
+    # slots for what every Request sets; what few set is read from the class until then
+    __slots__ = ("group", "name", "kind", "peer", "plan", "req", "status", "seq", "start", "deadline", "token",
+                 "__dict__")
     engine_completes = False  # completed by whoever waits or tests, until handed to the comm thread
+    error = None  # the MPI error it completed with
+    traced = 0  # the tracer's start time (ns) when the tracer draws it
 
-    def __init__(self, group, name: str, kind: str, plan, peer=None) -> None:
-        self.group, self.name, self.kind, self.plan, self.peer = group, name, kind, plan, peer
-        self.req = self.error = self.deadline = self.token = None
-        self.traced = 0  # the tracer's start time (ns) when the tracer draws it
-        self.status = _mpi.status() if name == "recv" else None
+    def __init__(self, group, name: str, p2p: bool, plan, peer=None) -> None:
+        self.group, self.name, self.plan, self.peer, self.req = group, name, plan, peer, None
+        if p2p:
+            self.kind = "p2p"
+            self.status = _mpi.status() if name == "recv" else None
+        else:
+            self.kind = "collective"
+            self.status = None
 
     def where(self) -> str:
         g = self.group
@@ -427,7 +433,7 @@ class Request:
         naming the op; a receive's count is checked against its tensor; then
         the plan's last step.  The source rank of a receive, else None."""
         _status.end(self.token)
-        if self.traced:
+        if self.traced:  # (only posted collectives are drawn)
             tracer = _trace.active()
             if tracer:  # posted here, completed here or on another thread: drawn from post to completion
                 tracer.record(self.name, self.group.name, self.seq, self.plan[NBYTES], self.traced, _trace.now_ns())

@@ -233,10 +233,18 @@ class FakeCudaTensor(torch.Tensor):
 
 
 class NoComm:
-    """A communicator that fails any use: where no communication may happen."""
+    """A communicator that fails any call: where no communication may happen
+    (a plan names its MPI calls, ``comm.Allreduce``, without making them)."""
 
     def __getattr__(self, name):
-        raise AssertionError(f"used the communicator ({name}) where no communication may happen")
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def used(*args, **kwargs):
+            raise AssertionError(f"used the communicator ({name}) where no communication may happen")
+
+        used.__name__ = name
+        return used
 
 
 class FakeComm(NoComm):

@@ -227,9 +227,12 @@ def release(group) -> None:
             _close(group, made)
 
 
-def transports_of(group) -> dict:
-    """``{device: (transport, reason)}`` chosen so far for ``group`` (by a collective)."""
-    return {str(d): (t.name, t.reason) for d, t in (_transports.get(group) or {}).items()}
+def transports_of(group, p2p: bool = False) -> dict:
+    """``{device: (transport, reason)}`` chosen so far for ``group`` by a
+    collective (``p2p``: also those chosen by point-to-point ops alone, not
+    yet confirmed by a collective)."""
+    tables = [_transports] + ([_local] if p2p else [])
+    return {str(d): (t.name, t.reason) for table in tables for d, t in (table.get(group) or {}).items()}
 
 
 # --------------------------------------------------------------------------

@@ -83,12 +83,11 @@ class NotOnCPU(OpTypeError):
 def check_tensor(group, op: str, t, what: str = "tensor") -> None:
     """``t`` is a dense tensor of a dtype hpccomm moves, on the CPU or on the
     device the group serves (``group.device_type``: a GPU transport's view of
-    the group, see :mod:`hpccomm.gpu`)."""
-    if t.__class__ is _Tensor and t.layout is _STRIDED and t.is_cpu and t.dtype in _mpi.DTYPES:
-        return  # the common case, told apart in one test (the refusals below each take several)
-    if not isinstance(t, torch.Tensor):
+    the group, see :mod:`hpccomm.gpu`).  The one test of a tensor every op
+    runs (each condition a cheap identity or membership test when it holds)."""
+    if not isinstance(t, _Tensor):
         raise OpTypeError(op, group.where(), f"{what} is a {type(t).__name__}, not a torch.Tensor")
-    if t.layout != torch.strided:
+    if t.layout is not _STRIDED:
         raise OpTypeError(op, group.where(), f"{what} has layout {t.layout}; only dense (strided) tensors can be sent",
                           "Call .to_dense() first")
     if not t.is_cpu and t.device.type != getattr(group, "device_type", "cpu"):
@@ -104,16 +103,13 @@ def check_tensor(group, op: str, t, what: str = "tensor") -> None:
 
 
 def single(group, op: str, tensors, what: str = "tensors") -> torch.Tensor:
-    """``check_list(tensors, 1)`` and :func:`check_tensor` of its tensor in
-    one call (a plain CPU tensor of a dtype hpccomm moves passes a quick test
-    first); returns the tensor."""
-    if tensors.__class__ is list and len(tensors) == 1:
-        t = tensors[0]
-        if t.__class__ is _Tensor and t.layout is _STRIDED and t.is_cpu and t.dtype in _mpi.DTYPES:
-            return t
-    check_list(group, op, tensors, 1, what)
-    check_tensor(group, op, tensors[0])
-    return tensors[0]
+    """``check_list(tensors, 1)`` and :func:`check_tensor` of its tensor;
+    returns the tensor."""
+    if tensors.__class__ is not list or len(tensors) != 1:
+        check_list(group, op, tensors, 1, what)
+    t = tensors[0]
+    check_tensor(group, op, t)
+    return t
 
 
 def check_tensors(group, op: str, ts, what: str = "tensor") -> None:
