@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._compat import RedOpType
+from ._torch.compat import RedOpType
 
 _MPI = None
 _lock = threading.Lock()
@@ -113,7 +113,7 @@ def _before_finalize() -> None:
     """Free hpccomm's communicators and user ops while MPI is still up, so
     finalisation prints no leak or error messages.
 
-    First the ``at_exit`` hooks (hpccomm._engine's thread rule): async ops the
+    First the ``at_exit`` hooks (hpccomm._core.comm_thread's thread rule): async ops the
     program never waited for are run to completion and the comm thread is
     stopped (it must not be inside MPI, or completing a torch future, when
     MPI is finalised and the interpreter tears its threads down: that

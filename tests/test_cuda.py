@@ -27,7 +27,7 @@ if not torch.cuda.is_available():
 
 import helpers  # noqa: E402
 import hpccomm  # noqa: E402
-from hpccomm.gpu import dispatch, select  # noqa: E402
+from hpccomm._gpu import dispatch, select  # noqa: E402
 from helpers import hgroup, Problems, assert_close, verdict_comm  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, pytest.mark.mpi]

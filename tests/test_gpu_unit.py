@@ -28,12 +28,15 @@ import torch.distributed as dist
 
 import hpccomm
 import helpers
-from hpccomm import _compat, _group, _mpi, _runner, config
-from hpccomm.gpu import cuda_mpi, dispatch, nccl_cupy, nccl_torch, probe, select, staged
-from hpccomm.gpu.probe import Finding
-from hpccomm.gpu.select import Capabilities, NoTransport
-from hpccomm.ops import reduce, table
-from hpccomm.ops._common import ARGS, CALL, OUTPUTS
+from hpccomm import _mpi, config
+from hpccomm._torch import compat
+from hpccomm._core import group as _group
+from hpccomm._core import op_path
+from hpccomm._gpu import cuda_mpi, dispatch, nccl_cupy, nccl_torch, probe, select, staged
+from hpccomm._gpu.probe import Finding
+from hpccomm._gpu.select import Capabilities, NoTransport
+from hpccomm._ops import reduce, table
+from hpccomm._ops.plan import ARGS, CALL, OUTPUTS
 from helpers import hgroup, FakeCudaTensor, Problems, raised_by
 
 R = dist.ReduceOp
@@ -57,7 +60,7 @@ CUDA0 = torch.device("cuda", 0)
 
 
 def run_plan(plan):
-    """Run a plan blocking, as the op path does (hpccomm.ops._common: ``call(*args)``); its outputs."""
+    """Run a plan blocking, as the op path does (hpccomm._ops.plan: ``call(*args)``); its outputs."""
     plan[CALL](*plan[ARGS])
     return plan[OUTPUTS]
 
@@ -635,8 +638,8 @@ def test_staged_p2p_on_self(self_group):
     made = staged.Staged(CUDA0, "test", streams=rec, alloc=alloc, copy=rec.copy)
     src = fake_cuda(torch.arange(5.0))
     dst = fake_cuda(torch.zeros(5))
-    r = _runner.start(self_group, table.RECV, made.plan(table.RECV, self_group, ([dst], 0, 7)), ([dst], 0, 7))
-    s = _runner.start(self_group, table.SEND, made.plan(table.SEND, self_group, ([src], 0, 7)), ([src], 0, 7))
+    r = op_path.start(self_group, table.RECV, made.plan(table.RECV, self_group, ([dst], 0, 7)), ([dst], 0, 7))
+    s = op_path.start(self_group, table.SEND, made.plan(table.SEND, self_group, ([src], 0, 7)), ([src], 0, 7))
     assert s.wait() and r.wait()
     assert s._source_rank() == -1 and r._source_rank() == 0
     assert torch.equal(dst.as_subclass(torch.Tensor), torch.arange(5.0))
@@ -670,7 +673,7 @@ def _fields(opts):
     for name in ("rootRank", "reduceOp"):
         if hasattr(opts, name):
             value = getattr(opts, name)
-            out[name] = _compat.reduce_op_type(value) if name == "reduceOp" else value
+            out[name] = compat.reduce_op_type(value) if name == "reduceOp" else value
     return out
 
 
@@ -697,10 +700,10 @@ NCCL_CASES = [
 
 
 def test_nccl_calls_cover_every_op_with_tensors():
-    from hpccomm import _adapter
+    from hpccomm._torch import methods
 
-    src = open(_adapter.__file__).read()
-    used = set(re.findall(r'_runner\.run\(self\._g, _ops\.([A-Z_]+)\b', src))  # the table entries the adapter runs
+    src = open(methods.__file__).read()
+    used = set(re.findall(r'op_path\.run\(self\._g, table\.([A-Z_]+)\b', src))  # the table entries the adapter runs
     ops = {getattr(table, name).name for name in used} - {"barrier"}
     assert ops == set(table.OPS) - {"barrier"}, ops  # (every op of the table is reachable from torch)
     assert ops == set(nccl_torch.CALLS), ops ^ set(nccl_torch.CALLS)
@@ -714,7 +717,7 @@ def test_nccl_torch_delegation(op, args, method, fields):
     store = dist.HashStore()
     made = nccl_torch.TorchNCCL(CUDA0, "test", make_backend=FakeNcclBackend)
     g = fake_group(store=store)
-    opts = _compat.OPTION_CLASSES["allreduce"]()
+    opts = compat.OPTION_CLASSES["allreduce"]()
     opts.asyncOp = True
     work = made.delegate(g, op, args, opts)
     backend = made.backend
@@ -756,10 +759,10 @@ def test_nccl_torch_refusals():
 
 
 def test_make_nccl_backend_without_nccl():
-    if _compat.torch_nccl_available():
+    if compat.torch_nccl_available():
         pytest.skip("this torch has NCCL: the refusal cannot be seen here")
     with pytest.raises(RuntimeError, match="this torch has no NCCL"):
-        _compat.make_nccl_backend(dist.HashStore(), 0, 1)
+        compat.make_nccl_backend(dist.HashStore(), 0, 1)
 
 
 # --------------------------------------------------------------------------
@@ -884,9 +887,9 @@ def test_future_devices():
     it, and then orders the waiter's stream after the completing thread's)."""
     assert dispatch.future_devices(CUDA0, FakeCudaModule(2)) == [CUDA0]
     assert dispatch.future_devices(CUDA0, FakeCudaModule(0)) is None
-    from hpccomm import _work
+    from hpccomm._core import work as core_work
 
-    w = _work.done([torch.ones(1)], None)
+    w = core_work.done([torch.ones(1)], None)
     assert w.get_future().done() and torch.equal(w.get_future().value()[0], torch.ones(1))
 
 
@@ -911,7 +914,7 @@ def test_info_dict(MPI):
                            "gpu_transport", "cpu_transport", "cuda_transport", "gpu_binding"}
     assert report["mpi_cuda_aware"] in ("yes", "no", "unknown")
     assert report["gpu_count"] == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
-    if not torch.cuda.is_available() and not _compat.torch_nccl_available() and report["mpi_cuda_aware"] == "no":
+    if not torch.cuda.is_available() and not compat.torch_nccl_available() and report["mpi_cuda_aware"] == "no":
         assert report["cuda_transport"].startswith("none: no GPU transport:"), report
     print(report)
 
@@ -930,7 +933,7 @@ def test_requested_device_backends_reads_torchs_frame():
         return creator()
 
     def creator():
-        return _compat.requested_device_backends()
+        return compat.requested_device_backends()
 
     assert _new_process_group_helper() == {"cpu": "hpccomm", "cuda": "nccl"}
     assert creator() is None
@@ -939,13 +942,13 @@ def test_requested_device_backends_reads_torchs_frame():
 BACKEND_MAP = '''
 import torch, torch.distributed as dist
 import hpccomm
-from hpccomm.gpu import dispatch, probe, select
+from hpccomm._gpu import dispatch, probe, select
 dist.init_process_group(backend=sys.argv[1], init_method="mpi://")
 rank, size = dist.get_rank(), dist.get_world_size()
 t = torch.full((4,), float(rank + 1))
 dist.all_reduce(t)
 pg = dist.group.WORLD
-group_of = hpccomm._compat.group_of
+group_of = hpccomm._torch.compat.group_of
 report(result=t.tolist(), backend=str(dist.get_backend()), is_hpccomm="hpccomm" in str(dist.get_backend(pg)),
        mapped=dispatch._maps.get(group_of(pg)))
 sub = dist.new_group([0])
@@ -1099,8 +1102,8 @@ def test_staged_p2p_ring(world):
     src = fake_cuda(torch.full((4,), float(rank)))
     dst = fake_cuda(torch.zeros(4))
     recv_args, send_args = ([dst], (rank - 1) % n, 3), ([src], (rank + 1) % n, 3)
-    r = _runner.start(g, table.RECV, made.plan(table.RECV, g, recv_args), recv_args)
-    s = _runner.start(g, table.SEND, made.plan(table.SEND, g, send_args), send_args)
+    r = op_path.start(g, table.RECV, made.plan(table.RECV, g, recv_args), recv_args)
+    s = op_path.start(g, table.SEND, made.plan(table.SEND, g, send_args), send_args)
     s.wait(), r.wait()
     assert r._source_rank() == (rank - 1) % n
     assert torch.equal(_plain(dst), torch.full((4,), float((rank - 1) % n)))

@@ -184,7 +184,7 @@ def test_batch_isend_irecv_both_directions(world, numel):
            dist.P2POp(dist.isend, to_next, nxt), dist.P2POp(dist.isend, to_prev, prev)]
     works = dist.batch_isend_irecv(ops)
     # torch >= 2.14 coalesces the batch for a backend that supports it (hpccomm does): one Work for all
-    assert len(works) == (1 if hpccomm._compat.py_backend() else 4), works
+    assert len(works) == (1 if hpccomm._torch.compat.py_backend() else 4), works
     for w in works:
         w.wait(LIMIT)
     assert torch.equal(from_prev, fill((numel,), torch.float32, prev, salt=1))
@@ -742,15 +742,15 @@ def test_send_recv_plans_and_records(world, groups):
     for by the batch; a receive from any source posted the same way, and a strided tensor staged
     (copied out once it arrived), with the same results.  A short message received by a blocking
     recv is an error naming the op."""
-    from hpccomm import _status
-    from hpccomm._work import Request
+    from hpccomm._core import state
+    from hpccomm._core.work import Request
 
     def posted_on(e, call, t):
         assert (e.where, e.call, e.before, e.after) == ("posted", call, False, False), e
         assert [b[0] for b in e.buffers] == [t.data_ptr()], (e, t.data_ptr())
 
     def records(hg):
-        return [r for r in _status.records() if isinstance(r, Request) and r.group is hg]
+        return [r for r in state.records() if isinstance(r, Request) and r.group is hg]
 
     p = Problems()
     for tg in groups:
@@ -825,7 +825,7 @@ def test_send_recv_plans_and_records(world, groups):
         for w in [rw, rs] + sends:
             w.wait()
         p.expect(torch.equal(any_src, fill((3,), torch.int64, tg.ranks[prev], salt=21)), f"{tg.name}: any source")
-        if isinstance(rw, hpccomm._work.Work):  # (the Backend route hands torch's own Work back)
+        if isinstance(rw, hpccomm._core.work.Work):  # (the Backend route hands torch's own Work back)
             p.expect(rw._source_rank() == prev, f"{tg.name}: any source from {rw._source_rank()}")
         p.expect(torch.equal(strided, fill((3,), torch.int64, tg.ranks[prev], salt=22)), f"{tg.name}: strided")
         if m > 1:  # a short message into a blocking recv: an error naming the op, on the receiver

@@ -96,7 +96,7 @@ ALL_REDUCE_CASES = [(d, o) for d, o in CASES if not (d.is_complex and o == "PROD
 @pytest.mark.parametrize("dtype,opname", ALL_REDUCE_CASES, ids=[f"{str(d)[6:]}-{o}" for d, o in ALL_REDUCE_CASES])
 def test_all_reduce_matrix(world, groups, dtype, opname, async_op):
     """Blocking, and posted: async_op=True in the nonblocking MPI form
-    (HPCCOMM_ASYNC_NONBLOCKING) where the dtype has one (hpccomm._runner).
+    (HPCCOMM_ASYNC_NONBLOCKING) where the dtype has one (hpccomm._core.op_path).
     async_op=True on the comm thread runs the same op code as blocking, in
     another thread: tests/test_async.py covers that path."""
     for g in groups:
@@ -287,7 +287,7 @@ def test_all_reduce_in_pieces_past_the_piece_size(world, monkeypatch, dtype, opn
     """all_reduce past _ALLREDUCE_PIECE_BYTES goes in pieces (bounding MPI's
     scratch memory); the piece size is lowered to 24 bytes to exercise it,
     with a remainder piece."""
-    from hpccomm.ops import reduce as reduce_ops
+    from hpccomm._ops import reduce as reduce_ops
 
     monkeypatch.setattr(reduce_ops, "_ALLREDUCE_PIECE_BYTES", 24)
     n, r = dist.get_world_size(), dist.get_rank()
