@@ -116,6 +116,7 @@ class Shrunk:
             raise KeyError(f"hpccomm.shrink: {old!r} was not an hpccomm subgroup that rank {self.old_rank} was a "
                            "member of; the default group is dist.group.WORLD") from None
 
+
 def _settle(groups) -> None:
     """Before the old groups go: their queued async ops run (and fail at
     once, their communicators being revoked), and point-to-point ops still
@@ -127,6 +128,7 @@ def _settle(groups) -> None:
     for record in state.records():  # a posted point-to-point op is its own record
         if getattr(record, "kind", None) == "p2p":
             state.end(record.token)
+
 
 def _agree_on_survivors(g, groups, what: str):
     """Every communicator revoked and ``groups`` settled, MPI_Comm_shrink of
@@ -142,6 +144,7 @@ def _agree_on_survivors(g, groups, what: str):
     finally:
         watchdog.end(token)
     return new, _translate(new.Get_group(), g.comm)
+
 
 def shrink(timeout=None) -> Shrunk:
     """Go on without the ranks that failed: collective over every surviving rank.
@@ -204,6 +207,7 @@ def shrink(timeout=None) -> Shrunk:
         state.failures.first, state.failures.revoked = None, False
     return Shrunk(failed, old_rank, old_size, new.Get_rank(), new.Get_size(), groups_map, time.monotonic() - t0)
 
+
 def _unrecoverable(old_rank: int, failed, exc: BaseException, comm=None, members=()) -> None:
     """A failure during :func:`shrink`, after the survivors agreed: print one
     line saying so (naming the rank that failed meanwhile when MPI says,
@@ -226,6 +230,7 @@ def _unrecoverable(old_rank: int, failed, exc: BaseException, comm=None, members
           "the job (every survivor exits with status 5)", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(5)  # no MPI_Finalize either: it would wait for the dead
+
 
 def backend_shrink(backend, ranks_to_exclude, opts=None):
     """``dist.shrink_group(ranks_to_exclude, group)`` on an hpccomm group

@@ -71,6 +71,7 @@ def init_process_group(backend: str = BACKEND_NAME, timeout: Optional[timedelta]
             started.world_comm.Free()
             started.world_comm = None
 
+
 def from_mpi4py(comm, timeout: Optional[timedelta] = None):
     """A torch process group over the ranks of ``comm``, an mpi4py communicator.
 
@@ -114,6 +115,7 @@ def from_mpi4py(comm, timeout: Optional[timedelta] = None):
             started.sub_comm.Free()
             started.sub_comm = None
 
+
 def mpi_comm(group=None):
     """The mpi4py communicator an hpccomm process group's collectives run on.
 
@@ -139,6 +141,7 @@ def mpi_comm(group=None):
                            f"(its backend is {dist.get_backend(group)!r})")
     return g.comm
 
+
 def local_rank() -> int:
     """This process's rank among the ranks on its node, 0..local_size()-1.
 
@@ -155,6 +158,7 @@ def local_rank() -> int:
     """
     return _require_info().local_rank
 
+
 def local_size() -> int:
     """How many ranks share this node (its shared-memory domain).
 
@@ -165,6 +169,7 @@ def local_size() -> int:
         torch.set_num_threads(max(1, os.cpu_count() // hpccomm.local_size()))
     """
     return _require_info().local_size
+
 
 def node_index() -> int:
     """This node's index, 0..nodes-1, in order of the lowest rank on each node.
@@ -177,6 +182,7 @@ def node_index() -> int:
             print(f"node {hpccomm.node_index()} has {hpccomm.local_size()} ranks")
     """
     return _require_info().node
+
 
 def _require_info() -> RankInfo:
     if started.info is None:

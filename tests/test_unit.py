@@ -570,7 +570,7 @@ def test_from_mpi4py_before_init(monkeypatch):
 
 
 # --------------------------------------------------------------------------
-# small helpers of ops/_common
+# small helpers of _ops/staging
 # --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("count,limit,expected", [

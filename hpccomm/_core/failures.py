@@ -43,6 +43,7 @@ class FailedRank(NamedTuple):
     host: str
     pid: int
 
+
 class RankFailure(HpccommError, DistBackendError):
     """A rank of the job failed (killed, crashed, its node lost) while fault
     tolerance is on (``HPCCOMM_FAULT_TOLERANCE=ulfm``).
@@ -88,9 +89,11 @@ class RankFailure(HpccommError, DistBackendError):
     def __reduce__(self):
         return type(self), (str(self), tuple(tuple(f) for f in self.failed))
 
+
 _lock = threading.RLock()
 
 _classes: list = []
+
 
 def _failure_classes() -> tuple:
     if not _classes:
@@ -99,12 +102,14 @@ def _failure_classes() -> tuple:
                         if hasattr(MPI, name))
     return tuple(_classes)
 
+
 def is_failure(exc) -> bool:
     """Whether MPI error ``exc`` says a process failed (or a survivor revoked the communicator)."""
     try:
         return exc.Get_error_class() in _failure_classes()
     except Exception:  # noqa: BLE001 - not an MPI exception
         return False
+
 
 def failure(what: str, exc) -> Optional[RankFailure]:
     """The :class:`RankFailure` for MPI error ``exc`` raised by ``what`` (an
@@ -127,6 +132,7 @@ def failure(what: str, exc) -> Optional[RankFailure]:
         if state.failures.first is None:
             state.failures.first = error
     return error
+
 
 def meet(comm, ranks, tag: int) -> None:
     """Before MPI_Comm_create_group in fault-tolerance mode: the members of a
@@ -154,6 +160,7 @@ def meet(comm, ranks, tag: int) -> None:
         comm.Send([byte, MPI.BYTE], dest=first, tag=tag)
         comm.Recv([byte, MPI.BYTE], source=first, tag=tag)
 
+
 def damaged(what: str, exc) -> Optional[RankFailure]:
     """The :class:`RankFailure` behind ``exc``, an error that is not MPI's
     (a received message that does not unpickle) raised by ``what``, an
@@ -174,6 +181,7 @@ def damaged(what: str, exc) -> Optional[RankFailure]:
         if state.failures.first is None:
             state.failures.first = error
     return error
+
 
 def rank_failure(exc: Optional[BaseException] = None) -> Optional[RankFailure]:
     """The :class:`RankFailure` behind ``exc``, or None when no rank failed.
@@ -208,6 +216,7 @@ def rank_failure(exc: Optional[BaseException] = None) -> Optional[RankFailure]:
     with _lock:
         return state.failures.first
 
+
 def from_pending(what: str, pending, error):
     """For hpccomm._core.work: the error a point-to-point op completed with, as
     :class:`RankFailure` when its MPI error says a process failed."""
@@ -217,8 +226,10 @@ def from_pending(what: str, pending, error):
     found = failure(what, exc) if exc is not None else None
     return error if found is None else found
 
+
 def _describe(failed) -> str:
     return ", ".join(f"rank {f.rank} (pid {f.pid} on {f.host})" for f in failed)
+
 
 def failed_ranks(wait: float = 0.0) -> tuple:
     """The world ranks MPI reports failed on this rank (MPI_Comm_get_failed
@@ -230,6 +241,7 @@ def failed_ranks(wait: float = 0.0) -> tuple:
     ranks = _failed_in(comm, wait)
     peers = state.world.peers
     return tuple(FailedRank(r, *(peers[r] if r < len(peers) else ("?", 0))) for r in ranks)
+
 
 def _failed_in(comm, wait: float) -> list:
     """The ranks of ``comm`` MPI reports failed (MPI_Comm_get_failed); waits
@@ -249,6 +261,7 @@ def _failed_in(comm, wait: float) -> list:
         time.sleep(pause)  # MPI offers no notification to wait on
         pause = min(pause * 2, 0.05)
 
+
 def _translate(group, comm) -> list:
     """The ranks in ``comm`` of the processes of MPI group ``group`` (which it frees)."""
     MPI = _mpi.mpi()
@@ -266,6 +279,7 @@ def _translate(group, comm) -> list:
         if group != MPI.GROUP_EMPTY:
             group.Free()
 
+
 def revoke_all() -> None:
     """Revoke every hpccomm communicator of this rank (each group's
     collective and point-to-point ones): every survivor's pending and later
@@ -274,6 +288,7 @@ def revoke_all() -> None:
         state.failures.revoked = True
     for g in _live_groups():
         revoke(g)
+
 
 def revoke(g) -> None:
     for comm in (getattr(g, "comm", None), getattr(g, "p2p", None)):
@@ -285,12 +300,14 @@ def revoke(g) -> None:
         except Exception:  # noqa: BLE001 - freed meanwhile, or already revoked by a peer
             pass
 
+
 def _live_groups() -> list:
     while True:
         try:
             return [g for g in list(_mpi.live) if getattr(g, "comm", None) is not None]
         except RuntimeError:  # the set changed while being copied (another thread made a group)
             continue
+
 
 def abort_group(g) -> bool:
     """torch aborts a group (``dist.shrink_group`` does, to the groups it

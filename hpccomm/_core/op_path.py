@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import NamedTuple
 
 from .. import _mpi
 from .._gpu import dispatch

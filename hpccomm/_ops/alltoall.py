@@ -97,10 +97,7 @@ def _splits(group, op, t: torch.Tensor, splits, what: str):
 
 
 def all_to_all_single(group, output, input, output_splits, input_splits, op: str = "all_to_all_single"):
-    checks.check_tensor(group, op, output, "output")
-    checks.check_tensor(group, op, input, "input")
-    if input.dtype != output.dtype:
-        raise checks.OpTypeError(op, group.where(), f"input has dtype {input.dtype} but output has {output.dtype}")
+    checks.check_pair(group, op, output, input)
     scounts = _splits(group, op, input, input_splits, "input")
     rcounts = _splits(group, op, output, output_splits, "output")
     _check_counts(group, op, scounts, rcounts)

@@ -23,15 +23,18 @@ _R = RedOpType
 #: thousand instructions each, more than the rest of a small op's checks.
 _REDUCTIONS: dict = {}
 
+
 _Tensor = torch.Tensor
 
 _STRIDED = torch.strided
+
 
 class NotOnCPU(OpTypeError):
     """A tensor on a device this path does not serve: hpccomm._core.op_path takes a
     CUDA call to its GPU transport on catching it (so the CPU path pays
     nothing to learn that a call is on the CPU); to a direct caller it is the
     refusal it says."""
+
 
 def check_tensor(group, op: str, t, what: str = "tensor") -> None:
     """``t`` is a dense tensor of a dtype hpccomm moves, on the CPU or on the
@@ -54,6 +57,7 @@ def check_tensor(group, op: str, t, what: str = "tensor") -> None:
         raise OpTypeError(op, group.where(), f"{what} has dtype {t.dtype}, which hpccomm cannot send",
                           f"Supported: {', '.join(str(d).replace('torch.', '') for d in _mpi.DTYPES)}")
 
+
 def single(group, op: str, tensors, what: str = "tensors") -> torch.Tensor:
     """``check_list(tensors, 1)`` and :func:`check_tensor` of its tensor;
     returns the tensor."""
@@ -63,9 +67,28 @@ def single(group, op: str, tensors, what: str = "tensors") -> torch.Tensor:
     check_tensor(group, op, t)
     return t
 
+
+def check_pair(group, op: str, output, input, whole: str = "") -> None:
+    """An op's ``output`` and ``input`` tensors: each checked (:func:`check_tensor`),
+    one dtype; ``whole`` (``"output"`` or ``"input"``): that one holds every rank's
+    part, the group size times the other's elements."""
+    check_tensor(group, op, output, "output")
+    check_tensor(group, op, input, "input")
+    if input.dtype != output.dtype:
+        raise OpTypeError(op, group.where(), f"input has dtype {input.dtype} but output has {output.dtype}")
+    if whole:
+        big, part = (output, input) if whole == "output" else (input, output)
+        n = part.numel()
+        if big.numel() != n * group.size:
+            other = "input" if whole == "output" else "output"
+            raise OpValueError(op, group.where(), f"{whole} has {big.numel()} elements, expected {other}'s "
+                               f"{n} × group size {group.size} = {n * group.size}")
+
+
 def check_tensors(group, op: str, ts, what: str = "tensor") -> None:
     for i, t in enumerate(ts):
         check_tensor(group, op, t, f"{what}[{i}]")
+
 
 def check_list(group, op: str, ts, n: int, what: str) -> None:
     if not isinstance(ts, (list, tuple)):
@@ -74,26 +97,24 @@ def check_list(group, op: str, ts, n: int, what: str) -> None:
         raise OpValueError(op, group.where(), f"{what} has {len(ts)} tensors, expected {n}"
                            + (" (one per rank of the group)" if n == group.size else ""))
 
+
 def check_same_dtype(group, op: str, ts, dtype, what: str) -> None:
     for i, t in enumerate(ts):
         if t.dtype != dtype:
             raise OpTypeError(op, group.where(), f"{what}[{i}] has dtype {t.dtype} but the input has {dtype}",
                               "All tensors of one op must have the same dtype")
 
+
 def check_root(group, op: str, root: int, what: str = "root") -> None:
     if not isinstance(root, int) or not 0 <= root < group.size:
         raise OpValueError(op, group.where(), f"{what} {root!r} is not a rank of this group of size {group.size}",
                            "Pass a group rank in 0..size-1 (use group_src/group_dst, or dist.get_group_rank)")
 
-def check_peer(group, op: str, peer: int, what: str) -> None:
-    check_root(group, op, peer, what)
-    if peer == group.rank:
-        raise OpValueError(op, group.where(), f"{what} {peer} is this rank itself",
-                           "MPI point-to-point needs two different ranks")
 
 def check_tag(group, op: str, tag: int) -> None:
     if not isinstance(tag, int) or not 0 <= tag <= group.tag_ub:
         raise OpValueError(op, group.where(), f"tag {tag!r} is outside 0..{group.tag_ub} (MPI_TAG_UB)")
+
 
 def end_job(group, exc: Exception) -> None:
     """A refusal only this rank can see while its peers may already be
@@ -105,6 +126,7 @@ def end_job(group, exc: Exception) -> None:
           file=sys.stderr, flush=True)
     state.record_failure(f"refused {exc.op}: {exc.what}" if isinstance(exc, OpError) else str(exc))
     _mpi.abort(1)
+
 
 def reduce_op(group, op: str, dtype: torch.dtype, redop):
     """``(RedOpType, premul factor or None)`` for ``redop`` on ``dtype``, or an
@@ -139,6 +161,7 @@ def reduce_op(group, op: str, dtype: torch.dtype, redop):
                               "Make it with dist._make_nccl_premul_sum(factor)") from None
     return kind, factor
 
+
 class Reduction:
     """How one dtype reduces with one ReduceOp: the part of a reducing op's
     plan that depends only on that pair (made once per pair by :func:`reduction`).
@@ -158,6 +181,7 @@ class Reduction:
         self.average = kind == _R.AVG
         self.mop = _mpi.mpi_op(dtype, kind)
         self.nonblocking = self.mop.is_predefined
+
 
 def reduction(group, op: str, dtype: torch.dtype, redop) -> Reduction:
     """:class:`Reduction` of ``redop`` (a ``ReduceOp`` or ``RedOpType``) on

@@ -51,14 +51,8 @@ def all_gather_into_tensor(group, output, input, op: str = "all_gather_into_tens
     input is read in place too when it is this rank's slot of the output
     (MPI_IN_PLACE: FSDP's layout) or apart from it, and through a copy when it
     overlaps the output elsewhere (MPI forbids aliased buffers) or is strided."""
-    checks.check_tensor(group, op, output, "output")
-    checks.check_tensor(group, op, input, "input")
-    if input.dtype != output.dtype:
-        raise checks.OpTypeError(op, group.where(), f"input has dtype {input.dtype} but output has {output.dtype}")
+    checks.check_pair(group, op, output, input, "output")
     n = input.numel()
-    if output.numel() != n * group.size:
-        raise checks.OpValueError(op, group.where(), f"output has {output.numel()} elements, expected input's "
-                             f"{n} × group size {group.size} = {n * group.size}")
     comm = group.comm
     if group.host and output.is_contiguous() and input.is_contiguous():  # the common case: on the user's memory
         send, recv = _mpi.host_buffer(input), _mpi.host_buffer(output)
@@ -173,12 +167,7 @@ def gather_single(group, output, input, root: int, op: str = "gather_single"):
     checks.check_root(group, op, root, "dst")
     if group.rank != root:
         return _gather_send(group, input, root, [output])
-    checks.check_tensor(group, op, output, "output")
-    if input.dtype != output.dtype:
-        raise checks.OpTypeError(op, group.where(), f"input has dtype {input.dtype} but output has {output.dtype}")
-    if output.numel() != input.numel() * group.size:
-        raise checks.OpValueError(op, group.where(), f"output has {output.numel()} elements, expected input's "
-                             f"{input.numel()} × group size {group.size} = {input.numel() * group.size}")
+    checks.check_pair(group, op, output, input, "output")
     out, write_back = staging.staged_output(output)
     flat, n = out.view(-1), input.numel()
     parts = [flat[r * n:(r + 1) * n] for r in range(group.size)]  # views laid end to end: received in place

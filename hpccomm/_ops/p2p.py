@@ -84,10 +84,8 @@ def send(group, tensors, dst: int, tag: int, op: str = "send"):
     """send's plan: ``tensors[0]`` to group rank ``dst`` (MPI_Isend)."""
     try:
         t = checks.single(group, op, tensors)
-        # check_root and check_tag's tests, asked first: they raise only when one fails
-        if not (dst.__class__ is int and 0 <= dst < group.size and tag.__class__ is int and 0 <= tag <= group.tag_ub):
-            checks.check_root(group, op, dst, "dst")
-            checks.check_tag(group, op, tag)
+        checks.check_root(group, op, dst, "dst")
+        checks.check_tag(group, op, tag)
     except checks.OpError as exc:
         raise _relabelled(group, exc) from None
     icall, args, keep, after = _message(group, t, group.p2p.Isend, dst, tag, receive=False)
@@ -99,11 +97,9 @@ def recv(group, tensors, src, tag: int, op: str = "recv"):
     source; MPI_Irecv).  What arrives is checked when it completes."""
     try:
         t = checks.single(group, op, tensors)
-        if not ((src is None or (src.__class__ is int and 0 <= src < group.size))
-                and tag.__class__ is int and 0 <= tag <= group.tag_ub):
-            if src is not None:
-                checks.check_root(group, op, src, "src")
-            checks.check_tag(group, op, tag)
+        if src is not None:  # (None: any source)
+            checks.check_root(group, op, src, "src")
+        checks.check_tag(group, op, tag)
     except checks.OpError as exc:
         raise _relabelled(group, exc) from None
     source = _mpi.mpi().ANY_SOURCE if src is None else src

@@ -45,21 +45,22 @@ comm.Iallreduce, [t], t, None, None, 4 * n)``.
 
 The parts of a plan that depend only on the dtype and the ReduceOp (the same
 on every rank), the MPI op and datatype and whether the reduction has a
-nonblocking form, are computed once per pair and cached (:func:`reduction`).
+nonblocking form, are computed once per pair and cached
+(:func:`hpccomm._ops.checks.reduction`).
 """
 from __future__ import annotations
 
 
 #: The fields of a plan, in order, and their indexes (see the module docstring).
 FIELDS = ("call", "args", "icall", "outputs", "keep", "before", "after", "nbytes")
-
 CALL, ARGS, ICALL, OUTPUTS, KEEP, BEFORE, AFTER, NBYTES = range(len(FIELDS))
+
 
 class Stepped:
     """The blocking form of a plan whose MPI call (or function) ``call`` has
     steps around it: ``before()``, ``call(*args)``, ``after()`` (either step
     may be None).  A GPU transport reaches ``call`` to put its own steps in
-    between (hpccomm.gpu)."""
+    between (hpccomm._gpu.cuda_mpi)."""
 
     __slots__ = ("before", "call", "after")
 
@@ -73,6 +74,7 @@ class Stepped:
         if self.after is not None:
             self.after()
 
+
 def with_steps(call, args, icall, outputs, keep, before, after, nbytes: int):
     """The plan of an MPI call (or function) ``call`` with steps around it
     (``before``, ``after``, either may be None): its blocking form runs them
@@ -80,6 +82,7 @@ def with_steps(call, args, icall, outputs, keep, before, after, nbytes: int):
     if before is None and after is None:
         return (call, args, icall, outputs, keep, None, None, nbytes)
     return (Stepped(before, call, after), args, icall, outputs, keep, before, after, nbytes)
+
 
 def steps(*fns):
     """One plan step doing ``fns`` in order (the Nones left out), or None."""
@@ -95,6 +98,7 @@ def steps(*fns):
 
     return in_order
 
+
 def sequence(plans, outputs, nbytes: int = 0):
     """The plan of an op made of other ops' plans run one after the other (the
     coalesced forms): blocking only."""
@@ -105,6 +109,7 @@ def sequence(plans, outputs, nbytes: int = 0):
             p[CALL](*p[ARGS])
 
     return (run, (), None, outputs, plans, None, None, nbytes)
+
 
 def blocking(run, outputs, keep=None, nbytes: int = 0):
     """The plan of an op whose blocking form is ``run()`` (several MPI calls,

@@ -182,13 +182,7 @@ def _reduce_scatter_plan(group, send, out, r, before, after, outputs, keep):
 def reduce_scatter_tensor(group, output, input, redop, op: str = "reduce_scatter_tensor"):
     """reduce_scatter_tensor's plan: MPI reads the input and writes the output
     in place when both are contiguous and apart; else through copies."""
-    checks.check_tensor(group, op, output, "output")
-    checks.check_tensor(group, op, input, "input")
-    if input.dtype != output.dtype:
-        raise checks.OpTypeError(op, group.where(), f"input has dtype {input.dtype} but output has {output.dtype}")
-    if input.numel() != output.numel() * group.size:
-        raise checks.OpValueError(op, group.where(), f"input has {input.numel()} elements, expected output's "
-                             f"{output.numel()} × group size {group.size} = {output.numel() * group.size}")
+    checks.check_pair(group, op, output, input, "input")
     r = checks.reduction(group, op, input.dtype, redop)
     if r.factor is None and group.host and input.is_contiguous() and output.is_contiguous():
         send, recv = _mpi.host_buffer(input), _mpi.host_buffer(output)

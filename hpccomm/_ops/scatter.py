@@ -16,8 +16,7 @@ def broadcast(group, tensors, root: int, op: str = "broadcast"):
     through a contiguous copy (sent from it on the root, written back on the
     others); past the count limit in chunks."""
     t = checks.single(group, op, tensors)
-    if not (root.__class__ is int and 0 <= root < group.size):  # (check_root's test first: it raises)
-        checks.check_root(group, op, root, "src")
+    checks.check_root(group, op, root, "src")
     comm = group.comm
     if group.host and t.is_contiguous():  # the common case: one call on the user's memory
         buf = _mpi.host_buffer(t)

@@ -15,6 +15,7 @@ import torch
 
 _UNSIGNED_WIDE = (torch.uint16, torch.uint32, torch.uint64)
 
+
 def premultiplied(t: torch.Tensor, factor, inplace: bool) -> torch.Tensor:
     """``t * factor`` for PREMUL_SUM, in ``t`` when allowed, else in a new tensor."""
     if isinstance(factor, torch.Tensor):  # NCCL's form is a 1-element tensor: make it a scalar
@@ -23,6 +24,7 @@ def premultiplied(t: torch.Tensor, factor, inplace: bool) -> torch.Tensor:
         return t.mul_(factor)
     # contiguous, whatever t's strides, on t's own memory kind
     return torch.mul(t, factor, out=torch.empty_like(t, memory_format=torch.contiguous_format))
+
 
 def finish_average(t: torch.Tensor, n: int) -> None:
     """Divide a SUM by the group size: integers truncate toward zero, as NCCL's AVG."""
@@ -37,18 +39,22 @@ def finish_average(t: torch.Tensor, n: int) -> None:
     else:
         t.copy_(torch.div(t, n, rounding_mode="trunc"))
 
+
 def contiguous(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when MPI can use its memory, else a contiguous copy (made now)."""
     return t if t.is_contiguous() else t.contiguous()
+
 
 def out_buffer(t: torch.Tensor) -> torch.Tensor:
     """Where MPI writes a result for ``t``: ``t`` itself, or a fresh contiguous
     tensor whose data :func:`write_back` copies into ``t`` afterwards."""
     return t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
+
 def write_back(user: torch.Tensor, staged: torch.Tensor) -> None:
     if staged is not user:
         user.copy_(staged)
+
 
 def staged_input(t: torch.Tensor):
     """``(buffer, before)``: where MPI reads ``t`` from, and the plan step
@@ -58,6 +64,7 @@ def staged_input(t: torch.Tensor):
     buf = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     return buf, partial(buf.copy_, t)
 
+
 def staged_output(t: torch.Tensor):
     """``(buffer, after)``: where MPI writes ``t``'s result, and the plan step
     that copies it into ``t`` once it is there (None: ``t`` itself)."""
@@ -66,11 +73,13 @@ def staged_output(t: torch.Tensor):
     buf = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     return buf, partial(t.copy_, buf)
 
+
 def copy_apart(t: torch.Tensor):
     """``(buffer, before)``: a contiguous buffer of ``t``'s size and the plan
     step copying ``t`` into it when the op runs (MPI forbids aliased buffers)."""
     buf = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     return buf, partial(buf.copy_, t)
+
 
 def scaled(t: torch.Tensor, factor):
     """``(buffer, before)``: PREMUL_SUM's ``t * factor`` in a new contiguous
@@ -80,6 +89,7 @@ def scaled(t: torch.Tensor, factor):
         factor = factor.to(device=t.device, dtype=t.dtype).reshape(())
     buf = torch.empty_like(t, memory_format=torch.contiguous_format)
     return buf, partial(torch.mul, t, factor, out=buf)
+
 
 def flat_view(ts: Sequence[torch.Tensor]):
     """A 1-D tensor viewing all of ``ts`` if they are contiguous and laid end
@@ -101,6 +111,7 @@ def flat_view(ts: Sequence[torch.Tensor]):
     base.set_(first.untyped_storage(), first.storage_offset(), (total,), (1,))
     return base
 
+
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether the memory of ``a`` and ``b`` intersects."""
     if a.numel() == 0 or b.numel() == 0:
@@ -110,12 +121,14 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     b1 = b0 + b.numel() * b.element_size()
     return a0 < b1 and b0 < a1
 
+
 def disjoint(a, b) -> bool:
     """Whether MPI buffers (``mpi4py.MPI.buffer``) ``a`` and ``b`` share no
     byte (:func:`overlaps` for the buffers of :func:`hpccomm._mpi.host_buffer`,
     without asking the tensors again)."""
     a0, b0 = a.address, b.address
     return a0 + a.nbytes <= b0 or b0 + b.nbytes <= a0 or not a.nbytes or not b.nbytes
+
 
 def chunks(count: int, limit: int):
     """``(offset, n)`` pieces of at most ``limit`` elements covering ``count``

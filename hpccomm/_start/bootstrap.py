@@ -76,6 +76,7 @@ def _configure_logging() -> None:
             f"[hpccomm rank {MPI.COMM_WORLD.Get_rank()}] %(levelname)s %(message)s"))
         log.addHandler(handler)
 
+
 def rank_info(comm=None) -> RankInfo:
     """Rank, size, local rank and size (ranks sharing this node's memory), and
     node index, computed collectively over ``comm`` (default COMM_WORLD)."""
@@ -109,14 +110,17 @@ def rank_info(comm=None) -> RankInfo:
         node_comm.Free()
     return RankInfo(comm.Get_rank(), comm.Get_size(), local_rank, local_size, node, nodes)
 
+
 def _nodes(comm) -> int:
     """How many nodes ``comm``'s ranks are on (collective)."""
     import socket
 
     return len(set(comm.allgather(socket.gethostname())))
 
+
 def _store_host(info: RankInfo) -> str:
     return store_address(multi_node=info.nodes > 1)
+
 
 def store_address(multi_node: bool) -> str:
     """The address rank 0 opens the key-value store on: ``HPCCOMM_STORE_ADDR``
@@ -135,6 +139,7 @@ def store_address(multi_node: bool) -> str:
     except OSError:
         pass
     return name
+
 
 def make_store(comm, info: RankInfo, timeout: timedelta):
     """A TCPStore on rank 0 of ``comm`` (a free port unless HPCCOMM_STORE_PORT),
@@ -181,9 +186,11 @@ def make_store(comm, info: RankInfo, timeout: timedelta):
                         "node can reach")
     return store
 
+
 def _text(exc: BaseException) -> str:
     """An exception as a clause: no trailing period, first line only."""
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(".")
+
 
 def agree(comm, check) -> None:
     """Run ``check()`` on every rank of ``comm`` and raise its refusal
@@ -205,6 +212,7 @@ def agree(comm, check) -> None:
     if kind == "ConfigError":
         raise ConfigError(message, variable)
     raise InitError(message)
+
 
 def _start(comm=None, timeout: Optional[timedelta] = None):
     """MPI up; settings and the launch checked on every rank together.
@@ -229,6 +237,7 @@ def _start(comm=None, timeout: Optional[timedelta] = None):
     _configure_logging()
     return base
 
+
 def _agree_fault_tolerance(comm, mode: str) -> None:
     """Every rank of ``comm`` runs in the same fault-tolerance mode, or
     every rank raises (one allgather of the mode's name)."""
@@ -240,6 +249,7 @@ def _agree_fault_tolerance(comm, mode: str) -> None:
                               "HPCCOMM_FAULT_TOLERANCE (or init_process_group's fault_tolerance) alike on every rank",
                               "HPCCOMM_FAULT_TOLERANCE")
     state.set_fault_tolerance(mode == "ulfm")
+
 
 def _bootstrap(comm=None, timeout: timedelta = DEFAULT_TIMEOUT):
     """MPI up, rank info and a store, over ``comm`` (default COMM_WORLD).
@@ -257,6 +267,7 @@ def _bootstrap(comm=None, timeout: timedelta = DEFAULT_TIMEOUT):
     log.info("MPI %s, thread level %s, world %d ranks on %d node(s), local rank %d/%d",
              _mpi.library_version(), _mpi.thread_level(), info.size, info.nodes, info.local_rank, info.local_size)
     return store, info, dup
+
 
 def _check_launch(comm, env=None, library=None) -> None:
     """Refuse a launch MPI disagrees with: ``comm`` is COMM_WORLD, ``env`` the
@@ -284,6 +295,7 @@ def _check_launch(comm, env=None, library=None) -> None:
                         f"are mixed. Start the job with one launcher, the one of the MPI library in use "
                         f"({_mpi.library_version() if library is None else library})")
 
+
 def _singleton_message(launch, library: str) -> str:
     plugin = launcher.srun_mpi_plugin(library)
     head = (f"hpccomm init: {launch.command} started {launch.size} processes ({launch.size_variable}={launch.size}) "
@@ -306,6 +318,7 @@ def _singleton_message(launch, library: str) -> str:
         fix = (f"Launch with the mpirun/mpiexec of the MPI library mpi4py uses ({library}), not another "
                "library's")
     return head + fix
+
 
 def _mpi_rendezvous(url: str = "mpi://", timeout: timedelta = DEFAULT_TIMEOUT, expect_size=None, expect_rank=None,
                     **kwargs):
@@ -343,6 +356,7 @@ def requested(mode=None) -> str:
     except HpccommError:
         return "off"
 
+
 def prepare_mpi(mode: str) -> None:
     """Before MPI_Init, for ``mode`` ``"ulfm"``: skip Open MPI's final
     runtime fence (``async_mpi_finalize``).  After a failure that fence
@@ -352,12 +366,15 @@ def prepare_mpi(mode: str) -> None:
     if mode == "ulfm" and not _mpi.started():
         os.environ.setdefault("OMPI_MCA_async_mpi_finalize", "1")
 
+
 def _on(value) -> bool:
     return str(value).strip().lower() in ("1", "true", "t", "yes", "y", "enabled", "on")
+
 
 #: Components Open MPI's own ULFM parameter set (share/openmpi/amca-param-sets/ft-mpi) lists as not
 #: working after a failure: ``--mca pml`` other than ob1, any mtl, and the hcoll/portals4 collectives.
 _BROKEN_COLL = ("hcoll", "portals4")
+
 
 def check_launch(mode: str, env=None, library: Optional[str] = None, launch=None, mpi_module=None) -> None:
     """Refuse fault-tolerance mode where a failure could not be survived:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import zlib
 from datetime import timedelta
-from typing import Optional
 
 import torch.distributed as dist
 
@@ -34,6 +33,7 @@ def _tag(ranks) -> int:
     tag_ub = _mpi.mpi().COMM_WORLD.Get_attr(_mpi.mpi().TAG_UB) or 32767
     return zlib.crc32(",".join(map(str, ranks)).encode()) % (tag_ub + 1)
 
+
 def create(opts, backend_options=None):
     """The creator torch calls for every hpccomm group, on member ranks only;
     returns the adapter this torch takes (:func:`hpccomm.compat.make_adapter`)."""
@@ -47,6 +47,7 @@ def create(opts, backend_options=None):
     device_backends = compat.requested_device_backends()
     dispatch.note_backend_map(group, device_backends)
     return make_adapter(group, backend_options, config.get("HPCCOMM_ADAPTER"), device_backends)
+
 
 def _world_group(opts) -> _group.Group:
     """The default group's MPI side: every MPI rank of the world calls this."""
@@ -80,6 +81,7 @@ def _world_group(opts) -> _group.Group:
     trace.start(comm)
     return group
 
+
 def _subgroup(opts, ranks) -> _group.Group:
     """A subgroup's MPI side, built by its members only (torch calls the
     creator on members only), whatever backend the default group has."""
@@ -109,6 +111,7 @@ def _subgroup(opts, ranks) -> _group.Group:
         watchdog.end(token)
     return _group.Group(comm, ranks, store=opts.store, timeout=opts.timeout)
 
+
 class _Creating:
     """A group being created, as the watchdog sees it (members only; the
     diagnosis of a timeout goes through the new group's store)."""
@@ -128,6 +131,7 @@ class _Creating:
     where_p2p = where
 
 _made_before: dict = {}  # members -> groups of exactly them this process agreed on before
+
 
 def _members_agree(opts, ranks, creating) -> None:
     """Under a default group of another backend, before any MPI call: every
@@ -176,6 +180,7 @@ def _members_agree(opts, ranks, creating) -> None:
     if started.info is None:
         _configure_logging()
 
+
 def make_adapter(group, backend_options=None, adapter: str = "auto", device_backends=None):
     """What the backend creator returns to torch for ``group`` (a
     :class:`hpccomm._core.group.Group`).
@@ -199,7 +204,9 @@ def make_adapter(group, backend_options=None, adapter: str = "auto", device_back
         return BackendHpccomm(group, backend_options)
     return ProcessGroupHpccomm(group)
 
+
 _hook_installed = False
+
 
 def _install_excepthook(rank: int, size: int) -> None:
     """An uncaught exception on one rank ends the whole job at once, with a
@@ -231,6 +238,7 @@ def _install_excepthook(rank: int, size: int) -> None:
         _mpi.abort(1)
 
     sys.excepthook = hook
+
 
 def rebuild_world(comm, survivors, old_groups, timeout=None) -> dict:
     """torch's world made again over ``comm``, the survivors' communicator
@@ -283,6 +291,7 @@ def rebuild_world(comm, survivors, old_groups, timeout=None) -> dict:
         if key in mine:
             made[mine[key][3]] = pg
     return made
+
 
 def shrunk_backend(g, comm, survivors, opts=None):
     """The Backend over ``comm``, the survivors of group ``g``'s
