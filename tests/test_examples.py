@@ -118,7 +118,9 @@ def test_train_ddp_progress_on_a_terminal_updates_one_line():
     carriage return before every step's report.  Hydra (MPICH, Intel MPI)
     gives its ranks pipes even then, so there the report is whole lines."""
     import pty
+    import select
     import termios
+    import time
 
     mpi = require()
     master, slave = pty.openpty()
@@ -131,8 +133,11 @@ def test_train_ddp_progress_on_a_terminal_updates_one_line():
     proc = subprocess.Popen(cmd, env=mpi.env(), cwd=REPO, stdin=subprocess.DEVNULL, stdout=slave,
                             stderr=subprocess.PIPE, start_new_session=True)
     os.close(slave)
-    chunks = []
+    chunks, deadline = [], time.monotonic() + TIMEOUT
     while True:
+        if not select.select([master], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            os.killpg(proc.pid, signal.SIGKILL)  # a process of the job kept the terminal open past the timeout
+            pytest.fail(f"the terminal was still open after {TIMEOUT} s: {' '.join(cmd)}\n{b''.join(chunks)[-4000:]!r}")
         try:
             chunk = os.read(master, 65536)
         except OSError:  # EIO: every writer of the terminal has closed it

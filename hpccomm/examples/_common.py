@@ -77,7 +77,7 @@ def output_is_terminal() -> bool:
 
     Example::
 
-        end = "\r" if output_is_terminal() else "\n"
+        end = "\\r" if output_is_terminal() else "\\n"
     """
     try:
         if not sys.stdout.isatty():

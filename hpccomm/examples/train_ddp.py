@@ -8,9 +8,10 @@ An MLP classifier learns a random teacher network's labels from synthetic
 data, each rank drawing its own batches.  Rank 0 shows the loss (the mean
 over ranks) and samples/s: one line updated in place on a terminal, one line
 every ``--print-every`` steps otherwise (a log file, a pipe: also when
-``mpirun``'s output goes there, though it gives each rank a pseudo-terminal).  At the end every rank hashes its
-weights, the hashes are gathered, and the program prints that all ranks hold
-identical weights, or exits with status 1 if they do not.
+``mpirun``'s output goes there, though it gives each rank a pseudo-terminal).
+At the end every rank hashes its weights, the hashes are gathered, and the
+program prints that all ranks hold identical weights, or exits with status 1
+if they do not.
 
 ``--backend gloo`` trains over a gloo group made in the same launch
 (``dist.new_group(backend="gloo")``, rendezvous through hpccomm's store),

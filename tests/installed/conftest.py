@@ -12,5 +12,5 @@ run when named: ``HPCCOMM_TEST_SUITES="frameworks wheel"`` (tests/mpilaunch.py
 SUITES) or their paths on pytest's command line.
 """
 
-# pytest skips these when it walks tests/, and collects a file named on its command line all the same
+# pytest leaves these out when it walks tests/, and collects a file named on its command line all the same
 collect_ignore = ["test_frameworks.py", "test_wheel.py"]
