@@ -499,8 +499,7 @@ def buffer(t: torch.Tensor, offset: int = 0, count: int | None = None):
 
 
 _types: dict = {}  # torch dtype -> MPI datatype, filled on first use
-#: torch dtype -> (MPI datatype, bytes per element), filled as :func:`host_buffer` meets each
-#: dtype (so every key is one hpccomm moves); read by the posted forms' plain case.
+#: torch dtype -> (MPI datatype, bytes per element), filled as :func:`host_buffer` meets each dtype.
 host_types: dict = {}
 
 

@@ -10,7 +10,7 @@ ProcessGroup adapter (:mod:`hpccomm._torch.methods`); this class adds what a
 Backend answers: its options, what it supports, coalescing windows,
 splitting, its timeout and lifetime.
 
-Where it is used (``hpccomm.init.make_adapter``): as the group itself for a
+Where it is used (``hpccomm._start.creator.make_adapter``): as the group itself for a
 per-device backend string, or with ``HPCCOMM_ADAPTER=backend``; otherwise
 registered inside hpccomm's ProcessGroup adapter for every device, so that
 torch's per-device lookups (``group._get_backend(device)``) find hpccomm.

@@ -279,12 +279,11 @@ def test_exit_with_async_ops_never_waited_for_is_clean(tmp_path):
 
 def test_blocking_recv_times_out_naming_the_peer(tmp_path):
     """dist.recv from a rank that never sends: the watchdog watches
-    point-to-point ops from post to completion, names the op and the peer, and ends the job.  (The
-    recv takes its plain case, hpccomm._core.op_path.run_recv: float32 was met before; test_p2p's
-    test_plain_case_send_recv checks that the general path's watchdog records are the same.)"""
+    point-to-point ops from post to completion, names the op and the peer, and ends the job.  (test_p2p's
+    test_send_recv_plans_and_records checks the watchdog records of posted receives.)"""
     proc, took = launch(tmp_path, """
         hpccomm.init_process_group(timeout=timedelta(seconds=3))
-        dist.all_reduce(torch.zeros(4))  # float32 met: the recv below takes the plain case
+        dist.all_reduce(torch.zeros(4))
         dist.barrier()
         if dist.get_rank() == 1:
             stuck()          # never sends

@@ -1251,13 +1251,13 @@ def test_horovod_imports_point_one_way():
         "basics": "def f():\n    from . import process_sets\n",
         "ops.allreduce": "from .allgather import allgather\n",
         "ops.handles": "from .handles import reset\nfrom ..optimizer import teardown\n",
-        "process_sets": "import hpccomm.init\n",
+        "process_sets": "import hpccomm._start.bootstrap\n",
         "ops.checks": "from hpccomm._core.state import watched\n",
         "nonesuch": "x = 1\n",
     }
     found = horovod_import_problems(planted)
     for module, what in (("basics", "process_sets"), ("ops.allreduce", "ops.allgather"), ("ops.handles", "optimizer"),
-                         ("process_sets", "hpccomm.init"), ("ops.checks", "hpccomm._core.state"),
+                         ("process_sets", "hpccomm._start.bootstrap"), ("ops.checks", "hpccomm._core.state"),
                          ("nonesuch", "in no layer")):
         assert any(f"hpccomm.horovod.{module} " in f and what in f for f in found), (module, what, found)
     assert not any("ops.handles imports hpccomm.horovod.ops.handles" in f for f in found), found

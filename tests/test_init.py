@@ -345,7 +345,7 @@ for round in range(3):
                         freed=[c == MPI.COMM_NULL for c in comms],
                         mpi_comm_after=[repr(g.comm) for g in groups],
                         initialized_after=dist.is_initialized()))
-report(rounds=results, pending=repr((hpccomm.init._state.world_comm, hpccomm.init._state.sub_comm)))
+report(rounds=results, pending=repr((hpccomm._start.bootstrap.started.world_comm, hpccomm._start.bootstrap.started.sub_comm)))
 '''
 
 

@@ -395,7 +395,7 @@ def test_module_is_callable_and_importable():
 
 def test_launcher_module_is_pure():
     """launcher.py parses the environment and nothing else."""
-    from test_unit import imports_of
+    from test_layers import imports_of
 
     source = Path(launcher.__file__).read_text()
     names = {name for _, name, _ in imports_of(source, "hpccomm.launcher")}

@@ -120,13 +120,12 @@ def wait_for_gloo_workers(limit: float = 10.0, tasks: str = _TASKS, stream=None)
         time.sleep(0.002)  # gives the GIL (and the core) to the worker that needs it
 
 
-def _register() -> None:
+def register() -> None:
     """Run :func:`wait_for_gloo_workers` in hpccomm's exit hook, while the
-    interpreter is still fully alive (before MPI_Finalize)."""
+    interpreter is still fully alive (before MPI_Finalize).  Called once MPI
+    is up (hpccomm._start.bootstrap); calling it again adds nothing."""
     from .. import _mpi
 
     if all(fn is not wait_for_gloo_workers for _, fn in _mpi.at_exit):
         _mpi.at_exit.append((3, wait_for_gloo_workers))
 
-
-_register()

@@ -62,7 +62,7 @@ class Group:
         # tracing or per-op debug logging (the settings, read when the group is made)
         self._observed = bool(config.get("HPCCOMM_TRACE")) or config.get("HPCCOMM_LOG") == "DEBUG"
         self.debug = debug_mode.enabled()  # compare every collective across ranks first
-        # async ops of up to 64 KiB posted as nonblocking MPI collectives (hpccomm._core.op_path.post_collective)
+        # async ops of up to 64 KiB posted as nonblocking MPI collectives (hpccomm._core.op_path.form)
         self.nonblocking = config.get("HPCCOMM_ASYNC_NONBLOCKING")
         self.max_count = config.get("HPCCOMM_MAX_MPI_COUNT")
         self.tag_ub = _mpi.tag_ub() if tag_ub is None else tag_ub  # the largest tag MPI takes

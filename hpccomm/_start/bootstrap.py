@@ -15,7 +15,7 @@ from datetime import timedelta
 from typing import Optional
 
 from .. import _mpi, config, launcher
-from .._core import state
+from .._core import gloo_exit, state
 from .._torch import compat
 from ..errors import ConfigError, HpccommError, InitError
 
@@ -221,6 +221,7 @@ def _start(comm=None, timeout: Optional[timedelta] = None):
     a message (hpccomm._mpi._init_watch); default DEFAULT_TIMEOUT."""
     prepare_mpi(requested(started.ft_mode))  # before MPI_Init
     MPI = _mpi.mpi(init_timeout=(timeout or DEFAULT_TIMEOUT).total_seconds())
+    gloo_exit.register()  # gloo groups beside hpccomm's: their workers let go before exit
     world = MPI.COMM_WORLD
     mode = []
 
