@@ -28,7 +28,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from . import _mpi
-from ._core import failures, op_path, state
+from ._core import op_path, state
 from ._core import group as _group
 from ._core.comm_thread import engine
 from ._core.watchdog import watchdog
@@ -143,17 +143,7 @@ class BackendHpccomm(methods.TorchOps, BackendBase):
         ranks, must be the failed ones): see :func:`hpccomm.fault_tolerance.backend_shrink`."""
         return self.shrinker(self, ranks_to_exclude, opts_override)
 
-    # -- lifetime -------------------------------------------------------------
-    def abort(self) -> None:
-        """Abort every rank of the job: MPI state cannot be recovered.  In
-        fault-tolerance mode, revoke and free this group's communicators on
-        this rank only (``dist.shrink_group`` aborts the groups it drops)."""
-        if not failures.abort_group(self._g):
-            _mpi.abort(1)
-
-    def shutdown(self) -> None:
-        """Free this group's MPI communicators (torch's destroy_process_group calls it)."""
-        methods.shutdown(self._g)
+    # (abort, shutdown: hpccomm._torch.methods.TorchOps)
 
 
 methods.hide_methods(BackendHpccomm)

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from . import _mpi
-from ._core import failures
 from ._torch import BACKEND_NAME, compat, methods
 from ._torch.compat import ProcessGroupBase
 from .backend import BackendHpccomm
@@ -78,17 +76,7 @@ class ProcessGroupHpccomm(methods.TorchOps, ProcessGroupBase):
         ``dist.monitored_barrier`` calls; see :func:`hpccomm.monitored_barrier`)."""
         monitored_barrier(self._g, timeout=timeout, wait_all_ranks=wait_all_ranks)
 
-    # -- lifetime -------------------------------------------------------------
-    def abort(self) -> None:
-        """Abort every rank of the job: MPI state cannot be recovered.  In
-        fault-tolerance mode, revoke and free this group's communicators on
-        this rank only (``dist.shrink_group`` aborts the groups it drops)."""
-        if not failures.abort_group(self._g):
-            _mpi.abort(1)
-
-    def shutdown(self) -> None:
-        """Free this group's MPI communicators (torch's destroy_process_group calls it)."""
-        methods.shutdown(self._g)
+    # (abort, shutdown: hpccomm._torch.methods.TorchOps)
 
     # torch's legacy names for the same ops (older callers use them)
     _allgather_base = methods.TorchOps.all_gather_single

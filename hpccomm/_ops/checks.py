@@ -58,13 +58,13 @@ def check_tensor(group, op: str, t, what: str = "tensor") -> None:
                           f"Supported: {', '.join(str(d).replace('torch.', '') for d in _mpi.DTYPES)}")
 
 
-def single(group, op: str, tensors, what: str = "tensors") -> torch.Tensor:
-    """``check_list(tensors, 1)`` and :func:`check_tensor` of its tensor;
-    returns the tensor."""
+def single(group, op: str, tensors, what: str = "tensors", role: str = "tensor") -> torch.Tensor:
+    """``check_list(tensors, 1)`` and :func:`check_tensor` of its tensor
+    (called ``role`` in messages); returns the tensor."""
     if tensors.__class__ is not list or len(tensors) != 1:
         check_list(group, op, tensors, 1, what)
     t = tensors[0]
-    check_tensor(group, op, t)
+    check_tensor(group, op, t, role)
     return t
 
 
@@ -96,6 +96,41 @@ def check_list(group, op: str, ts, n: int, what: str) -> None:
     if len(ts) != n:
         raise OpValueError(op, group.where(), f"{what} has {len(ts)} tensors, expected {n}"
                            + (" (one per rank of the group)" if n == group.size else ""))
+
+
+def per_rank(group, op: str, lists, outer: str, what: str, like, of: str = "", hint: str = "") -> list:
+    """torch's ``[[t_0, ..., t_{size-1}]]`` argument of a gather, scatter or
+    reduce_scatter: a list of one list of one tensor per rank of the group,
+    each checked, of ``like``'s dtype; with ``of`` (how messages name
+    ``like``), each of ``like``'s size too (``hint`` says what the op needs).
+    Returns the inner list."""
+    check_list(group, op, lists, 1, outer)
+    ts = lists[0]
+    check_list(group, op, ts, group.size, what)
+    check_tensors(group, op, ts, what)
+    check_same_dtype(group, op, ts, like.dtype, what)
+    if of:
+        n = like.numel()
+        for i, t in enumerate(ts):
+            if t.numel() != n:
+                raise OpValueError(op, group.where(), f"{what}[{i}] has {t.numel()} elements but {of} has {n}", hint)
+    return ts
+
+
+def rooted(group, op: str, root: int, side: str, lists, outer: str, what: str, like, of: str, hint: str):
+    """A rooted op's root (``side``: ``"dst"`` or ``"src"``, as torch names
+    it) and its list argument that only the root fills (gather's
+    ``gather_list``, scatter's ``scatter_list``): ``root`` a rank of the
+    group; at the root :func:`per_rank` (returned), elsewhere empty or None
+    (None returned)."""
+    check_root(group, op, root, side)
+    role = "destination" if side == "dst" else "source"
+    if group.rank == root:
+        return per_rank(group, op, lists, outer, what, like, of, hint)
+    if lists and any(len(x) for x in lists):
+        raise OpValueError(op, group.where(), f"{what} must be empty or None on rank {group.rank}, "
+                           f"which is not the {role} (rank {root})")
+    return None
 
 
 def check_same_dtype(group, op: str, ts, dtype, what: str) -> None:

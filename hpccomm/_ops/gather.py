@@ -88,13 +88,8 @@ def all_gather(group, output_lists, inputs, op: str = "all_gather"):
     """all_gather's plan (a list of outputs, one per rank, sizes may differ):
     received in place when the outputs are laid end to end in one storage,
     else into one buffer then copied out."""
-    checks.check_list(group, op, inputs, 1, "input_tensors")
-    checks.check_list(group, op, output_lists, 1, "output_tensor_lists")
-    input, outputs = inputs[0], output_lists[0]
-    checks.check_tensor(group, op, input, "input")
-    checks.check_list(group, op, outputs, group.size, "tensor_list")
-    checks.check_tensors(group, op, outputs, "tensor_list")
-    checks.check_same_dtype(group, op, outputs, input.dtype, "tensor_list")
+    input = checks.single(group, op, inputs, "input_tensors", "input")
+    outputs = checks.per_rank(group, op, output_lists, "output_tensor_lists", "tensor_list", input)
     if outputs[group.rank].numel() != input.numel():
         raise checks.OpValueError(op, group.where(), f"tensor_list[{group.rank}] (this rank's slot) has "
                              f"{outputs[group.rank].numel()} elements but the input has {input.numel()}")
@@ -137,25 +132,11 @@ def gather(group, output_lists, inputs, root: int, op: str = "gather"):
     """gather's plan: MPI_Gatherv to ``root``, received in place when the
     root's list is laid end to end in one storage; past the count limit,
     chunked messages."""
-    checks.check_list(group, op, inputs, 1, "input_tensors")
-    input = inputs[0]
-    checks.check_tensor(group, op, input, "input")
-    checks.check_root(group, op, root, "dst")
-    if group.rank != root:
-        if output_lists and any(len(o) for o in output_lists):
-            raise checks.OpValueError(op, group.where(), f"gather_list must be empty or None on rank {group.rank}, "
-                                 f"which is not the destination (rank {root})")
-        return _gather_send(group, input, root, output_lists)
-    checks.check_list(group, op, output_lists, 1, "output_tensor_lists")
-    outputs = output_lists[0]
-    checks.check_list(group, op, outputs, group.size, "gather_list")
-    checks.check_tensors(group, op, outputs, "gather_list")
-    checks.check_same_dtype(group, op, outputs, input.dtype, "gather_list")
-    for i, t in enumerate(outputs):
-        if t.numel() != input.numel():
-            raise checks.OpValueError(op, group.where(), f"gather_list[{i}] has {t.numel()} elements but the input "
-                                 f"has {input.numel()}", "gather needs tensors of one size on every rank")
-    return _gather_recv(group, input, root, outputs, output_lists)
+    input = checks.single(group, op, inputs, "input_tensors", "input")
+    outputs = checks.rooted(group, op, root, "dst", output_lists, "output_tensor_lists", "gather_list", input,
+                            "the input", "gather needs tensors of one size on every rank")
+    return (_gather_send(group, input, root, output_lists) if outputs is None  # not the root: its input to the root
+            else _gather_recv(group, input, root, outputs, output_lists))
 
 
 def gather_single(group, output, input, root: int, op: str = "gather_single"):

@@ -118,9 +118,7 @@ def all_reduce_coalesced(group, tensors, redop, op: str = "all_reduce_coalesced"
 def reduce(group, tensors, root: int, redop, op: str = "reduce"):
     """reduce's plan: MPI_Reduce to ``root`` (in place there); only the root's
     tensor is an output, the others' are left untouched."""
-    checks.check_list(group, op, tensors, 1, "tensors")
-    t = tensors[0]
-    checks.check_tensor(group, op, t)
+    t = checks.single(group, op, tensors)
     checks.check_root(group, op, root, "dst")
     r = checks.reduction(group, op, t.dtype, redop)
     comm, limit = group.comm, group.max_count
@@ -207,17 +205,9 @@ def reduce_scatter_tensor(group, output, input, redop, op: str = "reduce_scatter
 def reduce_scatter(group, outputs, input_lists, redop, op: str = "reduce_scatter"):
     """reduce_scatter (a list of inputs, one per rank): read in place when the
     inputs are laid end to end in one storage, else concatenated."""
-    checks.check_list(group, op, outputs, 1, "output_tensors")
-    checks.check_list(group, op, input_lists, 1, "input_tensor_lists")
-    output, inputs = outputs[0], input_lists[0]
-    checks.check_tensor(group, op, output, "output")
-    checks.check_list(group, op, inputs, group.size, "input_list")
-    checks.check_tensors(group, op, inputs, "input_list")
-    checks.check_same_dtype(group, op, inputs, output.dtype, "input_list")
-    for i, t in enumerate(inputs):
-        if t.numel() != output.numel():
-            raise checks.OpValueError(op, group.where(), f"input_list[{i}] has {t.numel()} elements but output has "
-                                 f"{output.numel()}", "Every input must have the output's size")
+    output = checks.single(group, op, outputs, "output_tensors", "output")
+    inputs = checks.per_rank(group, op, input_lists, "input_tensor_lists", "input_list", output, "output",
+                             "Every input must have the output's size")
     r = checks.reduction(group, op, output.dtype, redop)
     factor = r.factor
     send = staging.flat_view(inputs)

@@ -38,26 +38,11 @@ def broadcast(group, tensors, root: int, op: str = "broadcast"):
 
 
 def scatter(group, outputs, input_lists, root: int, op: str = "scatter"):
-    checks.check_list(group, op, outputs, 1, "output_tensors")
-    output = outputs[0]
-    checks.check_tensor(group, op, output, "output")
-    checks.check_root(group, op, root, "src")
-    if group.rank != root:
-        if input_lists and any(len(i) for i in input_lists):
-            raise checks.OpValueError(op, group.where(), f"scatter_list must be empty or None on rank {group.rank}, "
-                                 f"which is not the source (rank {root})")
-        return _scatter_recv(group, output, root, outputs)
-    checks.check_list(group, op, input_lists, 1, "input_tensor_lists")
-    inputs = input_lists[0]
-    n = output.numel()
-    checks.check_list(group, op, inputs, group.size, "scatter_list")
-    checks.check_tensors(group, op, inputs, "scatter_list")
-    checks.check_same_dtype(group, op, inputs, output.dtype, "scatter_list")
-    for i, t in enumerate(inputs):
-        if t.numel() != n:
-            raise checks.OpValueError(op, group.where(), f"scatter_list[{i}] has {t.numel()} elements but the output "
-                                 f"has {n}", "scatter needs tensors of the output's size")
-    return _scatter_send(group, output, inputs, root, outputs)
+    output = checks.single(group, op, outputs, "output_tensors", "output")
+    inputs = checks.rooted(group, op, root, "src", input_lists, "input_tensor_lists", "scatter_list", output,
+                           "the output", "scatter needs tensors of the output's size")
+    return (_scatter_recv(group, output, root, outputs) if inputs is None  # not the root: its part from the root
+            else _scatter_send(group, output, inputs, root, outputs))
 
 
 def _big(group, n: int) -> bool:

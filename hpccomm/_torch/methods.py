@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import types
 
-from .._core import op_path, trace
+from .. import _mpi
+from .._core import failures, op_path, trace
 from .._core.comm_thread import engine
 from .._gpu import dispatch
 from .._ops import table
@@ -113,14 +114,22 @@ class TorchOps:
     def recv_anysource(self, tensors, tag: int = 0):
         return op_path.run(self._g, table.RECV, (tensors, None, tag))
 
+    # -- lifetime -------------------------------------------------------------
+    def abort(self) -> None:
+        """Abort every rank of the job: MPI state cannot be recovered.  In
+        fault-tolerance mode, revoke and free this group's communicators on
+        this rank only (``dist.shrink_group`` aborts the groups it drops)."""
+        if not failures.abort_group(self._g):
+            _mpi.abort(1)
 
-def shutdown(g) -> None:
-    """Free group ``g``'s communicators and transports (torch's destroy_process_group)."""
-    if g.comm is not None and g.is_world:
-        engine.flush(g)
-        trace.finish(g.comm)  # every rank destroys the world: gather the trace now
-    dispatch.release(g)
-    g.free()
+    def shutdown(self) -> None:
+        """Free this group's MPI communicators and transports (torch's destroy_process_group calls it)."""
+        g = self._g
+        if g.comm is not None and g.is_world:
+            engine.flush(g)
+            trace.finish(g.comm)  # every rank destroys the world: gather the trace now
+        dispatch.release(g)
+        g.free()
 
 
 def hide_methods(cls) -> None:
