@@ -64,7 +64,7 @@ def _relabelled(group, exc):
     return type(exc)(exc.op, group.where_p2p(), exc.what, exc.fix)
 
 
-def _message(group, t: torch.Tensor, icall, peer, tag, *, receive: bool):
+def _message(group, t: torch.Tensor, icall, peer, tag, receive: bool):
     """``(icall, args, keep, after)`` posting all of ``t`` (a checked tensor)
     as one message: on its own memory when contiguous, else through a
     contiguous copy (a send's copy taken now: the send is posted now; a
@@ -88,7 +88,7 @@ def send(group, tensors, dst: int, tag: int, op: str = "send"):
         checks.check_tag(group, op, tag)
     except checks.OpError as exc:
         raise _relabelled(group, exc) from None
-    icall, args, keep, after = _message(group, t, group.p2p.Isend, dst, tag, receive=False)
+    icall, args, keep, after = _message(group, t, group.p2p.Isend, dst, tag, False)
     return (None, args, icall, tensors, keep, None, after, t.numel() * t.element_size())
 
 
@@ -103,7 +103,7 @@ def recv(group, tensors, src, tag: int, op: str = "recv"):
     except checks.OpError as exc:
         raise _relabelled(group, exc) from None
     source = _mpi.mpi().ANY_SOURCE if src is None else src
-    icall, args, keep, after = _message(group, t, group.p2p.Irecv, source, tag, receive=True)
+    icall, args, keep, after = _message(group, t, group.p2p.Irecv, source, tag, True)  # (True: a receive)
     return (None, args, icall, tensors, keep, None, after, t.numel() * t.element_size())
 
 
