@@ -2,7 +2,7 @@
 
 ``import hpccomm`` registers the backend ``"hpccomm"`` and the rendezvous
 ``"mpi://"`` with torch; it does not start MPI.  (torch >= 2.14 finds the
-backend by itself through its entry points; see :mod:`hpccomm._plugin`.)
+backend by itself through its entry points; see :mod:`hpccomm._torch.plugin`.)
 Then, under mpirun, mpiexec or srun::
 
     import hpccomm
@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 
 from . import config, errors, launcher
-from ._plugin import BACKEND_NAME
+from ._torch import BACKEND_NAME
 from .errors import ConfigError, HpccommError, InitError, OpError, OpTypeError, OpValueError
 from .launcher import Launch, is_torchelastic_launched
 
@@ -25,26 +25,29 @@ __version__ = "0.1.0"
 
 #: Public names loaded on first use: name -> module.
 _LAZY = {
-    "RankInfo": "._init",
-    "from_mpi4py": "._init",
-    "init_process_group": "._init",
-    "local_rank": "._init",
-    "local_size": "._init",
-    "node_index": "._init",
-    "mpi_comm": "._init",
-    "monitored_barrier": "._barrier",
+    "RankInfo": ".init",
+    "from_mpi4py": ".init",
+    "init_process_group": ".init",
+    "local_rank": ".init",
+    "local_size": ".init",
+    "node_index": ".init",
+    "mpi_comm": ".init",
+    "monitored_barrier": ".barrier",
+    "explain": ".debugging",
+    "Explained": ".debugging",
     "ProcessGroupHpccomm": ".process_group",
     "BackendHpccomm": ".backend",
-    "RankFailure": "._ft",
-    "Shrunk": "._ft",
-    "shrink": "._ft",
-    "rank_failure": "._ft",
+    "RankFailure": ".fault_tolerance",
+    "Shrunk": ".fault_tolerance",
+    "shrink": ".fault_tolerance",
+    "rank_failure": ".fault_tolerance",
 }
 
 __all__ = [
     "BACKEND_NAME",
     "BackendHpccomm",
     "ConfigError",
+    "Explained",
     "HpccommError",
     "InitError",
     "Launch",
@@ -57,6 +60,7 @@ __all__ = [
     "Shrunk",
     "config",
     "errors",
+    "explain",
     "from_mpi4py",
     "init_process_group",
     "is_available",
@@ -135,15 +139,15 @@ def is_nccl_available() -> bool:
         import hpccomm
         print("NCCL fallback for GPU tensors:", hpccomm.is_nccl_available())
     """
-    from . import _compat
+    from ._torch import compat
 
-    return _compat.nccl_available()
+    return compat.nccl_available()
 
 
 def _register() -> None:
-    from . import _plugin
+    from ._torch import plugin
 
-    _plugin.register()
+    plugin.register()
 
 
 _register()

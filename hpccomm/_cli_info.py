@@ -195,7 +195,8 @@ def collect() -> dict:
     """This rank's view, as plain JSON-able data."""
     import torch
 
-    from . import __version__, _compat, gpu, launcher
+    from . import __version__, gpu, launcher
+    from ._torch import compat
 
     mpi = mpi_info()
     try:
@@ -211,7 +212,7 @@ def collect() -> dict:
         "interfaces": interfaces(),
         "store": store_info(),
         "options": options(),
-        "gpu": {"cuda": cuda, "devices": devices, "nccl": _compat.nccl_available(),
+        "gpu": {"cuda": cuda, "devices": devices, "nccl": compat.nccl_available(),
                 **(gpu.info() if mpi["available"] else {})},
         "pid": os.getpid(),
     }

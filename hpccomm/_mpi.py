@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._compat import RedOpType
+from ._torch.compat import RedOpType
 
 _MPI = None
 _lock = threading.Lock()
@@ -113,7 +113,7 @@ def _before_finalize() -> None:
     """Free hpccomm's communicators and user ops while MPI is still up, so
     finalisation prints no leak or error messages.
 
-    First the ``at_exit`` hooks (hpccomm._engine's thread rule): async ops the
+    First the ``at_exit`` hooks (hpccomm._core.comm_thread's thread rule): async ops the
     program never waited for are run to completion and the comm thread is
     stopped (it must not be inside MPI, or completing a torch future, when
     MPI is finalised and the interpreter tears its threads down: that
@@ -488,8 +488,6 @@ def buffer(t: torch.Tensor, offset: int = 0, count: int | None = None):
 
     The caller keeps ``t`` alive until MPI is done with the memory.
     """
-    if t.is_cuda:  # device memory (CUDA-aware MPI): MPI must not read it before queued kernels finish
-        device_ready(t)
     size = t.element_size()
     if count is None:
         count = t.numel() - offset
@@ -501,8 +499,7 @@ def buffer(t: torch.Tensor, offset: int = 0, count: int | None = None):
 
 
 _types: dict = {}  # torch dtype -> MPI datatype, filled on first use
-#: torch dtype -> (MPI datatype, bytes per element), filled as :func:`host_buffer` meets each
-#: dtype (so every key is one hpccomm moves); read by the posted forms' plain case.
+#: torch dtype -> (MPI datatype, bytes per element), filled as :func:`host_buffer` meets each dtype.
 host_types: dict = {}
 
 
@@ -521,16 +518,10 @@ def host_buffer(t: torch.Tensor):
     return [_MPI.buffer.fromaddress(t.data_ptr(), count * kind[1]), count, kind[0]]
 
 
-def _synchronize_current_stream(t: torch.Tensor) -> None:
-    torch.cuda.current_stream(t.device).synchronize()
-
-
-#: Called with every device tensor handed to MPI, before the call: MPI is not
-#: stream-aware, so the kernels this thread queued that write ``t`` (a
-#: contiguous copy, a premultiplication) must be finished first.  Replaceable
-#: for tests (hpccomm.gpu.cuda_mpi injects a recording fake).
-device_ready = _synchronize_current_stream
-
-
 def in_place():
     return mpi().IN_PLACE
+
+
+def status():
+    """A new ``MPI.Status`` (a receive's source and count)."""
+    return _MPI.Status()

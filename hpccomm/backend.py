@@ -6,11 +6,11 @@ backend: torch builds its own ``ProcessGroup`` around it, so per-device
 backend strings (``"cpu:hpccomm,cuda:nccl"``), ``batch_isend_irecv``'s
 coalescing, ``dist.split_group`` and ``dist.monitored_barrier`` reach hpccomm
 through torch's own machinery.  The op methods are shared with the
-ProcessGroup adapter (:mod:`hpccomm._adapter`); this class adds what a
+ProcessGroup adapter (:mod:`hpccomm._torch.methods`); this class adds what a
 Backend answers: its options, what it supports, coalescing windows,
 splitting, its timeout and lifetime.
 
-Where it is used (``hpccomm._init.make_adapter``): as the group itself for a
+Where it is used (``hpccomm._start.creator.make_adapter``): as the group itself for a
 per-device backend string, or with ``HPCCOMM_ADAPTER=backend``; otherwise
 registered inside hpccomm's ProcessGroup adapter for every device, so that
 torch's per-device lookups (``group._get_backend(device)``) find hpccomm.
@@ -27,15 +27,19 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from . import _adapter, _engine, _ft, _group, _mpi, _runner
-from ._adapter import BACKEND_NAME
-from ._compat import BackendBase, BackendOptions
-from ._watchdog import watchdog
+from . import _mpi
+from ._core import op_path, state
+from ._core import group as _group
+from ._core.comm_thread import engine
+from ._core.watchdog import watchdog
+from ._torch import BACKEND_NAME, methods
+from ._torch.compat import BackendBase, BackendOptions
+from .barrier import monitored_barrier
 
 __all__ = ["BACKEND_NAME", "BackendHpccomm"]
 
 
-class BackendHpccomm(_adapter.TorchOps, BackendBase):
+class BackendHpccomm(methods.TorchOps, BackendBase):
     """hpccomm as a c10d Backend over one MPI communicator (torch >= 2.14).
 
     Made by the backend creator torch calls (``dist.init_process_group``,
@@ -83,7 +87,7 @@ class BackendHpccomm(_adapter.TorchOps, BackendBase):
     @property
     def supports_shrinking(self) -> bool:
         """``dist.shrink_group`` works in fault-tolerance mode (HPCCOMM_FAULT_TOLERANCE=ulfm)."""
-        return _ft.state.enabled
+        return state.failures.tolerant
 
     def _get_sequence_number_for_group(self) -> int:
         return self._g.seq
@@ -94,16 +98,14 @@ class BackendHpccomm(_adapter.TorchOps, BackendBase):
 
     # -- coalescing (batch_isend_irecv) ---------------------------------------
     def start_coalescing(self) -> None:
-        _runner.start_coalescing(self._g)
+        op_path.start_coalescing(self._g)
 
     def end_coalescing(self):
-        return _runner.end_coalescing(self._g)
+        return op_path.end_coalescing(self._g)
 
     # -- barriers ---------------------------------------------------------------
     def monitored_barrier(self, opts, wait_all_ranks: bool = False) -> None:
         """``dist.monitored_barrier`` (see :func:`hpccomm.monitored_barrier`)."""
-        from ._barrier import monitored_barrier
-
         timeout = getattr(opts, "timeout", None)
         if timeout is not None and timeout.total_seconds() <= 0:
             timeout = None
@@ -116,7 +118,7 @@ class BackendHpccomm(_adapter.TorchOps, BackendBase):
         g, ranks = self._g, [int(r) for r in ranks]
         MPI = _mpi.mpi()
         member = g.rank in ranks
-        _engine.engine.flush(g)  # the comm thread must be off this communicator
+        engine.flush(g)  # the comm thread must be off this communicator
         token = watchdog.begin(g, "split_group", g.seq)
         try:
             comm = g.comm.Split(min(ranks) if member else MPI.UNDEFINED, ranks.index(g.rank) if member else 0)
@@ -131,23 +133,17 @@ class BackendHpccomm(_adapter.TorchOps, BackendBase):
         opts.global_ranks_in_group = list(child.global_ranks)
         return BackendHpccomm(child, opts)
 
+    #: Recovery after a lost rank (hpccomm.fault_tolerance.backend_shrink, set by that module, which
+    #: sits above the adapters: it rebuilds groups through hpccomm's start-up).
+    shrinker = None
+
     def shrink(self, ranks_to_exclude, shrink_flags=0, opts_override=None):
         """The backend over this group's survivors, for ``dist.shrink_group``
         after a rank failure (fault-tolerance mode; ``ranks_to_exclude``, group
-        ranks, must be the failed ones): see :func:`hpccomm._ft.backend_shrink`."""
-        return _ft.backend_shrink(self, ranks_to_exclude, opts_override)
+        ranks, must be the failed ones): see :func:`hpccomm.fault_tolerance.backend_shrink`."""
+        return self.shrinker(self, ranks_to_exclude, opts_override)
 
-    # -- lifetime -------------------------------------------------------------
-    def abort(self) -> None:
-        """Abort every rank of the job: MPI state cannot be recovered.  In
-        fault-tolerance mode, revoke and free this group's communicators on
-        this rank only (``dist.shrink_group`` aborts the groups it drops)."""
-        if not _ft.abort_group(self._g):
-            _mpi.abort(1)
-
-    def shutdown(self) -> None:
-        """Free this group's MPI communicators (torch's destroy_process_group calls it)."""
-        _adapter.shutdown(self._g)
+    # (abort, shutdown: hpccomm._torch.methods.TorchOps)
 
 
-_adapter.hide_methods(BackendHpccomm)
+methods.hide_methods(BackendHpccomm)

@@ -99,7 +99,7 @@ def time_op(run, sync, iters: int, warmup: int) -> float:
 
 
 def available_transports() -> list:
-    from hpccomm.gpu import dispatch, select
+    from hpccomm._gpu import dispatch, select
 
     caps = dispatch.capabilities()
     found = []
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
         print(f"{'transport':>9} {'op':>15} {'bytes':>12} {'time_us':>11} {'algbw_GB/s':>11} {'busbw_GB/s':>11}")
     for transport in transports:
         if transport != "host":
-            from hpccomm.gpu import dispatch, select
+            from hpccomm._gpu import dispatch, select
 
             os.environ.update({select.VARIABLE: transport})
 

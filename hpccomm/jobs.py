@@ -257,7 +257,7 @@ def check_endpoint(host: str, host_machine: str, here: str) -> list:
 
 def _store_address() -> str:
     """The address rank 0 would give hpccomm's store on a multi-node job."""
-    from ._init import store_address
+    from ._start.bootstrap import store_address
 
     return store_address(multi_node=True)
 

@@ -4,21 +4,22 @@ torch 2.13 has no Python ``Backend``; a Python backend there is a whole
 ``ProcessGroup`` subclass, called directly by torch's Python functions and
 through torch's C++ ``PyProcessGroup`` trampoline by C++ callers (DDP's
 reducer, functional collectives).  The op methods are shared with the
-torch >= 2.14 adapter (:mod:`hpccomm._adapter`); this class adds what a
+torch >= 2.14 adapter (:mod:`hpccomm._torch.methods`); this class adds what a
 whole process group must answer: its name, description and lifetime.
 """
 from __future__ import annotations
 
 import torch
 
-from . import _adapter, _compat, _mpi
-from ._adapter import BACKEND_NAME
-from ._compat import ProcessGroupBase
+from ._torch import BACKEND_NAME, compat, methods
+from ._torch.compat import ProcessGroupBase
+from .backend import BackendHpccomm
+from .barrier import monitored_barrier
 
 __all__ = ["BACKEND_NAME", "ProcessGroupHpccomm"]
 
 
-class ProcessGroupHpccomm(_adapter.TorchOps, ProcessGroupBase):
+class ProcessGroupHpccomm(methods.TorchOps, ProcessGroupBase):
     """A torch process group over one MPI communicator (every supported torch).
 
     Made by ``dist.init_process_group("hpccomm")``, ``dist.new_group`` and
@@ -42,11 +43,9 @@ class ProcessGroupHpccomm(_adapter.TorchOps, ProcessGroupBase):
     def __init__(self, group) -> None:
         super().__init__(group.rank, group.size)
         self._g = group
-        if _compat.py_backend():
+        if compat.py_backend():
             # torch >= 2.14 asks a group for its per-device Backend (batch_isend_irecv's
             # coalescing, split_group): answer with hpccomm's, over the same group.
-            from .backend import BackendHpccomm
-
             backend = BackendHpccomm(group)
             for device in ("cpu", "cuda"):
                 self._register_backend(torch.device(device), ProcessGroupBase.BackendType.CUSTOM, backend)
@@ -75,30 +74,16 @@ class ProcessGroupHpccomm(_adapter.TorchOps, ProcessGroupBase):
     def monitored_barrier(self, timeout=None, wait_all_ranks: bool = False) -> None:
         """``group.monitored_barrier(timeout, wait_all_ranks)`` (what
         ``dist.monitored_barrier`` calls; see :func:`hpccomm.monitored_barrier`)."""
-        from ._barrier import monitored_barrier
-
         monitored_barrier(self._g, timeout=timeout, wait_all_ranks=wait_all_ranks)
 
-    # -- lifetime -------------------------------------------------------------
-    def abort(self) -> None:
-        """Abort every rank of the job: MPI state cannot be recovered.  In
-        fault-tolerance mode, revoke and free this group's communicators on
-        this rank only (``dist.shrink_group`` aborts the groups it drops)."""
-        from . import _ft
-
-        if not _ft.abort_group(self._g):
-            _mpi.abort(1)
-
-    def shutdown(self) -> None:
-        """Free this group's MPI communicators (torch's destroy_process_group calls it)."""
-        _adapter.shutdown(self._g)
+    # (abort, shutdown: hpccomm._torch.methods.TorchOps)
 
     # torch's legacy names for the same ops (older callers use them)
-    _allgather_base = _adapter.TorchOps.all_gather_single
-    _reduce_scatter_base = _adapter.TorchOps.reduce_scatter_single
-    allgather_into_tensor_coalesced = _adapter.TorchOps.all_gather_single_coalesced
-    reduce_scatter_tensor_coalesced = _adapter.TorchOps.reduce_scatter_single_coalesced
-    alltoall_base = _adapter.TorchOps.all_to_all_single
+    _allgather_base = methods.TorchOps.all_gather_single
+    _reduce_scatter_base = methods.TorchOps.reduce_scatter_single
+    allgather_into_tensor_coalesced = methods.TorchOps.all_gather_single_coalesced
+    reduce_scatter_tensor_coalesced = methods.TorchOps.reduce_scatter_single_coalesced
+    alltoall_base = methods.TorchOps.all_to_all_single
 
 
-_adapter.hide_methods(ProcessGroupHpccomm)
+methods.hide_methods(ProcessGroupHpccomm)

@@ -33,12 +33,12 @@ def world_rank_size():
 
 
 def hgroup(pg):
-    """The hpccomm internals (a ``hpccomm._group.Group``) behind torch group
+    """The hpccomm internals (a ``hpccomm._core.group.Group``) behind torch group
     ``pg``, on either adapter (torch 2.13's ProcessGroup, or torch >= 2.14's
     Backend inside torch's ProcessGroup)."""
-    from hpccomm import _compat
+    from hpccomm._torch import compat
 
-    g = _compat.group_of(pg)
+    g = compat.group_of(pg)
     assert g is not None, f"{pg!r} is not an hpccomm group"
     return g
 
@@ -111,9 +111,9 @@ def make_groups() -> list:
         ranks = shapes[name]
         pg = dist.new_group(ranks)  # every rank takes part, as torch requires
         out.append(TestGroup(name, ranks, pg if me in ranks else None))
-    from hpccomm import _compat
+    from hpccomm._torch import compat
 
-    if _compat.py_backend():  # torch >= 2.14: every op also through torch's c10d Backend trampoline
+    if compat.py_backend():  # torch >= 2.14: every op also through torch's c10d Backend trampoline
         with setting("HPCCOMM_ADAPTER", "backend"):
             out.append(TestGroup("backend", shapes["world"], dist.new_group(shapes["world"])))
     return out
@@ -233,27 +233,54 @@ class FakeCudaTensor(torch.Tensor):
 
 
 class NoComm:
-    """A communicator that fails any use: where no communication may happen."""
+    """A communicator that fails any call: where no communication may happen
+    (a plan names its MPI calls, ``comm.Allreduce``, without making them)."""
 
     def __getattr__(self, name):
-        raise AssertionError(f"used the communicator ({name}) where no communication may happen")
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def used(*args, **kwargs):
+            raise AssertionError(f"used the communicator ({name}) where no communication may happen")
+
+        used.__name__ = name
+        return used
+
+
+class FakeComm(NoComm):
+    """A communicator's rank, size and duplicates, and nothing else (:class:`NoComm`)."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self._rank, self._size = rank, size
+
+    def Get_rank(self) -> int:
+        return self._rank
+
+    def Get_size(self) -> int:
+        return self._size
+
+    def Dup(self):
+        return FakeComm(self._rank, self._size)
 
 
 def fake_group(rank: int = 1, size: int = 4, store=None, timeout=None, done: int = 6):
-    """A real :class:`hpccomm._group.Group` (so ``where()`` and the op
+    """A real :class:`hpccomm._core.group.Group` (so ``where()`` and the op
     counters are the real ones) without MPI: its communicators are
-    :class:`NoComm`.  ``done``: collectives and p2p ops already run (the op
-    being checked is ``done + 1``)."""
-    import threading
+    :class:`FakeComm`.  ``done``: collectives and p2p ops already run (the op
+    being checked is ``done + 1``), numbered as the op path numbers them."""
+    import types
 
-    from hpccomm import _group
+    from hpccomm._core import group as _group
+    from hpccomm._core import state
 
-    g = _group.Group.__new__(_group.Group)
-    g.__dict__.update(comm=NoComm(), p2p=NoComm(), rank=rank, size=size, global_ranks=list(range(size)),
-                      name="fake", desc="", store=store, seq=done, p2p_seq=done, max_count=2**31 - 1,
-                      tag_ub=32767, _owns_comm=False, coalescing=None, queued=0, debug=False, is_world=False,
-                      _lock=threading.Lock(), key=f"{','.join(map(str, range(size)))}#0")
-    g.timeout = timeout
+    g = _group.Group(FakeComm(rank, size), range(size), name="fake", store=store, timeout=timeout,
+                     owns_comm=False, tag_ub=32767)
+    for _ in range(done):
+        state.start(g, "done")
+        state.finished(g)
+        record = types.SimpleNamespace(kind="p2p", deadline=None)
+        state.start(g, "done", record)
+        state.end(record.token)
     return g
 
 
@@ -284,9 +311,9 @@ def nonblocking_async(on: bool = True):
     """``HPCCOMM_ASYNC_NONBLOCKING`` on every hpccomm group made so far, for the
     duration (every rank must enter it together: it decides the MPI form of
     async collectives, which must match across ranks)."""
-    from hpccomm import _status
+    from hpccomm._core import state
 
-    old = [(g, g.nonblocking) for g in list(_status.groups) if hasattr(g, "nonblocking")]
+    old = [(g, g.nonblocking) for g in list(state.groups) if hasattr(g, "nonblocking")]
     for g, _ in old:
         g.nonblocking = on
     try:

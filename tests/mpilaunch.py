@@ -82,7 +82,7 @@ SUITES = {
     "horovod": ["test_horovod.py", "test_horovod_examples.py"],
     "bench": ["test_bench.py"],
     "tools": ["test_jobs.py", "test_slurm.py", "test_torch_suite_runner.py"],
-    "unit": ["test_unit.py", "test_unit_compile.py"],
+    "unit": ["test_unit.py", "test_unit_compile.py", "test_layers.py"],
     "gpu": ["test_gpu_unit.py", "test_cuda.py"],
     # hpccomm installed from its wheel, with the training frameworks: only in tests/matrix.sh's 2.13-wheel cell,
     # which makes the venv they need (tests/installed/conftest.py: a run that names no suite does not collect them)

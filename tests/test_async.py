@@ -175,7 +175,7 @@ def test_ddp_comm_hooks(world):
         assert same_on_all_ranks(flat)
 
 
-# -- posted collectives (async_op=True as nonblocking MPI: hpccomm._runner.post_collective) ------------
+# -- posted collectives (async_op=True as nonblocking MPI: hpccomm._core.op_path._post) ----------------------
 
 
 @pytest.fixture
@@ -384,11 +384,11 @@ def test_posted_gather_and_broadcast_dtypes(world, posted, dtype):
     assert torch.equal(b, val(size - 1))
 
 
-def test_posted_plain_case_and_aliasing(world, posted):
-    """Each posted kind called twice with the same dtype and reduction, so the
-    second call takes the form's plain case (the checks it learned from the
-    first): in place and aliased buffers, a refusal after an accepted call,
-    and results equal to each rank's own closed form."""
+def test_posted_forms_in_place_and_aliased_twice(world, posted):
+    """Each posted kind called twice with the same dtype and reduction (the
+    second call's reduction found in the cache the first filled): in place and
+    aliased buffers, a refusal after an accepted call, and results equal to
+    each rank's own closed form."""
     rank, size = world
     tri = _tri(size)
     n = 4
@@ -423,7 +423,7 @@ def test_posted_plain_case_and_aliasing(world, posted):
         assert torch.equal(rs[rank * n:(rank + 1) * n], mine) and torch.equal(rs2_out, mine)
         assert torch.all(b == (size - 1 + k) % size + 10 * k)
         assert same_on_all_ranks(torch.cat([a.double(), out.double(), out2.double(), b.double()]))
-    # a refusal after the plain case was learned: raised on this rank, before any communication
+    # a refusal after accepted calls: raised on this rank, before any communication
     short = torch.empty(n * size + 1)
     with pytest.raises(hpccomm.HpccommError, match=r"all_gather_into_tensor.*output has"):
         dist.all_gather_into_tensor(short, torch.ones(n), async_op=True)

@@ -14,8 +14,6 @@ machine lacks is skipped with the probe's reason, decided alike on every rank.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -27,8 +25,9 @@ if not torch.cuda.is_available():
     print(f"tests/test_cuda.py skipped: {_why}")
     pytest.skip(_why, allow_module_level=True)
 
+import helpers  # noqa: E402
 import hpccomm  # noqa: E402
-from hpccomm.gpu import dispatch, select  # noqa: E402
+from hpccomm._gpu import dispatch, select  # noqa: E402
 from helpers import hgroup, Problems, assert_close, verdict_comm  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, pytest.mark.mpi]
@@ -42,15 +41,16 @@ def _device():
 
 @pytest.fixture(params=TRANSPORTS)
 def transport(request, world, groups):
-    """Set HPCCOMM_GPU_TRANSPORT for one test; skip (on every rank alike)
-    where this machine lacks the transport."""
+    """Run one test with HPCCOMM_GPU_TRANSPORT set (loaded as init loads it:
+    hpccomm reads its settings once), and check afterwards that its ops ran
+    on that transport; skip (on every rank alike) where this machine lacks it."""
     name = request.param
     caps = dispatch.capabilities()
     try:
-        select.choose(name, caps)
+        expected = select.choose(name, caps).transport
         mine = None
     except select.NoTransport as exc:
-        mine = str(exc)
+        expected, mine = None, str(exc)
     if mine is None and name == "nccl" and hpccomm.local_size() > torch.cuda.device_count():
         mine = (f"{hpccomm.local_size()} ranks share {torch.cuda.device_count()} GPU(s) on a node; NCCL needs "
                 "one GPU per rank")
@@ -58,19 +58,18 @@ def transport(request, world, groups):
     missing = [m for m in everyone if m]
     if missing:
         pytest.skip(f"transport {name} not available: {missing[0]}")
-    old = os.environ.get("HPCCOMM_GPU_TRANSPORT")
-    os.environ["HPCCOMM_GPU_TRANSPORT"] = name
     pgs = [g.pg for g in groups if g.member]
     for pg in pgs:
         dispatch.release(hgroup(pg))
-    yield name
-    torch.cuda.synchronize()
-    for pg in pgs:
-        dispatch.release(hgroup(pg))
-    if old is None:
-        del os.environ["HPCCOMM_GPU_TRANSPORT"]
-    else:
-        os.environ["HPCCOMM_GPU_TRANSPORT"] = old
+    try:
+        with helpers.setting("HPCCOMM_GPU_TRANSPORT", name):
+            yield name
+            torch.cuda.synchronize()
+            ran = {t for pg in pgs for t, _ in dispatch.transports_of(hgroup(pg), p2p=True).values()}
+            assert ran == {expected}, f"HPCCOMM_GPU_TRANSPORT={name}: the ops ran on {ran or 'no transport'}"
+    finally:
+        for pg in pgs:
+            dispatch.release(hgroup(pg))
 
 
 def _both(make):
@@ -206,10 +205,9 @@ def test_all_to_all(transport, groups):
     problems.verdict()
 
 
+@pytest.mark.mpi(min_size=2)  # a ring of one rank: nothing to send
 def test_send_recv_ring(transport, world):
     rank, n = world
-    if n == 1:
-        return
     problems = Problems()
     send = torch.full((1000,), float(rank), device=_device())
     recv = torch.zeros(1000, device=_device())

@@ -75,11 +75,11 @@ def test_matching_calls_pass_in_debug_mode(debug_on):
 
 
 def test_describe_is_plain():
-    from hpccomm import _debug
+    from hpccomm._core import debug_mode
 
-    assert _debug.describe("all_reduce", ([torch.ones(3, dtype=torch.bfloat16)], R.AVG)) == \
+    assert debug_mode.describe("all_reduce", ([torch.ones(3, dtype=torch.bfloat16)], R.AVG)) == \
         ("all_reduce(bfloat16[3], AVG)", None)
-    assert _debug.describe("barrier", ()) == ("barrier()", None)
+    assert debug_mode.describe("barrier", ()) == ("barrier()", None)
 
 
 # -- issue 14: op numbers alike on every rank; every size mismatch named ------------------------------

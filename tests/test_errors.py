@@ -595,7 +595,7 @@ def test_meta_tensor(world, op):
 def no_gpu_transport():
     """Probe findings of a machine with no GPU transport (injected: the real
     probes answer for this machine's libraries, see tests/test_gpu_unit.py)."""
-    from hpccomm.gpu import dispatch, probe, select
+    from hpccomm._gpu import dispatch, probe, select
 
     saved = dispatch._caps[0]
     dispatch._caps[0] = select.Capabilities(probe.Finding(False, "injected: not CUDA-aware"),

@@ -6,7 +6,7 @@ GIL; a worker that asks for the GIL once Python has begun to finalize is
 ended by Python, and that aborts the process (``terminate called without an
 active exception``, status 134; torch issue #190489).  hpccomm's exit hook
 therefore waits, with the GIL given up, until every gloo worker thread is
-parked (hpccomm._quiesce) before MPI and Python finalize.
+parked (hpccomm._core.gloo_exit) before MPI and Python finalize.
 
 The unit tests check the /proc reading against real threads; the job tests
 run real 3-rank jobs under mpirun (no pytest inside: the exit status of the
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from hpccomm import _quiesce
+from hpccomm._core import gloo_exit
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -66,7 +66,7 @@ def test_parked_reads_an_untimed_futex_wait_as_parked():
     t = _blocked_thread(lock.acquire)  # untimed: futex(FUTEX_WAIT_BITSET, timeout=NULL)
     try:
         stat, syscall = _thread_files(t.ident)
-        assert _quiesce.parked(stat, syscall, _quiesce._futex_syscall()), (stat, syscall)
+        assert gloo_exit.parked(stat, syscall, gloo_exit._futex_syscall()), (stat, syscall)
     finally:
         lock.release()
         t.join()
@@ -82,9 +82,9 @@ def test_parked_reads_a_timed_wait_or_a_sleep_as_busy():
     try:
         for t in (timed, sleeper):
             stat, syscall = _thread_files(t.ident)
-            assert not _quiesce.parked(stat, syscall, _quiesce._futex_syscall()), (stat, syscall)
+            assert not gloo_exit.parked(stat, syscall, gloo_exit._futex_syscall()), (stat, syscall)
         stat, syscall = _thread_files(threading.main_thread().ident)  # this thread: running
-        assert not _quiesce.parked(stat, syscall, _quiesce._futex_syscall()), (stat, syscall)
+        assert not gloo_exit.parked(stat, syscall, gloo_exit._futex_syscall()), (stat, syscall)
     finally:
         lock.release()
         stop.set()
@@ -103,7 +103,7 @@ def test_parked_reads_a_timed_wait_or_a_sleep_as_busy():
     ("garbage", "", False),
 ])
 def test_parked_on_recorded_lines(stat, syscall, expected):
-    assert _quiesce.parked(stat, syscall, "202") is expected
+    assert gloo_exit.parked(stat, syscall, "202") is expected
 
 
 def _fake_tasks(tmp_path, threads):
@@ -127,13 +127,13 @@ def test_busy_gloo_workers_names_only_unparked_gloo_threads(tmp_path):
         14: ("pt_gloo_runloop", "S", IDLE.replace("0x189 0x0 0x0", "0x189 0x0 0x7ffd10")),  # wants the GIL
         15: ("gloo_tcp_loop", "S", "232 0x11 0x7f 0x40 0xa 0x0 0x0 0x7f 0x7f"),  # gloo's I/O thread: ignored
     })
-    assert sorted(_quiesce.busy_gloo_workers(tasks, "202")) == ["13", "14"]
+    assert sorted(gloo_exit.busy_gloo_workers(tasks, "202")) == ["13", "14"]
 
 
 def test_wait_for_gloo_workers_returns_when_all_are_parked(tmp_path):
     tasks = _fake_tasks(tmp_path, {12: ("pt_gloo_runloop", "S", IDLE), 13: ("python", "R", "running")})
     out = io.StringIO()
-    assert _quiesce.wait_for_gloo_workers(limit=5, tasks=tasks, stream=out) is True
+    assert gloo_exit.wait_for_gloo_workers(limit=5, tasks=tasks, stream=out) is True
     assert out.getvalue() == ""
 
 
@@ -141,7 +141,7 @@ def test_wait_for_gloo_workers_gives_up_at_the_limit_and_says_so(tmp_path):
     tasks = _fake_tasks(tmp_path, {12: ("pt_gloo_runloop", "S", IDLE), 13: ("pt_gloo_runloop", "R", "running")})
     out = io.StringIO()
     start = time.monotonic()
-    assert _quiesce.wait_for_gloo_workers(limit=0.05, tasks=tasks, stream=out) is False
+    assert gloo_exit.wait_for_gloo_workers(limit=0.05, tasks=tasks, stream=out) is False
     assert time.monotonic() - start < 5
     assert out.getvalue() == ("hpccomm: at exit, 1 gloo worker thread(s) still busy after 0.05 s (thread ids 13): "
                               "a gloo op still running, which a peer never joined? Exiting anyway; the process "
@@ -149,7 +149,7 @@ def test_wait_for_gloo_workers_gives_up_at_the_limit_and_says_so(tmp_path):
 
 
 def test_wait_for_gloo_workers_without_proc_waits_for_nothing(tmp_path):
-    assert _quiesce.wait_for_gloo_workers(limit=5, tasks=str(tmp_path / "absent")) is True
+    assert gloo_exit.wait_for_gloo_workers(limit=5, tasks=str(tmp_path / "absent")) is True
 
 
 # -- real jobs ------------------------------------------------------------------
@@ -256,7 +256,7 @@ WATCHED_JOB = textwrap.dedent('''
     import torch
     import torch.distributed as dist
     import hpccomm
-    from hpccomm._watchdog import watchdog
+    from hpccomm._core.watchdog import watchdog
 
 
     def after_hpccomms_hook():   # atexit runs last-registered first: this runs after hpccomm's hook

@@ -167,7 +167,7 @@ def test_monitored_barrier_names_every_missing_rank(tmp_path):
     proc, took = launch(tmp_path, """
         hpccomm.init_process_group()
         hpccomm.monitored_barrier(timeout=timedelta(seconds=20))   # everyone arrives
-        store = hpccomm._compat.default_store()  # rank 0 serves it: it leaves last
+        store = hpccomm._torch.compat.default_store()  # rank 0 serves it: it leaves last
         me = dist.get_rank()
         if me in (1, 3):
             # absent until ranks 0 and 2 have had their error (a store wait fails after 60 s)
@@ -279,12 +279,11 @@ def test_exit_with_async_ops_never_waited_for_is_clean(tmp_path):
 
 def test_blocking_recv_times_out_naming_the_peer(tmp_path):
     """dist.recv from a rank that never sends: the watchdog watches
-    point-to-point ops from post to completion, names the op and the peer, and ends the job.  (The
-    recv takes its plain case, hpccomm._runner.run_recv: float32 was met before; test_p2p's
-    test_plain_case_send_recv checks that the general path's watchdog records are the same.)"""
+    point-to-point ops from post to completion, names the op and the peer, and ends the job.  (test_p2p's
+    test_send_recv_plans_and_records checks the watchdog records of posted receives.)"""
     proc, took = launch(tmp_path, """
         hpccomm.init_process_group(timeout=timedelta(seconds=3))
-        dist.all_reduce(torch.zeros(4))  # float32 met: the recv below takes the plain case
+        dist.all_reduce(torch.zeros(4))
         dist.barrier()
         if dist.get_rank() == 1:
             stuck()          # never sends

@@ -33,7 +33,12 @@ import torch.distributed as dist
 from mpilaunch import LAUNCH, no_orphans, require
 
 import hpccomm
-from hpccomm import _compat, _ft, _mpi, launcher
+from hpccomm import _mpi, launcher
+from hpccomm._torch import compat
+from hpccomm import fault_tolerance
+from hpccomm._core import failures
+from hpccomm._start import bootstrap
+from hpccomm._core import state
 
 REPO = Path(__file__).resolve().parent.parent
 #: Whether the MPI family of this run can survive a lost rank (Open MPI's ULFM); under MPICH and Intel
@@ -426,13 +431,15 @@ def test_a_second_failure_during_shrink_ends_the_job(tmp_path):
     hpccomm.shrink(), rank 1 dies too: not recoverable, said plainly, and
     the job ends (every survivor exits with status 5) instead of hanging."""
     proc, took = ft_launch(tmp_path, """
-        from hpccomm import _ft
+        from hpccomm import fault_tolerance
+        from hpccomm._core import failures
+        from hpccomm._start import bootstrap
         init()
         me = dist.get_rank()
         if me == 3:
             kill_self_in(0.5, "first")
         if me == 1:   # dies after MPI agreed on the survivors, while torch's world is rebuilt
-            _ft._fault_injection = lambda: os.kill(os.getpid(), signal.SIGKILL)
+            fault_tolerance._fault_injection = lambda: os.kill(os.getpid(), signal.SIGKILL)
         try:
             while True:
                 dist.all_reduce(torch.ones(2))
@@ -496,7 +503,7 @@ def test_torch_shrink_group_replaces_the_default_group(tmp_path):
             caught(exc, "torch")
         failure = hpccomm.rank_failure()
         t0 = time.monotonic()
-        if hpccomm._compat.py_backend():
+        if hpccomm._torch.compat.py_backend():
             dist.shrink_group(list(failure.ranks))
         else:
             try:
@@ -533,7 +540,7 @@ def test_torch_shrink_group_replaces_the_default_group(tmp_path):
         return check_refused(proc, took, 4)
     measured = check_phase(proc, "torch", survivors=[1, 2, 3], victim=0, size_after=3)
     assert proc.returncode == 0 and took < JOB_S, (proc.returncode, took, proc.stderr[-3000:])
-    route = "dist.shrink_group" if _compat.py_backend() else "torch 2.13: hpccomm.shrink() after dist.shrink_group"
+    route = "dist.shrink_group" if compat.py_backend() else "torch 2.13: hpccomm.shrink() after dist.shrink_group"
     print(f"fault tolerance: {route}: detected within {measured['detect']:.3f} s, shrink "
           f"{measured['shrink']:.3f} s; job {took:.1f} s")
 
@@ -556,7 +563,7 @@ GOOD_ENV = {"OMPI_MCA_mpi_ft_enable": "1", "OMPI_MCA_async_mpi_finalize": "1"}
 
 def refusal(env=GOOD_ENV, library=OPEN_MPI, launch=LAUNCH, mpi=_MPI, mode="ulfm") -> str:
     try:
-        _ft.check_launch(mode, env=dict(env), library=library, launch=launch, mpi_module=mpi)
+        bootstrap.check_launch(mode, env=dict(env), library=library, launch=launch, mpi_module=mpi)
     except hpccomm.HpccommError as exc:
         return str(exc)
     return ""
@@ -621,7 +628,7 @@ def test_srun_and_an_mpi4py_without_ulfm_are_refused():
 
 def test_unknown_mode_is_a_config_error():
     with pytest.raises(hpccomm.ConfigError, match=r"^fault_tolerance='yes' is not one of off, ulfm$") as info:
-        _ft.check_launch("yes", env=dict(GOOD_ENV), library=OPEN_MPI, launch=LAUNCH, mpi_module=_MPI)
+        bootstrap.check_launch("yes", env=dict(GOOD_ENV), library=OPEN_MPI, launch=LAUNCH, mpi_module=_MPI)
     assert info.value.variable == "HPCCOMM_FAULT_TOLERANCE"
 
 
@@ -647,16 +654,16 @@ def test_rank_failure_is_a_dist_backend_error_that_pickles():
 
 def test_rank_failure_finds_the_failure_behind_torchs_runtime_error(monkeypatch):
     failure = hpccomm.RankFailure("rank 3 failed", [(3, "n2", 42)])
-    monkeypatch.setattr(_ft.state, "first", None)
+    monkeypatch.setattr(state.failures, "first", None)
     assert hpccomm.rank_failure(failure) is failure
     assert hpccomm.rank_failure(RuntimeError("other")) is None and hpccomm.rank_failure() is None
-    monkeypatch.setattr(_ft.state, "first", failure)
+    monkeypatch.setattr(state.failures, "first", failure)
     wrapped = RuntimeError("Got the following error when running the callback: RankFailure: rank 3 failed")
     assert hpccomm.rank_failure(wrapped) is failure and hpccomm.rank_failure() is failure
 
 
 def test_shrink_needs_the_mode(monkeypatch):
-    monkeypatch.setattr(_ft.state, "enabled", False)
+    monkeypatch.setattr(state.failures, "tolerant", False)
     with pytest.raises(hpccomm.HpccommError, match=r"^hpccomm\.shrink: fault tolerance is off; initialise with "
                        r"hpccomm\.init_process_group\(fault_tolerance='ulfm'\) \(or HPCCOMM_FAULT_TOLERANCE=ulfm\) "
                        r"under mpirun --with-ft ulfm$"):
@@ -664,7 +671,7 @@ def test_shrink_needs_the_mode(monkeypatch):
 
 
 def test_shrunk_group_lookup_names_the_mistake():
-    result = _ft.Shrunk(failed=(), old_rank=2, old_size=4, rank=1, size=3)
+    result = fault_tolerance.Shrunk(failed=(), old_rank=2, old_size=4, rank=1, size=3)
     with pytest.raises(KeyError, match="was not an hpccomm subgroup that rank 2 was a member of"):
         result.group(object())
 
@@ -674,13 +681,13 @@ def test_a_damaged_exchange_with_a_failed_rank_is_that_failure(monkeypatch):
     the failure MPI knows of, if any (Open MPI once completed such an
     allgather on a survivor with the dead rank's part left zero); else the
     caller raises the error as it is."""
-    monkeypatch.setattr(_ft.state, "first", None)
-    monkeypatch.setattr(_ft, "revoke_all", lambda: None)
-    monkeypatch.setattr(_ft, "failed_ranks", lambda wait=0.0: ())
+    monkeypatch.setattr(state.failures, "first", None)
+    monkeypatch.setattr(failures, "revoke_all", lambda: None)
+    monkeypatch.setattr(failures, "failed_ranks", lambda wait=0.0: ())
     error = pickle.UnpicklingError("invalid load key, '\\x00'.")
-    assert _ft.damaged("all_reduce (debug-mode fingerprint check) (op #9 on group '0', rank 1/4)", error) is None
-    monkeypatch.setattr(_ft, "failed_ranks", lambda wait=0.0: (_ft.FailedRank(0, "n1", 7),))
-    failure = _ft.damaged("all_reduce (debug-mode fingerprint check) (op #9 on group '0', rank 1/4)", error)
+    assert failures.damaged("all_reduce (debug-mode fingerprint check) (op #9 on group '0', rank 1/4)", error) is None
+    monkeypatch.setattr(failures, "failed_ranks", lambda wait=0.0: (failures.FailedRank(0, "n1", 7),))
+    failure = failures.damaged("all_reduce (debug-mode fingerprint check) (op #9 on group '0', rank 1/4)", error)
     assert str(failure) == (
         "hpccomm all_reduce (debug-mode fingerprint check) (op #9 on group '0', rank 1/4): rank 0 (pid 7 on n1) "
         "failed (the exchange returned a damaged message: UnpicklingError: invalid load key, '\\x00'.). The job can "

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-import hpccomm.ops.gather as gather_mod
+import hpccomm
+
 from helpers import MOVE_DTYPES, same_on_all_ranks, work_done
 from move_checks import GLOO_DTYPES, Checks, all_bytes, assert_same, count_limit, data
 
@@ -30,34 +31,16 @@ def gloo(world):
     return dist.new_group(backend="gloo")
 
 
-@pytest.fixture
-def recorded(monkeypatch):
-    """Records (send pointer, receive pointer, counts) of each Allgather(v) hpccomm makes: on the
-    general path (gather's _allgatherv) and in all_gather_into_tensor's blocking plain case
-    (hpccomm._runner._plain), where MPI_IN_PLACE stands for this rank's slot of the output (MPI's
-    meaning of it for Allgather)."""
-    from hpccomm import _mpi, _runner
-
-    seen = []
-    real = gather_mod._allgatherv
-    real_plain = _runner._plain
-
-    def spy(group, send, recv, counts):
-        seen.append((send.data_ptr(), recv.data_ptr(), list(counts)))
-        return real(group, send, recv, counts)
-
-    def spy_plain(g, op, outputs, call, *args):
-        work = real_plain(g, op, outputs, call, *args)
-        if work is not None and op == "all_gather_into_tensor":  # (None: the general path runs instead)
-            send, recv = args
-            at, n = recv[0].address, recv[1]
-            item = outputs[0].element_size()
-            seen.append((at + g.rank * n * item if send is _mpi.IN_PLACE else send[0].address, at, [n] * g.size))
-        return work
-
-    monkeypatch.setattr(gather_mod, "_allgatherv", spy)
-    monkeypatch.setattr(_runner, "_plain", spy_plain)
-    return seen
+def allgather_buffers(op, *args, pg):
+    """``(send address or "IN_PLACE", receive address, counts per rank)`` of the one
+    MPI_Allgather(v) that hpccomm.explain says ``op`` (``"all_gather"`` or
+    ``"all_gather_into_tensor"``, torch's backend arguments) makes on group ``pg``, with nothing
+    before or after it."""
+    e = hpccomm.explain(op, *args, group=pg)
+    assert e.call in ("Allgather", "Allgatherv") and not e.before and not e.after, e
+    send, (recv, count) = e.buffers
+    counts = list(count[0]) if isinstance(count, tuple) else [count] * dist.get_world_size(pg)
+    return (send if send == "IN_PLACE" else send[0]), recv, counts
 
 
 # -- all_gather, list form ---------------------------------------------------
@@ -106,7 +89,7 @@ def test_all_gather_uneven(world, groups, dtype):
 
 @pytest.mark.parametrize("uneven", [False, True], ids=["equal", "uneven"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64], ids=lambda d: str(d)[6:])
-def test_all_gather_zero_copy(world, groups, recorded, dtype, uneven):
+def test_all_gather_zero_copy(world, groups, dtype, uneven):
     """Outputs that are consecutive views of one buffer are received in place:
     MPI writes into that buffer, no staging copy."""
     check = Checks()
@@ -117,8 +100,9 @@ def test_all_gather_zero_copy(world, groups, recorded, dtype, uneven):
         counts = [shape(k)[0] * 2 for k in range(g.size)]
         flat = torch.zeros(sum(counts), dtype=dtype)
         views = [p.view(shape(k)) for k, p in enumerate(flat.split(counts))]
-        recorded.clear()
-        dist.all_gather(views, data(shape(g.rank), dtype, g.rank), group=g.pg)
+        inp = data(shape(g.rank), dtype, g.rank)
+        recorded = [allgather_buffers("all_gather", [views], [inp], pg=g.pg)]
+        dist.all_gather(views, inp, group=g.pg)
         check.true(len(recorded) == 1 and recorded[0][1] == flat.data_ptr(),
                    f"group {g.name}: MPI received into {recorded}, not the output buffer at {flat.data_ptr()}")
         check.true(recorded[0][2] == counts, "failed: recorded[0][2] == counts")
@@ -128,7 +112,7 @@ def test_all_gather_zero_copy(world, groups, recorded, dtype, uneven):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_all_gather_zero_copy_empty_slot(world, groups, recorded):
+def test_all_gather_zero_copy_empty_slot(world, groups):
     """Views of one buffer where a rank's slot is empty are still received in place."""
     check = Checks()
     for g in groups:
@@ -136,8 +120,9 @@ def test_all_gather_zero_copy_empty_slot(world, groups, recorded):
             continue
         counts = [0 if k == 0 else 2 * k for k in range(g.size)]
         flat = torch.zeros(sum(counts))
-        recorded.clear()
-        dist.all_gather(list(flat.split(counts)), data((counts[g.rank],), torch.float32, g.rank), group=g.pg)
+        outs, inp = list(flat.split(counts)), data((counts[g.rank],), torch.float32, g.rank)
+        recorded = [allgather_buffers("all_gather", [outs], [inp], pg=g.pg)]
+        dist.all_gather(outs, inp, group=g.pg)
         check.same(flat, torch.cat([data((counts[k],), torch.float32, k) for k in range(g.size)]), "flat buffer")
         check.true(recorded[0][1] == flat.data_ptr(), f"group {g.name}: staged, not received in place")
     check.done()
@@ -145,7 +130,7 @@ def test_all_gather_zero_copy_empty_slot(world, groups, recorded):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int8, torch.bool, *MOVE_DTYPES[-2:]],
                          ids=lambda d: str(d)[6:])
-def test_all_gather_in_place(world, groups, recorded, dtype):
+def test_all_gather_in_place(world, groups, dtype):
     """The input is this rank's own slot of the output buffer (MPI_IN_PLACE)."""
     check = Checks()
     for g in groups:
@@ -154,10 +139,10 @@ def test_all_gather_in_place(world, groups, recorded, dtype):
             flat = torch.empty(g.size * 6, dtype=dtype)
             views = [p.view(2, 3) for p in flat.chunk(g.size)]
             views[g.rank].copy_(data((2, 3), dtype, g.rank))
-            recorded.clear()
+            recorded = [allgather_buffers("all_gather", [views], [views[g.rank]], pg=g.pg)]
             dist.all_gather(views, views[g.rank], group=g.pg)
-            check.true(recorded[0][0] == recorded[0][1] + g.rank * 6 * flat.element_size() == views[g.rank].data_ptr(),
-                       f"group {g.name}: not sent from this rank's own slot of the output buffer")
+            check.true(recorded[0][0] == "IN_PLACE" and recorded[0][1] == flat.data_ptr(),
+                       f"group {g.name}: not sent from this rank's own slot of the output buffer (MPI_IN_PLACE)")
             check.same(flat.view(g.size, 2, 3), torch.stack([data((2, 3), dtype, k) for k in range(g.size)]),
                        f"group {g.name}: in place")
             result = all_bytes([flat])
@@ -230,7 +215,7 @@ def test_all_gather_into_tensor(world, groups, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.uint8, *MOVE_DTYPES[-1:]],
                          ids=lambda d: str(d)[6:])
-def test_all_gather_into_tensor_in_place(world, groups, recorded, dtype):
+def test_all_gather_into_tensor_in_place(world, groups, dtype):
     """FSDP's form: the input is this rank's shard of the output, 1-D and stacked."""
     check = Checks()
     for g in groups:
@@ -241,10 +226,9 @@ def test_all_gather_into_tensor_in_place(world, groups, recorded, dtype):
             flat = torch.empty(n * 5, dtype=dtype)
             flat[r * 5:(r + 1) * 5].copy_(data((5,), dtype, r))
             ptr = flat.data_ptr()
-            recorded.clear()
+            send, recv, _ = allgather_buffers("all_gather_into_tensor", flat, flat[r * 5:(r + 1) * 5], pg=g.pg)
             dist.all_gather_into_tensor(flat, flat[r * 5:(r + 1) * 5], group=g.pg)
-            send, recv, _ = recorded[0]
-            check.true(recv == ptr and send == ptr + r * 5 * flat.element_size(), "not received in place")
+            check.true(recv == ptr and send == "IN_PLACE", "not received in place (MPI_IN_PLACE: this rank's slot)")
             stack = torch.empty(n, 5, dtype=dtype)
             stack[r].copy_(data((5,), dtype, r))
             dist.all_gather_single(stack, stack[r], group=g.pg)

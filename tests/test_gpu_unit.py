@@ -28,11 +28,15 @@ import torch.distributed as dist
 
 import hpccomm
 import helpers
-from hpccomm import _compat, _group, _mpi, config
-from hpccomm.gpu import cuda_mpi, dispatch, nccl_cupy, nccl_torch, probe, select, staged
-from hpccomm.gpu.probe import Finding
-from hpccomm.gpu.select import Capabilities, NoTransport
-from hpccomm.ops import alltoall, gather, reduce, scatter
+from hpccomm import _mpi, config
+from hpccomm._torch import compat
+from hpccomm._core import group as _group
+from hpccomm._core import op_path
+from hpccomm._gpu import cuda_mpi, dispatch, nccl_cupy, nccl_torch, probe, select, staged
+from hpccomm._gpu.probe import Finding
+from hpccomm._gpu.select import Capabilities, NoTransport
+from hpccomm._ops import reduce, table
+from hpccomm._ops.plan import ARGS, CALL, OUTPUTS
 from helpers import hgroup, FakeCudaTensor, Problems, raised_by
 
 R = dist.ReduceOp
@@ -53,6 +57,17 @@ def fake_cuda(t: torch.Tensor) -> torch.Tensor:
 
 
 CUDA0 = torch.device("cuda", 0)
+
+
+def run_plan(plan):
+    """Run a plan blocking, as the op path does (hpccomm._ops.plan: ``call(*args)``); its outputs."""
+    plan[CALL](*plan[ARGS])
+    return plan[OUTPUTS]
+
+
+def mpi_types(plan) -> set:
+    """The names of the MPI datatypes of the buffers a plan hands MPI."""
+    return {a[2].Get_name() for a in plan[ARGS] if isinstance(a, list) and len(a) == 3}
 
 
 class Recorder:
@@ -372,10 +387,10 @@ def test_transport_chosen_once_per_group_and_device(injected, monkeypatch, caplo
     monkeypatch.setenv("HPCCOMM_GPU_TRANSPORT", "staged")
     g, h = fake_group(), fake_group()
     with caplog.at_level(logging.INFO, logger="hpccomm"):
-        first = dispatch.transport(g, "all_reduce", CUDA0)
-        assert dispatch.transport(g, "broadcast", CUDA0) is first
-        other_device = dispatch.transport(g, "all_reduce", torch.device("cuda", 1))
-        other_group = dispatch.transport(h, "all_reduce", CUDA0)
+        first = dispatch.transport(g, table.ALL_REDUCE, CUDA0)
+        assert dispatch.transport(g, table.BROADCAST, CUDA0) is first
+        other_device = dispatch.transport(g, table.ALL_REDUCE, torch.device("cuda", 1))
+        other_group = dispatch.transport(h, table.ALL_REDUCE, CUDA0)
     assert isinstance(first, staged.Staged) and first.device == CUDA0
     assert other_device is not first and other_group is not first
     assert len(injected) == 3  # one agreement per (group, device)
@@ -394,17 +409,17 @@ def test_p2p_chooses_locally_then_a_collective_confirms(injected, monkeypatch):
     the others); the group's first collective agrees and keeps that instance."""
     monkeypatch.setenv("HPCCOMM_GPU_TRANSPORT", "staged")
     g = fake_group()
-    first = dispatch.transport(g, "send", CUDA0)
-    assert dispatch.transport(g, "recv", CUDA0) is first
+    first = dispatch.transport(g, table.SEND, CUDA0)
+    assert dispatch.transport(g, table.RECV, CUDA0) is first
     assert injected == [] and dispatch.transports_of(g) == {}
-    assert dispatch.transport(g, "all_reduce", CUDA0) is first
+    assert dispatch.transport(g, table.ALL_REDUCE, CUDA0) is first
     assert injected == [("staged", None)] and dispatch.transports_of(g)["cuda:0"][0] == "staged"
-    assert dispatch.transport(g, "send", CUDA0) is first
+    assert dispatch.transport(g, table.SEND, CUDA0) is first
     monkeypatch.setenv("HPCCOMM_GPU_TRANSPORT", "mpi")  # not CUDA-aware (injected): refused, locally
     h = fake_group()
     with pytest.raises(hpccomm.OpTypeError, match=r"^hpccomm recv \(op #3 on group 'fake', rank 1/4\): CUDA "
                        r"tensors cannot be sent: HPCCOMM_GPU_TRANSPORT=mpi but the MPI library is not CUDA-aware"):
-        dispatch.transport(h, "recv", CUDA0)
+        dispatch.transport(h, table.RECV, CUDA0)
     dispatch.release(g)
 
 
@@ -413,7 +428,7 @@ def test_transport_failure_is_not_cached(injected, monkeypatch):
     g = fake_group()
     for _ in range(2):
         with pytest.raises(hpccomm.OpTypeError, match=r"CUDA tensors cannot be sent: no GPU transport"):
-            dispatch.transport(g, "all_reduce", CUDA0)
+            dispatch.transport(g, table.ALL_REDUCE, CUDA0)
     assert dispatch.transports_of(g) == {}
 
 
@@ -424,7 +439,7 @@ def test_backend_map_wins(injected, monkeypatch):
                                                                                           reason=reason))
     g = fake_group()
     dispatch.note_backend_map(g, {"cpu": "hpccomm", "cuda": "nccl"})
-    made = dispatch.transport(g, "all_reduce", CUDA0)
+    made = dispatch.transport(g, table.ALL_REDUCE, CUDA0)
     assert made.name == "nccl-made" and made.reason.startswith("the backend string maps cuda to nccl")
     h = fake_group()
     dispatch.note_backend_map(h, {"cpu": "hpccomm", "cuda": "hpccomm"})
@@ -464,9 +479,9 @@ def test_host_path_still_refuses_device_tensors():
     with pytest.raises(hpccomm.OpTypeError, match=r"tensor is on device cuda:0; this path moves CPU tensors only\. "
                        r"CUDA tensors go through torch\.distributed calls, which route them to a GPU transport "
                        r"\(docs/gpu\.md\)\. Move it to the CPU with \.cpu\(\)$"):
-        reduce.allreduce(fake_group(), [fake_cuda(torch.ones(2))], R.SUM)
+        reduce.all_reduce(fake_group(), [fake_cuda(torch.ones(2))], R.SUM)
     view = cuda_mpi.DeviceView(fake_group(), "cuda")
-    reduce.allreduce(view, [fake_cuda(torch.ones(2))], R.SUM)  # accepted: checks only, nothing runs
+    reduce.all_reduce(view, [fake_cuda(torch.ones(2))], R.SUM)  # accepted: a plan, nothing runs
 
 
 # --------------------------------------------------------------------------
@@ -480,60 +495,53 @@ def test_cuda_mpi_stream_order_with_a_fake_op():
     made = cuda_mpi.CudaAwareMPI(CUDA0, "test", streams=rec)
     seen = {}
 
-    def prepare(group, tensors, redop):
+    def fake_plan(group, tensors, redop):
         seen["group"] = group
-        rec.log.append(("prepare",))
-
-        def run():
-            rec.log.append(("mpi",))
-            return tensors
-
-        return run
+        rec.log.append(("plan",))
+        return (lambda: rec.log.append(("mpi",)), (), None, tensors, tensors, None, None, 0)
 
     t = fake_cuda(torch.ones(3))
-    run = made.wrap("all_reduce", prepare)(fake_group(), [t], R.SUM)
-    assert rec.names() == ["prepare", "record"]  # nothing waits at issue: async ops return at once
-    assert run() == [t]
-    assert rec.names() == ["prepare", "record", "wait", "mpi", "synchronize"]
+    plan = made.plan(table.Op("all_reduce", fake_plan, reducing=True, first="inout"), fake_group(), ([t], R.SUM))
+    assert rec.names() == ["plan", "record"]  # nothing waits at issue: async ops return at once
+    assert run_plan(plan) == [t]
+    # the caller's event waited for, the op's own kernels done before MPI reads, the stream idle after
+    assert rec.names() == ["plan", "record", "wait", "synchronize", "mpi", "synchronize"]
     assert rec.log[2] == ("wait", "event1") and rec.log[1] == ("record", "cuda:0", "event1")
     assert seen["group"].device_type == "cuda" and seen["group"].where() == fake_group().where()
 
     def failing(group, tensors, redop):
         def run():
             raise RuntimeError("MPI failed")
-        return run
+        return (run, (), None, tensors, tensors, None, None, 0)
 
     rec.log.clear()
     with pytest.raises(RuntimeError):
-        made.wrap("all_reduce", failing)(fake_group(), [t], R.SUM)()
-    assert rec.names() == ["record", "wait", "synchronize"]
+        run_plan(made.plan(table.Op("all_reduce", failing, reducing=True, first="inout"), fake_group(), ([t], R.SUM)))
+    assert rec.names() == ["record", "wait", "synchronize", "synchronize"]  # the stream idle after a failure too
 
 
 OPS_ON_SELF = [
-    ("all_reduce", reduce.allreduce, lambda t: ([t], R.SUM), lambda t: t),
-    ("all_reduce-avg", reduce.allreduce, lambda t: ([t], R.AVG), lambda t: t),
-    ("broadcast", scatter.broadcast, lambda t: ([t], 0), lambda t: t),
-    ("all_gather_into_tensor", gather.all_gather_single, lambda t: (fake_cuda(torch.zeros(4)), t), None),
-    ("all_to_all_single", alltoall.all_to_all_single, lambda t: (fake_cuda(torch.zeros(4)), t, None, None), None),
+    ("all_reduce", table.ALL_REDUCE, lambda t: ([t], R.SUM), lambda t: t),
+    ("all_reduce-avg", table.ALL_REDUCE, lambda t: ([t], R.AVG), lambda t: t),
+    ("broadcast", table.BROADCAST, lambda t: ([t], 0), lambda t: t),
+    ("all_gather_into_tensor", table.ALL_GATHER_INTO_TENSOR, lambda t: (fake_cuda(torch.zeros(4)), t), None),
+    ("all_to_all_single", table.ALL_TO_ALL_SINGLE, lambda t: (fake_cuda(torch.zeros(4)), t, None, None), None),
 ]
 
 
-@pytest.mark.parametrize("name,fn,args,_", OPS_ON_SELF, ids=[o[0] for o in OPS_ON_SELF])
-def test_cuda_mpi_real_ops_on_self(self_group, monkeypatch, name, fn, args, _):
-    """The op modules run for real over MPI (one rank, MPI_COMM_SELF) on a
-    fake device tensor: every buffer handed to MPI first waits for the
-    running thread's stream (``_mpi.device_ready``), between the caller's
-    event and the final synchronize."""
+@pytest.mark.parametrize("name,op,args,_", OPS_ON_SELF, ids=[o[0] for o in OPS_ON_SELF])
+def test_cuda_mpi_real_ops_on_self(self_group, name, op, args, _):
+    """The op modules' plans run for real over MPI (one rank, MPI_COMM_SELF)
+    on a fake device tensor: the buffers are handed to MPI after the running
+    thread's stream is waited for (the op's own kernels), between the
+    caller's event and the final synchronize."""
     rec = Recorder()
-    monkeypatch.setattr(_mpi, "device_ready", lambda t: rec.log.append(("device_ready", str(t.device))))
     made = cuda_mpi.CudaAwareMPI(CUDA0, "test", streams=rec)
     t = fake_cuda(torch.arange(4.0))
-    call = args(t)
-    op = name.split("-")[0]
-    out = made.wrap(op, fn)(self_group, *call)()
+    out = run_plan(made.plan(op, self_group, args(t)))
     names = rec.names()
     assert names[0] == "record" and names[1] == "wait" and names[-1] == "synchronize", names
-    assert "device_ready" in names[2:-1], names
+    assert "synchronize" in names[2:-1], names
     result = out[0] if isinstance(out, list) else out
     result = result[0] if isinstance(result, list) else result
     assert torch.equal(result.as_subclass(torch.Tensor), torch.arange(4.0)), result
@@ -545,15 +553,17 @@ def test_cuda_mpi_half_reductions_are_widened(self_group, caplog, monkeypatch, d
     device buffers (hpccomm's 16-bit op computes on host memory), no host
     staging, the result rounded back into the user's tensor; said once."""
     rec = Recorder()
-    monkeypatch.setattr(_mpi, "device_ready", lambda t: rec.log.append(("device_ready", t.dtype)))
     made = cuda_mpi.CudaAwareMPI(CUDA0, "test", streams=rec)
+    MPI = _mpi.mpi()
     t = fake_cuda(torch.tensor([1.5, 2.25, -3.0], dtype=dtype))
     with caplog.at_level(logging.INFO, logger="hpccomm"):
-        out = made.wrap("all_reduce", reduce.allreduce)(self_group, [t], R.AVG)()
-        made.wrap("all_reduce", reduce.allreduce)(self_group, [t], dist._make_nccl_premul_sum(2.0))()
+        avg = made.plan(table.ALL_REDUCE, self_group, ([t], R.AVG))
+        out = run_plan(avg)
+        premul = made.plan(table.ALL_REDUCE, self_group, ([t], dist._make_nccl_premul_sum(2.0)))
+        run_plan(premul)
     assert out[0] is t
     assert torch.equal(t.as_subclass(torch.Tensor), torch.tensor([3.0, 4.5, -6.0], dtype=dtype))
-    assert {e[1] for e in rec.log if e[0] == "device_ready"} == {torch.float32}
+    assert mpi_types(avg) == mpi_types(premul) == {MPI.FLOAT.Get_name()}  # MPI reduces float32 device buffers
     assert rec.names().count("record") == 2 and rec.names()[-1] == "synchronize"
     said = [r.getMessage() for r in caplog.records if "float16/bfloat16" in r.getMessage()]
     assert len(said) == 1 and "computed in float32 on the device" in said[0], said
@@ -561,12 +571,13 @@ def test_cuda_mpi_half_reductions_are_widened(self_group, caplog, monkeypatch, d
     rec.log.clear()
     o = fake_cuda(torch.zeros(3, dtype=dtype))
     i = fake_cuda(torch.tensor([0.5, 1.0, 1.5], dtype=dtype))
-    made.wrap("reduce_scatter_tensor", reduce.reduce_scatter_single)(self_group, o, i, R.SUM)()
+    run_plan(made.plan(table.REDUCE_SCATTER_TENSOR, self_group, (o, i, R.SUM)))
     assert torch.equal(o.as_subclass(torch.Tensor), torch.tensor([0.5, 1.0, 1.5], dtype=dtype))
     # a 16-bit broadcast moves bytes only: not widened
     rec.log.clear()
-    made.wrap("broadcast", scatter.broadcast)(self_group, [fake_cuda(torch.ones(2, dtype=dtype))], 0)()
-    assert {e[1] for e in rec.log if e[0] == "device_ready"} == {dtype}
+    bcast = made.plan(table.BROADCAST, self_group, ([fake_cuda(torch.ones(2, dtype=dtype))], 0))
+    run_plan(bcast)
+    assert mpi_types(bcast) == {_mpi.mpi_type(dtype).Get_name()}
 
 
 # --------------------------------------------------------------------------
@@ -595,7 +606,7 @@ def test_staged_copies_and_reuse_on_self(self_group):
     made = staged.Staged(CUDA0, "test", streams=rec, alloc=alloc, copy=rec.copy)
     t = fake_cuda(torch.arange(6.0).reshape(2, 3))
     for _ in range(3):
-        out = made.wrap("all_reduce", reduce.allreduce)(self_group, [t], R.SUM)()
+        out = run_plan(made.plan(table.ALL_REDUCE, self_group, ([t], R.SUM)))
         assert out[0] is t  # the Work's future holds the user's tensor, not the host stand-in
     assert len(alloc.sizes) == 1, alloc.sizes  # reused, not reallocated per call
     assert rec.names() == ["record", "wait", "copy", "copy", "synchronize"] * 3
@@ -605,7 +616,7 @@ def test_staged_copies_and_reuse_on_self(self_group):
     base = fake_cuda(torch.zeros(4, 2))
     out = base[:, 0]
     src = fake_cuda(torch.tensor([1.0, 2.0, 3.0, 4.0]))
-    made.wrap("all_gather_into_tensor", gather.all_gather_single)(self_group, out, src)()
+    run_plan(made.plan(table.ALL_GATHER_INTO_TENSOR, self_group, (out, src)))
     copies = [e for e in rec.log if e[0] == "copy"]
     assert copies == [("copy", "to-host", (4,)), ("copy", "to-device", (4,))], copies
     assert torch.equal(base.as_subclass(torch.Tensor)[:, 0], torch.tensor([1.0, 2.0, 3.0, 4.0]))
@@ -616,24 +627,21 @@ def test_staged_refuses_before_copying():
     rec = Recorder()
     made = staged.Staged(CUDA0, "test", streams=rec, alloc=CountingAlloc(), copy=rec.copy)
     with pytest.raises(hpccomm.OpValueError, match=r"input has 5 elements, expected output's 3 × group size 4"):
-        made.wrap("reduce_scatter_tensor", reduce.reduce_scatter_single)(
-            fake_group(), fake_cuda(torch.zeros(3)), fake_cuda(torch.zeros(5)), R.SUM)
+        made.plan(table.REDUCE_SCATTER_TENSOR, fake_group(), (fake_cuda(torch.zeros(3)), fake_cuda(torch.zeros(5)), R.SUM))
     assert rec.log == []
 
 
 def test_staged_p2p_on_self(self_group):
     """send and recv to self: own buffers (pending after return), the receive copied back on completion."""
-    from hpccomm.ops import p2p
-
     rec = Recorder()
     alloc = CountingAlloc()
     made = staged.Staged(CUDA0, "test", streams=rec, alloc=alloc, copy=rec.copy)
     src = fake_cuda(torch.arange(5.0))
     dst = fake_cuda(torch.zeros(5))
-    r = made.wrap("recv", p2p.recv)(self_group, [dst], 0, 7)
-    s = made.wrap("send", p2p.send)(self_group, [src], 0, 7)
-    assert s.wait(None) and r.wait(None)
-    assert s.finish() is None and r.finish() == 0
+    r = op_path.start(self_group, table.RECV, made.plan(table.RECV, self_group, ([dst], 0, 7)), ([dst], 0, 7))
+    s = op_path.start(self_group, table.SEND, made.plan(table.SEND, self_group, ([src], 0, 7)), ([src], 0, 7))
+    assert s.wait() and r.wait()
+    assert s._source_rank() == -1 and r._source_rank() == 0
     assert torch.equal(dst.as_subclass(torch.Tensor), torch.arange(5.0))
     assert [e[1] for e in rec.log if e[0] == "copy"] == ["to-host", "to-device"]  # the receive is not copied in
 
@@ -665,7 +673,7 @@ def _fields(opts):
     for name in ("rootRank", "reduceOp"):
         if hasattr(opts, name):
             value = getattr(opts, name)
-            out[name] = _compat.reduce_op_type(value) if name == "reduceOp" else value
+            out[name] = compat.reduce_op_type(value) if name == "reduceOp" else value
     return out
 
 
@@ -692,15 +700,12 @@ NCCL_CASES = [
 
 
 def test_nccl_calls_cover_every_op_with_tensors():
-    from hpccomm import _adapter
+    from hpccomm._torch import methods
 
-    src = open(_adapter.__file__).read()
-    ops = set(re.findall(r'_runner\.run\(self\._g, "([a-z_]+)"', src)) - {"barrier"}
-    # the ops whose adapter method starts in a plain case (hpccomm._runner.run_*)
-    plain_cases = {"run_allreduce": "all_reduce", "run_broadcast": "broadcast",
-                   "run_all_gather_single": "all_gather_into_tensor", "run_reduce_scatter_single": "reduce_scatter_tensor",
-                   "run_send": "send", "run_recv": "recv"}
-    ops |= {plain_cases[name] for name in re.findall(r'_runner\.(run_[a-z_]+)\(self\._g', src)}
+    src = open(methods.__file__).read()
+    used = set(re.findall(r'op_path\.run\(self\._g, table\.([A-Z_]+)\b', src))  # the table entries the adapter runs
+    ops = {getattr(table, name).name for name in used} - {"barrier"}
+    assert ops == set(table.OPS) - {"barrier"}, ops  # (every op of the table is reachable from torch)
     assert ops == set(nccl_torch.CALLS), ops ^ set(nccl_torch.CALLS)
     assert ops - {"all_reduce_coalesced", "reduce_scatter_tensor_coalesced", "all_gather_into_tensor_coalesced",
                   "reduce_scatter", "scatter", "all_gather", "all_gather_coalesced", "gather", "all_to_all",
@@ -712,7 +717,7 @@ def test_nccl_torch_delegation(op, args, method, fields):
     store = dist.HashStore()
     made = nccl_torch.TorchNCCL(CUDA0, "test", make_backend=FakeNcclBackend)
     g = fake_group(store=store)
-    opts = _compat.OPTION_CLASSES["allreduce"]()
+    opts = compat.OPTION_CLASSES["allreduce"]()
     opts.asyncOp = True
     work = made.delegate(g, op, args, opts)
     backend = made.backend
@@ -754,10 +759,10 @@ def test_nccl_torch_refusals():
 
 
 def test_make_nccl_backend_without_nccl():
-    if _compat.torch_nccl_available():
+    if compat.torch_nccl_available():
         pytest.skip("this torch has NCCL: the refusal cannot be seen here")
     with pytest.raises(RuntimeError, match="this torch has no NCCL"):
-        _compat.make_nccl_backend(dist.HashStore(), 0, 1)
+        compat.make_nccl_backend(dist.HashStore(), 0, 1)
 
 
 # --------------------------------------------------------------------------
@@ -882,9 +887,9 @@ def test_future_devices():
     it, and then orders the waiter's stream after the completing thread's)."""
     assert dispatch.future_devices(CUDA0, FakeCudaModule(2)) == [CUDA0]
     assert dispatch.future_devices(CUDA0, FakeCudaModule(0)) is None
-    from hpccomm import _work
+    from hpccomm._core import work as core_work
 
-    w = _work.done([torch.ones(1)], None)
+    w = core_work.done([torch.ones(1)], None)
     assert w.get_future().done() and torch.equal(w.get_future().value()[0], torch.ones(1))
 
 
@@ -909,7 +914,7 @@ def test_info_dict(MPI):
                            "gpu_transport", "cpu_transport", "cuda_transport", "gpu_binding"}
     assert report["mpi_cuda_aware"] in ("yes", "no", "unknown")
     assert report["gpu_count"] == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
-    if not torch.cuda.is_available() and not _compat.torch_nccl_available() and report["mpi_cuda_aware"] == "no":
+    if not torch.cuda.is_available() and not compat.torch_nccl_available() and report["mpi_cuda_aware"] == "no":
         assert report["cuda_transport"].startswith("none: no GPU transport:"), report
     print(report)
 
@@ -928,7 +933,7 @@ def test_requested_device_backends_reads_torchs_frame():
         return creator()
 
     def creator():
-        return _compat.requested_device_backends()
+        return compat.requested_device_backends()
 
     assert _new_process_group_helper() == {"cpu": "hpccomm", "cuda": "nccl"}
     assert creator() is None
@@ -937,13 +942,13 @@ def test_requested_device_backends_reads_torchs_frame():
 BACKEND_MAP = '''
 import torch, torch.distributed as dist
 import hpccomm
-from hpccomm.gpu import dispatch, probe, select
+from hpccomm._gpu import dispatch, probe, select
 dist.init_process_group(backend=sys.argv[1], init_method="mpi://")
 rank, size = dist.get_rank(), dist.get_world_size()
 t = torch.full((4,), float(rank + 1))
 dist.all_reduce(t)
 pg = dist.group.WORLD
-group_of = hpccomm._compat.group_of
+group_of = hpccomm._torch.compat.group_of
 report(result=t.tolist(), backend=str(dist.get_backend()), is_hpccomm="hpccomm" in str(dist.get_backend(pg)),
        mapped=dispatch._maps.get(group_of(pg)))
 sub = dist.new_group([0])
@@ -1029,81 +1034,78 @@ def test_staged_matches_cpu_ops(world):
     problems = Problems()
     ranks_sum = n * (n - 1) / 2
 
-    def via_staged(op, fn, *args):
-        return made.wrap(op, fn)(g, *args)()
+    def via_staged(op, *args):
+        return run_plan(made.plan(op, g, args))
 
     # all_reduce SUM, twice (buffers reused), and AVG in bfloat16
     for _ in range(2):
         t = fake_cuda(torch.arange(6.0) + rank)
         ref = torch.arange(6.0) + rank
-        via_staged("all_reduce", reduce.allreduce, [t], R.SUM)
+        via_staged(table.ALL_REDUCE, [t], R.SUM)
         dist.all_reduce(ref)
         problems.expect(torch.equal(_plain(t), ref), ("all_reduce", t, ref))
         problems.expect(torch.equal(ref, torch.arange(6.0) * n + ranks_sum), ("all_reduce closed form", ref))
     allocations = len(alloc.sizes)
     h = fake_cuda(torch.full((3,), float(rank), dtype=torch.bfloat16))
-    via_staged("all_reduce", reduce.allreduce, [h], R.AVG)
+    via_staged(table.ALL_REDUCE, [h], R.AVG)
     problems.expect(torch.equal(_plain(h), torch.full((3,), ranks_sum / n, dtype=torch.bfloat16)), ("avg", h))
     # broadcast from the last rank
     b = fake_cuda(torch.full((5,), float(rank)))
-    via_staged("broadcast", scatter.broadcast, [b], n - 1)
+    via_staged(table.BROADCAST, [b], n - 1)
     problems.expect(torch.equal(_plain(b), torch.full((5,), float(n - 1))), ("broadcast", b))
     # all_gather_into_tensor and all_gather (lists)
     out = fake_cuda(torch.zeros(2 * n))
-    via_staged("all_gather_into_tensor", gather.all_gather_single, out, fake_cuda(torch.full((2,), float(rank))))
+    via_staged(table.ALL_GATHER_INTO_TENSOR, out, fake_cuda(torch.full((2,), float(rank))))
     problems.expect(torch.equal(_plain(out), torch.arange(n).float().repeat_interleave(2)), ("all_gather", out))
     outs = [fake_cuda(torch.zeros(2)) for _ in range(n)]
-    via_staged("all_gather", gather.allgather, [outs], [fake_cuda(torch.full((2,), rank + 1.0))])
+    via_staged(table.ALL_GATHER, [outs], [fake_cuda(torch.full((2,), rank + 1.0))])
     problems.expect(all(torch.equal(_plain(o), torch.full((2,), r + 1.0)) for r, o in enumerate(outs)),
                     ("all_gather list", outs))
     # reduce_scatter_tensor, against the CPU op
     inp = torch.arange(3.0 * n) * (rank + 1)
     out, ref = fake_cuda(torch.zeros(3)), torch.zeros(3)
-    via_staged("reduce_scatter_tensor", reduce.reduce_scatter_single, out, fake_cuda(inp.clone()), R.SUM)
+    via_staged(table.REDUCE_SCATTER_TENSOR, out, fake_cuda(inp.clone()), R.SUM)
     dist.reduce_scatter_tensor(ref, inp.clone())
     problems.expect(torch.equal(_plain(out), ref), ("reduce_scatter_tensor", out, ref))
     problems.expect(torch.equal(ref, torch.arange(3.0 * rank, 3.0 * rank + 3) * (n * (n + 1) / 2)),
                     ("reduce_scatter closed form", ref))
     # reduce to rank 0 (the others' tensors stay as they were)
     r = fake_cuda(torch.full((2,), rank + 1.0))
-    via_staged("reduce", reduce.reduce, [r], 0, R.MAX)
+    via_staged(table.REDUCE, [r], 0, R.MAX)
     problems.expect(torch.equal(_plain(r), torch.full((2,), float(n) if rank == 0 else rank + 1.0)), ("reduce", r))
     # all_to_all_single, even split, against the CPU op
     a_in = torch.arange(2.0 * n) + 100 * rank
     a_out, a_ref = fake_cuda(torch.zeros(2 * n)), torch.zeros(2 * n)
-    via_staged("all_to_all_single", alltoall.all_to_all_single, a_out, fake_cuda(a_in.clone()), None, None)
+    via_staged(table.ALL_TO_ALL_SINGLE, a_out, fake_cuda(a_in.clone()), None, None)
     dist.all_to_all_single(a_ref, a_in.clone())
     problems.expect(torch.equal(_plain(a_out), a_ref), ("all_to_all_single", a_out, a_ref))
     # gather and scatter rooted at rank 0
     gl = [fake_cuda(torch.zeros(2)) for _ in range(n)] if rank == 0 else []
-    via_staged("gather", gather.gather, [gl] if rank == 0 else [], [fake_cuda(torch.full((2,), float(rank)))], 0)
+    via_staged(table.GATHER, [gl] if rank == 0 else [], [fake_cuda(torch.full((2,), float(rank)))], 0)
     if rank == 0:
         problems.expect(all(torch.equal(_plain(o), torch.full((2,), float(r))) for r, o in enumerate(gl)),
                         ("gather", gl))
     so = fake_cuda(torch.zeros(2))
     sl = [[fake_cuda(torch.full((2,), r * 10.0)) for r in range(n)]] if rank == 0 else []
-    via_staged("scatter", scatter.scatter, [so], sl, 0)
+    via_staged(table.SCATTER, [so], sl, 0)
     problems.expect(torch.equal(_plain(so), torch.full((2,), rank * 10.0)), ("scatter", so))
     # buffers: the second all_reduce reused the first one's; later ops grew or added slots only as needed
     problems.expect(allocations == 1, ("allocations after two all_reduces", alloc.sizes))
     problems.verdict()
 
 
-@pytest.mark.mpi
+@pytest.mark.mpi(min_size=2)  # a ring of one: test_staged_p2p_on_self covers send to self
 def test_staged_p2p_ring(world):
-    from hpccomm.ops import p2p
-
     rank, n = world
-    if n == 1:
-        return  # a ring of one: test_staged_p2p_on_self covers send to self
     g = _world_group()
     made, _ = _staged()
     src = fake_cuda(torch.full((4,), float(rank)))
     dst = fake_cuda(torch.zeros(4))
-    r = made.wrap("recv", p2p.recv)(g, [dst], (rank - 1) % n, 3)
-    s = made.wrap("send", p2p.send)(g, [src], (rank + 1) % n, 3)
-    s.wait(None), r.wait(None)
-    s.finish(), r.finish()
+    recv_args, send_args = ([dst], (rank - 1) % n, 3), ([src], (rank + 1) % n, 3)
+    r = op_path.start(g, table.RECV, made.plan(table.RECV, g, recv_args), recv_args)
+    s = op_path.start(g, table.SEND, made.plan(table.SEND, g, send_args), send_args)
+    s.wait(), r.wait()
+    assert r._source_rank() == (rank - 1) % n
     assert torch.equal(_plain(dst), torch.full((4,), float((rank - 1) % n)))
 
 

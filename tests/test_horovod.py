@@ -1193,7 +1193,7 @@ HOROVOD_LAYERS = (
 )
 #: hpccomm's private modules that hpccomm.horovod may import: the one the optimizer has always used
 #: (no new ones: hpccomm.horovod is a user of hpccomm's public API, and the core is renamed under it)
-HOROVOD_PRIVATE_KEPT = {"optimizer": ("hpccomm._compat",)}
+HOROVOD_PRIVATE_KEPT = {"optimizer": ("hpccomm._torch.compat",)}
 
 
 def _imported(module: str, source: str):
@@ -1251,13 +1251,13 @@ def test_horovod_imports_point_one_way():
         "basics": "def f():\n    from . import process_sets\n",
         "ops.allreduce": "from .allgather import allgather\n",
         "ops.handles": "from .handles import reset\nfrom ..optimizer import teardown\n",
-        "process_sets": "import hpccomm._init\n",
-        "ops.checks": "from hpccomm._status import watched\n",
+        "process_sets": "import hpccomm._start.bootstrap\n",
+        "ops.checks": "from hpccomm._core.state import watched\n",
         "nonesuch": "x = 1\n",
     }
     found = horovod_import_problems(planted)
     for module, what in (("basics", "process_sets"), ("ops.allreduce", "ops.allgather"), ("ops.handles", "optimizer"),
-                         ("process_sets", "hpccomm._init"), ("ops.checks", "hpccomm._status"),
+                         ("process_sets", "hpccomm._start.bootstrap"), ("ops.checks", "hpccomm._core.state"),
                          ("nonesuch", "in no layer")):
         assert any(f"hpccomm.horovod.{module} " in f and what in f for f in found), (module, what, found)
     assert not any("ops.handles imports hpccomm.horovod.ops.handles" in f for f in found), found

@@ -333,7 +333,7 @@ for round in range(3):
         report(**{f"double_init_{round}": str(exc)})
     world = dist.group.WORLD
     sub = dist.new_group(list(range(n)))
-    groups = [hpccomm._compat.group_of(world), hpccomm._compat.group_of(sub)]  # hpccomm's side of each
+    groups = [hpccomm._torch.compat.group_of(world), hpccomm._torch.compat.group_of(sub)]  # hpccomm's side of each
     comms = [hpccomm.mpi_comm(world), groups[0].p2p, hpccomm.mpi_comm(sub), groups[1].p2p]
     handles = [c.py2f() for c in comms]
     t = torch.full((2,), float(dist.get_rank() + 1))
@@ -345,7 +345,7 @@ for round in range(3):
                         freed=[c == MPI.COMM_NULL for c in comms],
                         mpi_comm_after=[repr(g.comm) for g in groups],
                         initialized_after=dist.is_initialized()))
-report(rounds=results, pending=repr((hpccomm._init._state.world_comm, hpccomm._init._state.sub_comm)))
+report(rounds=results, pending=repr((hpccomm._start.bootstrap.started.world_comm, hpccomm._start.bootstrap.started.sub_comm)))
 '''
 
 
@@ -598,12 +598,12 @@ def test_backend_entry_point_alone(tmp_path):
     point group and refuses the name (there, `import hpccomm` is needed)."""
     import torch
 
-    from hpccomm import _compat
+    from hpccomm._torch import compat
 
     job = mpirun(2, worker(tmp_path, "entry_point", ENTRY_POINT), TORCH_DEVICE_BACKEND_AUTOLOAD=0,
                  MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port()).ok(2)
     entry_points = hasattr(torch.distributed.Backend, "_ensure_backend_registered")
-    assert entry_points == _compat.py_backend(), "torch's entry points and its Python Backend came together"
+    assert entry_points == compat.py_backend(), "torch's entry points and its Python Backend came together"
     for rep in job.reports.values():
         if entry_points:
             assert rep.get("result") == [2.0, 2.0] and rep["backend"] == "hpccomm", rep

@@ -29,7 +29,8 @@ import pytest
 from mpilaunch import require
 
 import hpccomm
-from hpccomm import _init, launcher
+from hpccomm import launcher
+from hpccomm._start import bootstrap
 from hpccomm.launcher import Launch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -394,7 +395,7 @@ def test_module_is_callable_and_importable():
 
 def test_launcher_module_is_pure():
     """launcher.py parses the environment and nothing else."""
-    from test_unit import imports_of
+    from test_layers import imports_of
 
     source = Path(launcher.__file__).read_text()
     names = {name for _, name, _ in imports_of(source, "hpccomm.launcher")}
@@ -499,7 +500,7 @@ class _World:
 def test_silent_singleton_names_the_fix(case, library, message):
     env = CASES[case][0]
     with pytest.raises(hpccomm.InitError) as info:
-        _init._check_launch(_World(0, 1), env, library)
+        bootstrap._check_launch(_World(0, 1), env, library)
     text = str(info.value)
     assert message in text, text
     assert "  " not in text.replace(MPICH_LIBRARY, "MPICH"), text
@@ -508,7 +509,7 @@ def test_silent_singleton_names_the_fix(case, library, message):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_agreeing_launch_passes(case):
     env, launch = CASES[case]
-    _init._check_launch(_World(launch.rank or 0, launch.size or 1), env, "unused")
+    bootstrap._check_launch(_World(launch.rank or 0, launch.size or 1), env, "unused")
 
 
 @pytest.mark.parametrize("case,rank,size,said", [
@@ -520,7 +521,7 @@ def test_agreeing_launch_passes(case):
 ])
 def test_launcher_and_mpi_disagree(case, rank, size, said):
     with pytest.raises(hpccomm.InitError) as info:
-        _init._check_launch(_World(rank, size), CASES[case][0], OPEN_MPI_LIBRARY)
+        bootstrap._check_launch(_World(rank, size), CASES[case][0], OPEN_MPI_LIBRARY)
     text = str(info.value)
     assert text.startswith("hpccomm init: " + said + ": two launchers or two MPI libraries are mixed. Start the job "
                            "with one launcher, the one of the MPI library in use (Open MPI v5.0.11"), text

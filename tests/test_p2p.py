@@ -184,7 +184,7 @@ def test_batch_isend_irecv_both_directions(world, numel):
            dist.P2POp(dist.isend, to_next, nxt), dist.P2POp(dist.isend, to_prev, prev)]
     works = dist.batch_isend_irecv(ops)
     # torch >= 2.14 coalesces the batch for a backend that supports it (hpccomm does): one Work for all
-    assert len(works) == (1 if hpccomm._compat.py_backend() else 4), works
+    assert len(works) == (1 if hpccomm._torch.compat.py_backend() else 4), works
     for w in works:
         w.wait(LIMIT)
     assert torch.equal(from_prev, fill((numel,), torch.float32, prev, salt=1))
@@ -731,128 +731,112 @@ def test_recv_into_larger_tensor_fails_on_future(world):
         assert torch.equal(got[3:], torch.full((2,), -7, dtype=torch.int64))
 
 
-# -- the plain case (hpccomm._runner.run_send / run_recv) ----------------------------------------
+# -- send and recv on the tensor's own memory ------------------------------------------------------
 
-def test_plain_case_send_recv(world, groups):
-    """send and recv of dense contiguous CPU tensors of a dtype hpccomm has moved take their plain
-    case (hpccomm._runner.run_send / run_recv: no prepare, check, Pending- or Work-constructor
-    frame).  Checked by counting the general path's calls (_runner.run) on every group shape with
-    the dtypes learned so far forgotten first: an op goes the general way exactly when its dtype is
-    new, the plain way from then on; each received tensor against the sender's data, computed by the
-    receiver; the p2p op number advancing by one per op on both branches; the watchdog's record of a
-    posted op the same on both branches (op, peer, group, deadline = post time + the group's
-    timeout) and gone once it completed; a plain op in a batch_isend_irecv waited for by the batch;
-    and what the plain case does not take (any source, a strided tensor to stage) still going the
-    general way.  A short message received by a blocking recv is an error naming the op."""
-    from hpccomm import _mpi, _runner, _status
-    from hpccomm.ops.p2p import Pending
+def test_send_recv_plans_and_records(world, groups):
+    """send and recv of dense contiguous CPU tensors post one MPI_Isend/MPI_Irecv on the tensor's own
+    memory, nothing before or after it (hpccomm.explain), planned alike in every round, on every group
+    shape; each received tensor against the sender's data, computed by the receiver; the p2p op
+    number advancing by one per op; the watchdog's record of a posted op (op, peer, group, deadline =
+    post time + the group's timeout) and gone once it completed; ops in a batch_isend_irecv waited
+    for by the batch; a receive from any source posted the same way, and a strided tensor staged
+    (copied out once it arrived), with the same results.  A short message received by a blocking
+    recv is an error naming the op."""
+    from hpccomm._core import state
+    from hpccomm._core.work import Request
 
-    general = []
-    real_run = _runner.run
-
-    def counting_run(g, op, *rest):
-        general.append(op)
-        return real_run(g, op, *rest)
-
-    def taken(ops, call):
-        """Run ``call``; the general path must have run exactly ``ops`` (in order)."""
-        before = len(general)
-        result = call()
-        assert general[before:] == ops, (ops, general[before:])
-        return result
+    def posted_on(e, call, t):
+        assert (e.where, e.call, e.before, e.after) == ("posted", call, False, False), e
+        assert [b[0] for b in e.buffers] == [t.data_ptr()], (e, t.data_ptr())
 
     def records(hg):
-        return [p for p in _status.records() if isinstance(p, Pending) and p.group is hg]
+        return [r for r in state.records() if isinstance(r, Request) and r.group is hg]
 
-    learned = dict(_mpi.host_types)
-    _mpi.host_types.clear()
-    _runner.run = counting_run
     p = Problems()
-    try:
-        for tg in groups:
-            if not tg.member:
-                continue
-            pg, m, me = tg.pg, tg.size, tg.rank
-            hg = hgroup(pg)
-            nxt, prev = (me + 1) % m, (me - 1) % m
-            for k, dtype in enumerate((torch.int64, torch.float16, torch.int64, torch.float16)):
-                new = dtype not in _mpi.host_types  # (world, k 0 and 1: forgotten above)
-                if tg.name == "world":
-                    p.expect(new == (k < 2), f"world round {k}: {dtype} new {new}")
-                seq = hg.p2p_seq
-                got = blank((7,), dtype)
-                # irecv first, then isend: each goes the general way only while its dtype is new
-                rw = taken(["recv"] if new else [], lambda: dist.irecv(got, group_src=prev, group=pg, tag=k))
-                sw = taken([], lambda: dist.isend(fill((7,), dtype, tg.ranks[me], salt=k), group_dst=nxt, group=pg,
-                                                  tag=k))
-                pending = records(hg)
-                p.expect(hg.p2p_seq == seq + 2, f"{tg.name} round {k}: p2p op number {seq} -> {hg.p2p_seq}")
-                # (nothing completes them before their wait: nobody asked for a future)
-                seen = sorted((rec.op, rec.peer, rec.seq) for rec in pending)
-                p.expect(seen == [("recv", prev, seq + 1), ("send", nxt, seq + 2)], f"{tg.name} round {k}: {seen}")
-                for rec in pending:
-                    p.expect(rec.deadline == rec.start + hg.timeout_s and rec.kind == "p2p" and rec.token is not None
-                             and rec.where().startswith(f"p2p op #{rec.seq} on group '{hg.name}', rank {me}/{m}"),
-                             f"{tg.name} round {k}: {rec.op} record {vars(rec)}")
-                # waited for without a time limit (the fast wait), as torch's blocking send/recv do
-                assert sw.wait() is True and rw.wait() is True
-                p.expect(torch.equal(got, fill((7,), dtype, tg.ranks[prev], salt=k)), f"{tg.name} round {k}: {got}")
-                p.expect(not records(hg), f"{tg.name} round {k}: records left {records(hg)}")
-                if m > 1:  # torch's blocking forms (torch refuses a blocking send to oneself)
-                    got2 = blank((7,), dtype)
-                    mine = fill((7,), dtype, tg.ranks[me], salt=10 + k)
-                    if me == 0:
-                        taken([], lambda: dist.send(mine, group_dst=nxt, group=pg))
-                        src = taken([], lambda: dist.recv(got2, group_src=prev, group=pg))
-                    else:
-                        src = taken([], lambda: dist.recv(got2, group_src=prev, group=pg))
-                        taken([], lambda: dist.send(mine, group_dst=nxt, group=pg))
-                    p.expect(src == tg.ranks[prev], f"{tg.name} round {k}: source {src}")
-                    p.expect(torch.equal(got2, fill((7,), dtype, tg.ranks[prev], salt=10 + k)),
-                             f"{tg.name} round {k}: blocking {got2}")
-                    p.expect(hg.p2p_seq == seq + 4, f"{tg.name} round {k}: p2p op number {hg.p2p_seq}")
-            # in a batch (torch >= 2.14 coalesces it): the batch's Work waits for the plain ops too
-            got = blank((5,), torch.int64)
-            ops = [dist.P2POp(dist.isend, fill((5,), torch.int64, tg.ranks[me], salt=20), group=pg, tag=20,
-                              group_peer=nxt),
-                   dist.P2POp(dist.irecv, got, group=pg, tag=20, group_peer=prev)]
-            for w in taken([], lambda: dist.batch_isend_irecv(ops)):
-                w.wait()
-            p.expect(torch.equal(got, fill((5,), torch.int64, tg.ranks[prev], salt=20)), f"{tg.name} batch: {got}")
-            p.expect(not records(hg), f"{tg.name} batch: records left {records(hg)}")
-            # what the plain case does not take goes the general way, with the same results
-            any_src = blank((3,), torch.int64)
-            strided = torch.zeros(6, dtype=torch.int64)[::2]
-            rw = taken(["recv"], lambda: dist.irecv(any_src, group=pg, tag=21))  # any source
-            rs = taken(["recv"], lambda: dist.irecv(strided, group_src=prev, group=pg, tag=22))  # staged
+    for tg in groups:
+        if not tg.member:
+            continue
+        pg, m, me = tg.pg, tg.size, tg.rank
+        hg = hgroup(pg)
+        nxt, prev = (me + 1) % m, (me - 1) % m
+        for k, dtype in enumerate((torch.int64, torch.float16, torch.int64, torch.float16)):
             seq = hg.p2p_seq
-            general_records = records(hg)  # the general path's records: as the plain case's above
-            seen = sorted((rec.op, -1 if rec.peer is None else rec.peer, rec.seq) for rec in general_records)
-            p.expect(seen == [("recv", -1, seq - 1), ("recv", prev, seq)], f"{tg.name}: general records {seen}")
-            for rec in general_records:
+            got = blank((7,), dtype)
+            out = fill((7,), dtype, tg.ranks[me], salt=k)
+            posted_on(hpccomm.explain("recv", [got], prev, k, group=pg), "Irecv", got)
+            posted_on(hpccomm.explain("send", [out], nxt, k, group=pg), "Isend", out)
+            # irecv first, then isend
+            rw = dist.irecv(got, group_src=prev, group=pg, tag=k)
+            sw = dist.isend(out, group_dst=nxt, group=pg, tag=k)
+            pending = records(hg)
+            p.expect(hg.p2p_seq == seq + 2, f"{tg.name} round {k}: p2p op number {seq} -> {hg.p2p_seq}")
+            # (nothing completes them before their wait: nobody asked for a future)
+            seen = sorted((rec.name, rec.peer, rec.seq) for rec in pending)
+            p.expect(seen == [("recv", prev, seq + 1), ("send", nxt, seq + 2)], f"{tg.name} round {k}: {seen}")
+            for rec in pending:
                 p.expect(rec.deadline == rec.start + hg.timeout_s and rec.kind == "p2p" and rec.token is not None
                          and rec.where().startswith(f"p2p op #{rec.seq} on group '{hg.name}', rank {me}/{m}"),
-                         f"{tg.name}: general {rec.op} record {vars(rec)}")
-            sends = [taken([], lambda: dist.isend(fill((3,), torch.int64, tg.ranks[me], salt=s), group_dst=nxt,
-                                                  group=pg, tag=s)) for s in (21, 22)]
-            for w in [rw, rs] + sends:
-                w.wait()
-            p.expect(torch.equal(any_src, fill((3,), torch.int64, tg.ranks[prev], salt=21)), f"{tg.name}: any source")
-            if isinstance(rw, hpccomm._work.Work):  # (the Backend route hands torch's own Work back)
-                p.expect(rw._source_rank() == prev, f"{tg.name}: any source from {rw._source_rank()}")
-            p.expect(torch.equal(strided, fill((3,), torch.int64, tg.ranks[prev], salt=22)), f"{tg.name}: strided")
-            if m > 1:  # a short message into a blocking recv: an error naming the op, on the receiver
-                short = torch.full((5,), -7, dtype=torch.int64)
+                         f"{tg.name} round {k}: {rec.name} record {rec.describe()}")
+            # waited for without a time limit (the fast wait), as torch's blocking send/recv do
+            assert sw.wait() is True and rw.wait() is True
+            p.expect(torch.equal(got, fill((7,), dtype, tg.ranks[prev], salt=k)), f"{tg.name} round {k}: {got}")
+            p.expect(not records(hg), f"{tg.name} round {k}: records left {records(hg)}")
+            if m > 1:  # torch's blocking forms (torch refuses a blocking send to oneself)
+                got2 = blank((7,), dtype)
+                mine = fill((7,), dtype, tg.ranks[me], salt=10 + k)
                 if me == 0:
-                    taken([], lambda: dist.send(fill((3,), torch.int64, tg.ranks[me]), group_dst=1, group=pg))
-                elif me == 1:
-                    raised = raised_by(lambda: taken([], lambda: dist.recv(short, group_src=0, group=pg)))
-                    p.expect(isinstance(raised, hpccomm.HpccommError) and re.search(
-                        r"^hpccomm recv \(p2p op #\d+ on group '.*', rank 1/\d+\): received 3 elements from rank 0 but "
-                        r"the tensor has 5", str(raised)) is not None, f"{tg.name}: {raised!r}")
-                    p.expect(torch.equal(short[3:], torch.full((2,), -7, dtype=torch.int64)), f"{tg.name}: {short}")
-                    p.expect(not records(hg), f"{tg.name}: records left after the error {records(hg)}")
-    finally:
-        _runner.run = real_run
-        _mpi.host_types.update(learned)
+                    dist.send(mine, group_dst=nxt, group=pg)
+                    src = dist.recv(got2, group_src=prev, group=pg)
+                else:
+                    src = dist.recv(got2, group_src=prev, group=pg)
+                    dist.send(mine, group_dst=nxt, group=pg)
+                p.expect(src == tg.ranks[prev], f"{tg.name} round {k}: source {src}")
+                p.expect(torch.equal(got2, fill((7,), dtype, tg.ranks[prev], salt=10 + k)),
+                         f"{tg.name} round {k}: blocking {got2}")
+                p.expect(hg.p2p_seq == seq + 4, f"{tg.name} round {k}: p2p op number {hg.p2p_seq}")
+        # in a batch (torch >= 2.14 coalesces it): the batch's Work waits for its ops
+        got = blank((5,), torch.int64)
+        ops = [dist.P2POp(dist.isend, fill((5,), torch.int64, tg.ranks[me], salt=20), group=pg, tag=20,
+                          group_peer=nxt),
+               dist.P2POp(dist.irecv, got, group=pg, tag=20, group_peer=prev)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        p.expect(torch.equal(got, fill((5,), torch.int64, tg.ranks[prev], salt=20)), f"{tg.name} batch: {got}")
+        p.expect(not records(hg), f"{tg.name} batch: records left {records(hg)}")
+        # any source: the same plan; a strided tensor: staged, copied out once it arrived
+        any_src = blank((3,), torch.int64)
+        strided = torch.zeros(6, dtype=torch.int64)[::2]
+        posted_on(hpccomm.explain("recv", [any_src], None, 21, group=pg), "Irecv", any_src)
+        e = hpccomm.explain("recv", [strided], prev, 22, group=pg)
+        p.expect((e.where, e.call, e.before, e.after) == ("posted", "Irecv", False, True)
+                 and e.buffers[0][0] != strided.data_ptr(), f"{tg.name}: strided receive {e}")
+        rw = dist.irecv(any_src, group=pg, tag=21)  # any source
+        rs = dist.irecv(strided, group_src=prev, group=pg, tag=22)  # staged
+        seq = hg.p2p_seq
+        more = records(hg)  # their records: as above
+        seen = sorted((rec.name, -1 if rec.peer is None else rec.peer, rec.seq) for rec in more)
+        p.expect(seen == [("recv", -1, seq - 1), ("recv", prev, seq)], f"{tg.name}: records {seen}")
+        for rec in more:
+            p.expect(rec.deadline == rec.start + hg.timeout_s and rec.kind == "p2p" and rec.token is not None
+                     and rec.where().startswith(f"p2p op #{rec.seq} on group '{hg.name}', rank {me}/{m}"),
+                     f"{tg.name}: {rec.name} record {rec.describe()}")
+        sends = [dist.isend(fill((3,), torch.int64, tg.ranks[me], salt=s), group_dst=nxt, group=pg, tag=s)
+                 for s in (21, 22)]
+        for w in [rw, rs] + sends:
+            w.wait()
+        p.expect(torch.equal(any_src, fill((3,), torch.int64, tg.ranks[prev], salt=21)), f"{tg.name}: any source")
+        if isinstance(rw, hpccomm._core.work.Work):  # (the Backend route hands torch's own Work back)
+            p.expect(rw._source_rank() == prev, f"{tg.name}: any source from {rw._source_rank()}")
+        p.expect(torch.equal(strided, fill((3,), torch.int64, tg.ranks[prev], salt=22)), f"{tg.name}: strided")
+        if m > 1:  # a short message into a blocking recv: an error naming the op, on the receiver
+            short = torch.full((5,), -7, dtype=torch.int64)
+            if me == 0:
+                dist.send(fill((3,), torch.int64, tg.ranks[me]), group_dst=1, group=pg)
+            elif me == 1:
+                raised = raised_by(lambda: dist.recv(short, group_src=0, group=pg))
+                p.expect(isinstance(raised, hpccomm.HpccommError) and re.search(
+                    r"^hpccomm recv \(p2p op #\d+ on group '.*', rank 1/\d+\): received 3 elements from rank 0 but "
+                    r"the tensor has 5", str(raised)) is not None, f"{tg.name}: {raised!r}")
+                p.expect(torch.equal(short[3:], torch.full((2,), -7, dtype=torch.int64)), f"{tg.name}: {short}")
+                p.expect(not records(hg), f"{tg.name}: records left after the error {records(hg)}")
     p.verdict()

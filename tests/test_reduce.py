@@ -96,7 +96,7 @@ ALL_REDUCE_CASES = [(d, o) for d, o in CASES if not (d.is_complex and o == "PROD
 @pytest.mark.parametrize("dtype,opname", ALL_REDUCE_CASES, ids=[f"{str(d)[6:]}-{o}" for d, o in ALL_REDUCE_CASES])
 def test_all_reduce_matrix(world, groups, dtype, opname, async_op):
     """Blocking, and posted: async_op=True in the nonblocking MPI form
-    (HPCCOMM_ASYNC_NONBLOCKING) where the dtype has one (hpccomm._runner).
+    (HPCCOMM_ASYNC_NONBLOCKING) where the dtype has one (hpccomm._core.op_path).
     async_op=True on the comm thread runs the same op code as blocking, in
     another thread: tests/test_async.py covers that path."""
     for g in groups:
@@ -287,7 +287,7 @@ def test_all_reduce_in_pieces_past_the_piece_size(world, monkeypatch, dtype, opn
     """all_reduce past _ALLREDUCE_PIECE_BYTES goes in pieces (bounding MPI's
     scratch memory); the piece size is lowered to 24 bytes to exercise it,
     with a remainder piece."""
-    from hpccomm.ops import reduce as reduce_ops
+    from hpccomm._ops import reduce as reduce_ops
 
     monkeypatch.setattr(reduce_ops, "_ALLREDUCE_PIECE_BYTES", 24)
     n, r = dist.get_world_size(), dist.get_rank()
@@ -296,110 +296,104 @@ def test_all_reduce_in_pieces_past_the_piece_size(world, monkeypatch, dtype, opn
     assert_close(t, reference([fill((5, 7), dtype, k) for k in range(n)], dtype, opname), dtype, n)
 
 
-def test_blocking_plain_case(world, groups):
+def test_dense_plans_in_place_and_history_free(world, groups):
     """Blocking all_reduce, broadcast, all_gather_into_tensor and reduce_scatter_tensor of dense
-    contiguous CPU tensors that hpccomm has met before take their plain case (hpccomm._runner.run_*:
-    no prepare, check or execute frame).  Checked by counting the calls of the general path
-    (_runner.run) on every group shape, with the (dtype, ReduceOp) pairs learned so far forgotten
-    first: an op goes the general way exactly when its pair (its dtype, for the others) is new, and
-    the plain way from then on; every result against each rank's own reference and the same on every
-    member; the op number advancing by one per op on both branches; and what the plain case does not
-    take (strided tensors, AVG, async_op, all_gather's input in another rank's slot, reduce_scatter's
-    output inside its input, a refused pair) still going the general way, the refusal with its
-    message and the tensor untouched."""
-    from hpccomm import _mpi, _runner
-    from hpccomm.ops import reduce as reduce_ops
-    from hpccomm.ops._common import redop_code
+    contiguous CPU tensors run one MPI call on the tensors' own memory (hpccomm.explain: no step
+    before or after it, the buffers at the tensors' addresses, MPI_IN_PLACE where the op is in
+    place), planned alike on every call (the plan of a call depends on its arguments, not on what ran
+    before), on every group shape; every result against each rank's
+    own reference and the same on every member; the op number advancing by one per op; and what
+    cannot run on the user's memory (strided tensors, AVG's division, all_gather's input in another
+    rank's slot, reduce_scatter's output inside its input) planned with its copies and steps, with
+    the same results; an async_op=True call queued on the comm thread (the posted form is opt-in); a
+    refused pair raising its message with the tensor untouched."""
+    def plan(op, *args, pg, **kw):
+        return hpccomm.explain(op, *args, group=pg, **kw)
 
-    general = []
-    real_run = _runner.run
+    def on_memory(e, call, *tensors, in_place=False):
+        """``e`` is one ``call`` on ``tensors``' own memory, nothing before or after it."""
+        addresses = [b[0] for b in e.buffers if b != "IN_PLACE"]
+        assert (e.where, e.call, e.before, e.after) == ("here", call, False, False), e
+        assert addresses == [t.data_ptr() for t in tensors], (e, [t.data_ptr() for t in tensors])
+        assert (e.buffers[0] == "IN_PLACE") == in_place, e
 
-    def counting_run(g, op, *rest):
-        general.append(op)
-        return real_run(g, op, *rest)
-
-    def taken(op, known, call):
-        """Run ``call`` (op ``op``); the path it took must be the plain one iff ``known``."""
-        before = len(general)
-        call()
-        assert general[before:] == ([] if known else [op]), (op, known, general[before:])
-
-    def pair(dtype, redop):
-        return (dtype, redop_code(redop)) in reduce_ops.PLAIN
-
-    learned = dict(reduce_ops.PLAIN)
-    reduce_ops.PLAIN.clear()
-    _runner.run = counting_run
-    try:
-        for tg in groups:
-            if tg.pg is None:  # not a member: only the world-wide comparison below
-                for _ in range(3):
-                    assert same_on_all_ranks(None, tg.ranks)
-                continue
-            pg, m, me = tg.pg, len(tg.ranks), tg.rank
-            hg = hgroup(pg)
-            n = 3
-            tri = m * (m + 1) / 2
-            for k in range(3):
-                if tg.name == "world":  # forgotten above: learned by the first use
-                    assert pair(torch.float64, R.SUM) == pair(torch.int32, R.MAX) == (k > 0)
-                if k > 0:
-                    assert pair(torch.float64, R.SUM) and pair(torch.int32, R.MAX)
-                    assert torch.int64 in _mpi.host_types and torch.float64 in _mpi.host_types
-                seq = hg.seq
-                s = torch.full((5,), float(me + 1 + k), dtype=torch.float64)
-                taken("all_reduce", pair(torch.float64, R.SUM), lambda: dist.all_reduce(s, group=pg))
-                x = torch.full((3,), 3 * me + k, dtype=torch.int32)
-                taken("all_reduce", pair(torch.int32, R.MAX), lambda: dist.all_reduce(x, op=R.MAX, group=pg))
-                root = k % m
-                b = torch.full((4,), me + 10 * k, dtype=torch.int64)
-                taken("broadcast", torch.int64 in _mpi.host_types,
-                      lambda: dist.broadcast(b, src=tg.ranks[root], group=pg))
-                g_in = torch.full((n,), float(me + k), dtype=torch.float64)
-                g_out = torch.full((n * m,), -1.0, dtype=torch.float64)
-                taken("all_gather_into_tensor", True, lambda: dist.all_gather_into_tensor(g_out, g_in, group=pg))
-                own = torch.full((n * m,), -1.0, dtype=torch.float64)  # in place: the input is this rank's slot
-                own[me * n:(me + 1) * n] = me + k
-                taken("all_gather_into_tensor", True,
-                      lambda: dist.all_gather_into_tensor(own, own[me * n:(me + 1) * n], group=pg))
-                rs_in = torch.arange(n * m, dtype=torch.float64) + me + k
-                rs_out = torch.empty(n, dtype=torch.float64)
-                taken("reduce_scatter_tensor", True, lambda: dist.reduce_scatter_tensor(rs_out, rs_in, group=pg))
-                assert hg.seq == seq + 6, (tg.name, k, seq, hg.seq)
-                assert torch.equal(s, torch.full((5,), tri + m * k, dtype=torch.float64)), (tg.name, k, s)
-                assert torch.equal(x, torch.full((3,), 3 * (m - 1) + k, dtype=torch.int32)), (tg.name, k, x)
-                assert torch.equal(b, torch.full((4,), root + 10 * k, dtype=torch.int64)), (tg.name, k, b)
-                gathered = (torch.arange(m, dtype=torch.float64) + k).repeat_interleave(n)
-                assert torch.equal(g_out, gathered) and torch.equal(own, gathered), (tg.name, k, g_out, own)
-                mine = torch.arange(n * m, dtype=torch.float64)[me * n:(me + 1) * n] * m + (tri - m) + m * k
-                assert torch.equal(rs_out, mine), (tg.name, k, rs_out, mine)
-                assert same_on_all_ranks(torch.cat([s, x.double(), b.double(), g_out, own]), tg.ranks)
-            # what the plain case does not take goes the general way, with the same results
-            strided = torch.full((8,), float(me + 1), dtype=torch.float64)[::2]
-            taken("all_reduce", False, lambda: dist.all_reduce(strided, group=pg))
-            assert torch.equal(strided, torch.full((4,), tri, dtype=torch.float64))
-            avg = torch.full((2,), float(2 * me), dtype=torch.float64)
-            taken("all_reduce", False, lambda: dist.all_reduce(avg, op=R.AVG, group=pg))
-            assert torch.equal(avg, torch.full((2,), float(m - 1), dtype=torch.float64))
-            asy = torch.full((2,), float(me + 1), dtype=torch.float64)
-            taken("all_reduce", False, lambda: dist.all_reduce(asy, group=pg, async_op=True).wait())
-            assert torch.equal(asy, torch.full((2,), tri, dtype=torch.float64))
-            other = (me + 1) % m  # all_gather's input in another rank's slot: MPI must read a copy
-            out2 = torch.arange(n * m, dtype=torch.float64) + 100 * me
-            sent = out2[other * n:(other + 1) * n].clone()
-            taken("all_gather_into_tensor", m == 1,
-                  lambda: dist.all_gather_into_tensor(out2, out2[other * n:(other + 1) * n], group=pg))
-            slots = [torch.arange(n, dtype=torch.float64) + ((r + 1) % m) * n + 100 * r for r in range(m)]
-            assert torch.equal(out2, torch.cat(slots)) and torch.equal(slots[me], sent)
-            rs = torch.arange(n * m, dtype=torch.float64) + me  # the output inside the input: staged
-            taken("reduce_scatter_tensor", False, lambda: dist.reduce_scatter_tensor(rs[me * n:(me + 1) * n], rs,
-                                                                                     group=pg))
-            assert torch.equal(rs[me * n:(me + 1) * n], torch.arange(n * m, dtype=torch.float64)[me * n:(me + 1) * n]
-                               * m + (tri - m))
-            kept = torch.full((2,), 1.5)
-            with pytest.raises(hpccomm.OpTypeError, match=r"ReduceOp\.BAND needs an integer or bool tensor"):
-                taken("all_reduce", False, lambda: dist.all_reduce(kept, op=R.BAND, group=pg))
-            assert torch.equal(kept, torch.full((2,), 1.5))  # refused before any communication, untouched
-    finally:
-        _runner.run = real_run
-        reduce_ops.PLAIN.update(learned)
+    for tg in groups:
+        if tg.pg is None:  # not a member: only the world-wide comparison below
+            for _ in range(3):
+                assert same_on_all_ranks(None, tg.ranks)
+            continue
+        pg, m, me = tg.pg, len(tg.ranks), tg.rank
+        hg = hgroup(pg)
+        n = 3
+        tri = m * (m + 1) / 2
+        for k in range(3):
+            seq = hg.seq
+            s = torch.full((5,), float(me + 1 + k), dtype=torch.float64)
+            on_memory(plan("all_reduce", [s], R.SUM, pg=pg), "Allreduce", s, in_place=True)
+            dist.all_reduce(s, group=pg)
+            x = torch.full((3,), 3 * me + k, dtype=torch.int32)
+            on_memory(plan("all_reduce", [x], R.MAX, pg=pg), "Allreduce", x, in_place=True)
+            dist.all_reduce(x, op=R.MAX, group=pg)
+            root = k % m
+            b = torch.full((4,), me + 10 * k, dtype=torch.int64)
+            on_memory(plan("broadcast", [b], root, pg=pg), "Bcast", b)
+            dist.broadcast(b, src=tg.ranks[root], group=pg)
+            g_in = torch.full((n,), float(me + k), dtype=torch.float64)
+            g_out = torch.full((n * m,), -1.0, dtype=torch.float64)
+            on_memory(plan("all_gather_into_tensor", g_out, g_in, pg=pg), "Allgather", g_in, g_out)
+            dist.all_gather_into_tensor(g_out, g_in, group=pg)
+            own = torch.full((n * m,), -1.0, dtype=torch.float64)  # in place: the input is this rank's slot
+            own[me * n:(me + 1) * n] = me + k
+            on_memory(plan("all_gather_into_tensor", own, own[me * n:(me + 1) * n], pg=pg), "Allgather", own,
+                      in_place=True)
+            dist.all_gather_into_tensor(own, own[me * n:(me + 1) * n], group=pg)
+            rs_in = torch.arange(n * m, dtype=torch.float64) + me + k
+            rs_out = torch.empty(n, dtype=torch.float64)
+            on_memory(plan("reduce_scatter_tensor", rs_out, rs_in, R.SUM, pg=pg), "Reduce_scatter_block", rs_in,
+                      rs_out)
+            dist.reduce_scatter_tensor(rs_out, rs_in, group=pg)
+            assert hg.seq == seq + 6, (tg.name, k, seq, hg.seq)
+            assert torch.equal(s, torch.full((5,), tri + m * k, dtype=torch.float64)), (tg.name, k, s)
+            assert torch.equal(x, torch.full((3,), 3 * (m - 1) + k, dtype=torch.int32)), (tg.name, k, x)
+            assert torch.equal(b, torch.full((4,), root + 10 * k, dtype=torch.int64)), (tg.name, k, b)
+            gathered = (torch.arange(m, dtype=torch.float64) + k).repeat_interleave(n)
+            assert torch.equal(g_out, gathered) and torch.equal(own, gathered), (tg.name, k, g_out, own)
+            mine = torch.arange(n * m, dtype=torch.float64)[me * n:(me + 1) * n] * m + (tri - m) + m * k
+            assert torch.equal(rs_out, mine), (tg.name, k, rs_out, mine)
+            assert same_on_all_ranks(torch.cat([s, x.double(), b.double(), g_out, own]), tg.ranks)
+        # what cannot run on the user's memory: planned with its copies and steps, the same results
+        strided = torch.full((8,), float(me + 1), dtype=torch.float64)[::2]
+        e = plan("all_reduce", [strided], R.SUM, pg=pg)
+        assert (e.call, e.before, e.after) == ("Allreduce", True, True), e  # copied in, written back
+        dist.all_reduce(strided, group=pg)
+        assert torch.equal(strided, torch.full((4,), tri, dtype=torch.float64))
+        avg = torch.full((2,), float(2 * me), dtype=torch.float64)
+        e = plan("all_reduce", [avg], R.AVG, pg=pg)
+        assert (e.call, e.before, e.after, e.buffers[0]) == ("Allreduce", False, True, "IN_PLACE"), e  # divided after
+        dist.all_reduce(avg, op=R.AVG, group=pg)
+        assert torch.equal(avg, torch.full((2,), float(m - 1), dtype=torch.float64))
+        asy = torch.full((2,), float(me + 1), dtype=torch.float64)
+        e = plan("all_reduce", [asy], R.SUM, pg=pg, async_op=True)
+        assert (e.where, e.call) == ("queued", "Allreduce"), e  # the comm thread (the posted form is opt-in)
+        dist.all_reduce(asy, group=pg, async_op=True).wait()
+        assert torch.equal(asy, torch.full((2,), tri, dtype=torch.float64))
+        other = (me + 1) % m  # all_gather's input in another rank's slot: MPI must read a copy
+        out2 = torch.arange(n * m, dtype=torch.float64) + 100 * me
+        sent = out2[other * n:(other + 1) * n].clone()
+        e = plan("all_gather_into_tensor", out2, out2[other * n:(other + 1) * n], pg=pg)
+        assert e.before == (m > 1) and (e.buffers[0] == "IN_PLACE") == (m == 1), e  # (one rank: its own slot)
+        dist.all_gather_into_tensor(out2, out2[other * n:(other + 1) * n], group=pg)
+        slots = [torch.arange(n, dtype=torch.float64) + ((r + 1) % m) * n + 100 * r for r in range(m)]
+        assert torch.equal(out2, torch.cat(slots)) and torch.equal(slots[me], sent)
+        rs = torch.arange(n * m, dtype=torch.float64) + me  # the output inside the input: staged
+        e = plan("reduce_scatter_tensor", rs[me * n:(me + 1) * n], rs, R.SUM, pg=pg)
+        assert (e.call, e.before) == ("Reduce_scatter_block", True), e
+        dist.reduce_scatter_tensor(rs[me * n:(me + 1) * n], rs, group=pg)
+        assert torch.equal(rs[me * n:(me + 1) * n], torch.arange(n * m, dtype=torch.float64)[me * n:(me + 1) * n]
+                           * m + (tri - m))
+        kept = torch.full((2,), 1.5)
+        with pytest.raises(hpccomm.OpTypeError, match=r"ReduceOp\.BAND needs an integer or bool tensor"):
+            plan("all_reduce", [kept], R.BAND, pg=pg)
+        with pytest.raises(hpccomm.OpTypeError, match=r"ReduceOp\.BAND needs an integer or bool tensor"):
+            dist.all_reduce(kept, op=R.BAND, group=pg)
+        assert torch.equal(kept, torch.full((2,), 1.5))  # refused before any communication, untouched

@@ -3,7 +3,7 @@
 Configuration parsing, the dtype table, the ReduceOp support table, the
 checks every op runs before communicating (against a group with no
 communicator: touching it fails the test) and the format of their messages,
-the launcher checks, errors, and a layering test over hpccomm's imports.
+the launcher checks and errors (the layering test: tests/test_layers.py).
 
 A few tests need MPI datatypes; they start MPI as a singleton in this process
 (fixture ``MPI``), which ``mpirun`` is not needed for.
@@ -26,9 +26,12 @@ import torch.distributed as dist
 
 import hpccomm
 import helpers
-from hpccomm import _compat, _group, _init, _mpi, config, errors
-from hpccomm.ops import _common as c
-from hpccomm.ops import alltoall, gather, p2p, reduce, scatter
+from hpccomm import _mpi, config, errors
+from hpccomm._torch import compat
+from hpccomm._core import group as _group
+from hpccomm._start import bootstrap
+from hpccomm._ops import checks, staging
+from hpccomm._ops import alltoall, gather, p2p, reduce, scatter
 from helpers import MOVE_DTYPES, FakeCudaTensor
 
 R = dist.ReduceOp
@@ -115,7 +118,7 @@ def test_bad_log_level_refused_at_init(monkeypatch):
     monkeypatch.setenv("HPCCOMM_LOG", "loud")
     with mock.patch.object(_mpi, "mpi", side_effect=AssertionError("MPI started before the config was read")):
         with pytest.raises(hpccomm.ConfigError, match="HPCCOMM_LOG"):
-            _init._configure_logging()
+            bootstrap._configure_logging()
 
 
 def test_unknown_option_name():
@@ -223,7 +226,7 @@ def test_unknown_dtype_is_rejected(dtype):
         torch.zeros(2), 0.1, 0, torch.quint8)
     with pytest.raises(hpccomm.OpTypeError, match=rf"tensor has dtype {re.escape(str(dtype))}, which hpccomm "
                        r"cannot send\. Supported: float32, float64, float16, bfloat16"):
-        c.check_tensor(fake_group(), "broadcast", t)
+        checks.check_tensor(fake_group(), "broadcast", t)
 
 
 # --------------------------------------------------------------------------
@@ -254,15 +257,15 @@ TABLE = [(d, k) for d in _mpi.DTYPES for k in ALL_REDOPS]
 def test_reduce_op_support_table(dtype, kind):
     g = fake_group()
     if _supported(dtype, kind):
-        got, factor = c.reduce_op(g, "all_reduce", dtype, _redop(kind))
+        got, factor = checks.reduce_op(g, "all_reduce", dtype, _redop(kind))
         assert got == kind
         assert factor == (2.5 if kind == T.PREMUL_SUM else None)
         if kind != T.PREMUL_SUM:  # a bare RedOpType is accepted too
-            assert c.reduce_op(g, "all_reduce", dtype, kind) == (kind, None)
+            assert checks.reduce_op(g, "all_reduce", dtype, kind) == (kind, None)
     else:
         name = str(kind).split(".")[-1]
         with pytest.raises(hpccomm.OpTypeError) as info:
-            c.reduce_op(g, "all_reduce", dtype, _redop(kind))
+            checks.reduce_op(g, "all_reduce", dtype, _redop(kind))
         msg = str(info.value)
         assert msg.startswith("hpccomm all_reduce (op #7 on group 'fake', rank 1/4): "), msg
         assert f"ReduceOp.{name}" in msg or "can be moved but not reduced" in msg, msg
@@ -272,13 +275,13 @@ def test_reduce_op_support_table(dtype, kind):
 
 def test_premul_sum_tensor_factor():
     factor = torch.tensor([0.25], dtype=torch.float64)
-    kind, got = c.reduce_op(fake_group(), "all_reduce", torch.float32, dist._make_nccl_premul_sum(factor))
+    kind, got = checks.reduce_op(fake_group(), "all_reduce", torch.float32, dist._make_nccl_premul_sum(factor))
     assert kind == T.PREMUL_SUM and torch.equal(got, factor)
 
 
 def test_not_a_reduce_op():
     with pytest.raises(hpccomm.OpTypeError, match=r"'max' is not a torch\.distributed\.ReduceOp$"):
-        c.reduce_op(fake_group(), "all_reduce", torch.float32, "max")
+        checks.reduce_op(fake_group(), "all_reduce", torch.float32, "max")
 
 
 def test_mpi_ops(MPI):
@@ -349,33 +352,33 @@ S = T.SUM
 # (name, op, function, args after the group, fragment of what the message must say).
 # The fake group has rank 1 of 4; root 0 is another rank.
 BAD = [
-    ("not-a-tensor", "all_reduce", reduce.allreduce, ([[1.0]], S), r"tensor is a list, not a torch\.Tensor"),
-    ("not-a-list", "all_reduce", reduce.allreduce, ("x", S), r"tensors is a str, not a list of tensors"),
-    ("two-tensors", "all_reduce", reduce.allreduce, ([_t(2), _t(2)], S), r"tensors has 2 tensors, expected 1$"),
-    ("sparse", "all_reduce", reduce.allreduce, ([_t(2).to_sparse()], S),
+    ("not-a-tensor", "all_reduce", reduce.all_reduce, ([[1.0]], S), r"tensor is a list, not a torch\.Tensor"),
+    ("not-a-list", "all_reduce", reduce.all_reduce, ("x", S), r"tensors is a str, not a list of tensors"),
+    ("two-tensors", "all_reduce", reduce.all_reduce, ([_t(2), _t(2)], S), r"tensors has 2 tensors, expected 1$"),
+    ("sparse", "broadcast", scatter.broadcast, ([_t(2).to_sparse()], 0),  # (all_reduce takes sparse: gloo's sum)
      r"tensor has layout torch\.sparse_coo; only dense \(strided\) tensors can be sent\. Call \.to_dense\(\) first"),
-    ("meta", "all_reduce", reduce.allreduce, ([_meta()], S), r"tensor is a meta tensor: it has no data"),
-    ("cuda-subclass", "all_reduce", reduce.allreduce, ([_t(2).as_subclass(FakeCudaTensor)], S),
+    ("meta", "all_reduce", reduce.all_reduce, ([_meta()], S), r"tensor is a meta tensor: it has no data"),
+    ("cuda-subclass", "all_reduce", reduce.all_reduce, ([_t(2).as_subclass(FakeCudaTensor)], S),
      r"tensor is on device cuda:0; .*Move it to the CPU with \.cpu\(\)"),
     ("cuda-mock", "broadcast", scatter.broadcast, ([_cuda_mock()], 0), r"tensor is on device cuda:1"),
-    ("bits8", "all_reduce", reduce.allreduce, ([torch.zeros(2, dtype=torch.bits8)], S),
+    ("bits8", "all_reduce", reduce.all_reduce, ([torch.zeros(2, dtype=torch.bits8)], S),
      r"tensor has dtype torch\.bits8, which hpccomm cannot send"),
-    ("band-float", "all_reduce", reduce.allreduce, ([_t(2)], T.BAND), r"ReduceOp\.BAND needs an integer or bool"),
-    ("avg-bool", "all_reduce", reduce.allreduce, ([_t(2, dtype=torch.bool)], T.AVG),
+    ("band-float", "all_reduce", reduce.all_reduce, ([_t(2)], T.BAND), r"ReduceOp\.BAND needs an integer or bool"),
+    ("avg-bool", "all_reduce", reduce.all_reduce, ([_t(2, dtype=torch.bool)], T.AVG),
      r"ReduceOp\.AVG is not defined for bool tensors"),
-    ("premul-int", "all_reduce", reduce.allreduce, ([_t(2, dtype=torch.int32)], dist._make_nccl_premul_sum(2.0)),
+    ("premul-int", "all_reduce", reduce.all_reduce, ([_t(2, dtype=torch.int32)], dist._make_nccl_premul_sum(2.0)),
      r"ReduceOp\.PREMUL_SUM needs a floating-point or complex tensor, got torch\.int32"),
-    ("float8", "all_reduce", reduce.allreduce, ([_t(2).to(torch.float8_e4m3fn)], T.MAX),
+    ("float8", "all_reduce", reduce.all_reduce, ([_t(2).to(torch.float8_e4m3fn)], T.MAX),
      r"torch\.float8_e4m3fn can be moved but not reduced"),
-    ("coalesced-float8", "all_reduce_coalesced", reduce.allreduce_coalesced,
+    ("coalesced-float8", "all_reduce_coalesced", reduce.all_reduce_coalesced,
      ([_t(2), _t(2).to(torch.float8_e5m2)], S), r"torch\.float8_e5m2 can be moved but not reduced"),
     ("reduce-root", "reduce", reduce.reduce, ([_t(2)], 4, S), r"\w+ 4 is not a rank of this group of size 4"),
     ("reduce-root-float", "reduce", reduce.reduce, ([_t(2)], 1.0, S), r"\w+ 1\.0 is not a rank of this group"),
     ("reduce-min-complex", "reduce", reduce.reduce, ([_t(2, dtype=torch.complex64)], 0, T.MIN),
      r"ReduceOp\.MIN is not defined for complex tensors"),
-    ("rst-size", "reduce_scatter_tensor", reduce.reduce_scatter_single, (_t(3), _t(8), S),
+    ("rst-size", "reduce_scatter_tensor", reduce.reduce_scatter_tensor, (_t(3), _t(8), S),
      r"input has 8 elements, expected output's 3 × group size 4 = 12"),
-    ("rst-dtype", "reduce_scatter_tensor", reduce.reduce_scatter_single, (_t(2), _t(8, dtype=torch.float64), S),
+    ("rst-dtype", "reduce_scatter_tensor", reduce.reduce_scatter_tensor, (_t(2), _t(8, dtype=torch.float64), S),
      r"input has dtype torch\.float64 but output has torch\.float32"),
     ("rs-len", "reduce_scatter", reduce.reduce_scatter, ([_t(2)], [[_t(2)] * 3], S),
      r"input_list has 3 tensors, expected 4 \(one per rank of the group\)"),
@@ -383,25 +386,25 @@ BAD = [
      r"input_list\[1\] has 3 elements but output has 2\. Every input must have the output's size"),
     ("rs-dtype", "reduce_scatter", reduce.reduce_scatter, ([_t(2)], [[_t(2, dtype=torch.int8)] * 4], S),
      r"input_list\[0\] has dtype torch\.int8 but the input has torch\.float32\. All tensors of one op"),
-    ("rstc-len", "reduce_scatter_tensor_coalesced", reduce.reduce_scatter_single_coalesced,
+    ("rstc-len", "reduce_scatter_tensor_coalesced", reduce.reduce_scatter_tensor_coalesced,
      ([_t(2)], [_t(8), _t(8)], S), r"inputs has 2 tensors, expected 1$"),
-    ("agit-size", "all_gather_into_tensor", gather.all_gather_single, (_t(9), _t(2)),
+    ("agit-size", "all_gather_into_tensor", gather.all_gather_into_tensor, (_t(9), _t(2)),
      r"output has 9 elements, expected input's 2 × group size 4 = 8"),
-    ("agit-dtype", "all_gather_into_tensor", gather.all_gather_single, (_t(8, dtype=torch.int64), _t(2)),
+    ("agit-dtype", "all_gather_into_tensor", gather.all_gather_into_tensor, (_t(8, dtype=torch.int64), _t(2)),
      r"input has dtype torch\.float32 but output has torch\.int64"),
-    ("agit-meta", "all_gather_into_tensor", gather.all_gather_single, (_t(8), _meta()),
+    ("agit-meta", "all_gather_into_tensor", gather.all_gather_into_tensor, (_t(8), _meta()),
      r"input is a meta tensor"),
-    ("ag-len", "all_gather", gather.allgather, ([[_t(2)] * 5], [_t(2)]),
+    ("ag-len", "all_gather", gather.all_gather, ([[_t(2)] * 5], [_t(2)]),
      r"tensor_list has 5 tensors, expected 4 \(one per rank of the group\)"),
-    ("ag-slot", "all_gather", gather.allgather, ([[_t(2), _t(3), _t(2), _t(2)]], [_t(2)]),
+    ("ag-slot", "all_gather", gather.all_gather, ([[_t(2), _t(3), _t(2), _t(2)]], [_t(2)]),
      r"tensor_list\[1\] \(this rank's slot\) has 3 elements but the input has 2"),
-    ("ag-dtype", "all_gather", gather.allgather, ([[_t(2, dtype=torch.float16)] * 4], [_t(2)]),
+    ("ag-dtype", "all_gather", gather.all_gather, ([[_t(2, dtype=torch.float16)] * 4], [_t(2)]),
      r"tensor_list\[0\] has dtype torch\.float16 but the input has torch\.float32"),
-    ("agc-len", "all_gather_coalesced", gather.allgather_coalesced, ([[_t(2)] * 4], [_t(2), _t(2)]),
+    ("agc-len", "all_gather_coalesced", gather.all_gather_coalesced, ([[_t(2)] * 4], [_t(2), _t(2)]),
      r"output_tensor_lists has 1 tensors, expected 4 \(one per rank of the group\)$"),
-    ("agc-inner", "all_gather_coalesced", gather.allgather_coalesced, ([[_t(2)] * 2] * 3 + [[_t(2)]], [_t(2), _t(2)]),
+    ("agc-inner", "all_gather_coalesced", gather.all_gather_coalesced, ([[_t(2)] * 2] * 3 + [[_t(2)]], [_t(2), _t(2)]),
      r"output_tensor_lists\[3\] has 1 tensors, expected 2$"),
-    ("agitc-len", "all_gather_into_tensor_coalesced", gather.all_gather_single_coalesced,
+    ("agitc-len", "all_gather_into_tensor_coalesced", gather.all_gather_into_tensor_coalesced,
      ([_t(8)], [_t(2), _t(2)]), r"inputs has 2 tensors, expected 1$"),
     ("gather-root", "gather", gather.gather, ([[]], [_t(2)], -1), r"dst -1 is not a rank of this group of size 4"),
     ("gather-nonroot-list", "gather", gather.gather, ([[_t(2)] * 4], [_t(2)], 0),
@@ -543,18 +546,18 @@ def test_check_launch(monkeypatch, env, size, fragment):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     if fragment is None:
-        _init._check_launch(_Comm(size))
+        bootstrap._check_launch(_Comm(size))
     else:
         from mpilaunch import require
 
         fragment = fragment.replace("{plugin}", require().spec.srun_mpi)
         with pytest.raises(hpccomm.InitError, match=rf"^hpccomm init: {fragment}"):
-            _init._check_launch(_Comm(size))
+            bootstrap._check_launch(_Comm(size))
 
 
 @pytest.mark.parametrize("fn", [hpccomm.local_rank, hpccomm.local_size, hpccomm.node_index])
 def test_rank_info_before_init(monkeypatch, fn):
-    monkeypatch.setattr(_init._state, "info", None)
+    monkeypatch.setattr(bootstrap.started, "info", None)
     with pytest.raises(hpccomm.InitError, match=r"not initialised; call hpccomm\.init_process_group\(\) first"):
         fn()
 
@@ -567,213 +570,51 @@ def test_from_mpi4py_before_init(monkeypatch):
 
 
 # --------------------------------------------------------------------------
-# small helpers of ops/_common
+# small helpers of _ops/staging
 # --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("count,limit,expected", [
     (0, 5, [(0, 0)]), (5, 5, [(0, 5)]), (6, 5, [(0, 5), (5, 1)]), (10, 3, [(0, 3), (3, 3), (6, 3), (9, 1)]),
 ])
 def test_chunks(count, limit, expected):
-    assert list(c.chunks(count, limit)) == expected
+    assert list(staging.chunks(count, limit)) == expected
 
 
 def test_flat_view_and_overlaps():
     base = torch.arange(12.0)
     parts = list(base.chunk(4))
-    flat = c.flat_view(parts)
+    flat = staging.flat_view(parts)
     assert flat is not None and flat.data_ptr() == base.data_ptr() and torch.equal(flat, base)
-    assert c.flat_view(parts[::-1]) is None          # out of order
-    assert c.flat_view([torch.ones(3), torch.ones(3)]) is None  # two storages
-    assert c.flat_view([base[::2]]) is None           # not contiguous
-    assert c.overlaps(parts[0], base) and not c.overlaps(parts[0], parts[1])
-    assert not c.overlaps(torch.empty(0), base)
+    assert staging.flat_view(parts[::-1]) is None          # out of order
+    assert staging.flat_view([torch.ones(3), torch.ones(3)]) is None  # two storages
+    assert staging.flat_view([base[::2]]) is None           # not contiguous
+    assert staging.overlaps(parts[0], base) and not staging.overlaps(parts[0], parts[1])
+    assert not staging.overlaps(torch.empty(0), base)
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint64, torch.float32])
 def test_finish_average_truncates_integers(dtype):
     t = torch.tensor([7, 9, 0], dtype=dtype)
-    c.finish_average(t, 4)
+    staging.finish_average(t, 4)
     expected = [1.75, 2.25, 0.0] if dtype.is_floating_point else [1, 2, 0]
     assert t.tolist() == expected
     if dtype.is_signed:
         s = torch.tensor([-7], dtype=dtype)
-        c.finish_average(s, 4)
+        staging.finish_average(s, 4)
         assert s.tolist() == ([-1.75] if dtype.is_floating_point else [-1])  # toward zero, as NCCL
 
 
 def test_premul_sum_factor_from_compat():
-    assert _compat.premul_sum_factor(dist._make_nccl_premul_sum(3.0)) == 3.0
-    assert _compat.reduce_op_type(R.MAX) == T.MAX
-    assert _compat.reduce_op_type(dist._make_nccl_premul_sum(3.0)) == T.PREMUL_SUM
-
-
-# --------------------------------------------------------------------------
-# layering
-# --------------------------------------------------------------------------
-
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(PKG.parent).with_suffix("")
-    parts = list(rel.parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-def imports_of(source: str, module: str, is_package: bool = False) -> list:
-    """``(line, absolute module name, at module level)`` for every import in
-    ``source`` (nested ones too), relative imports resolved against
-    ``module``, plus ``importlib.import_module("literal")`` and
-    ``__import__("literal")`` calls; ``from X
-    import Y`` yields both X and X.Y (Y may be a submodule)."""
-    package = module if is_package else module.rpartition(".")[0]
-    out = []
-
-    def visit(node, top: bool) -> None:
-        if isinstance(node, ast.Import):
-            out.extend((node.lineno, a.name, top) for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[:len(base) - (node.level - 1)]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module
-            out.append((node.lineno, mod, top))
-            out.extend((node.lineno, f"{mod}.{a.name}", top) for a in node.names)
-        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) \
-                in ("import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant):
-            out.append((node.lineno, node.args[0].value, top))
-        inner = top and not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-        for child in ast.iter_child_nodes(node):
-            visit(child, inner)
-
-    visit(ast.parse(source), True)
-    return out
-
-
-def _all_imports():
-    for path in _hpccomm_sources():
-        module = _module_name(path)
-        for line, name, top in imports_of(path.read_text(), module, path.name == "__init__.py"):
-            yield module, f"{path.relative_to(PKG.parent)}:{line}", name, top
-
-
-def _is(name: str, prefix: str) -> bool:
-    return name == prefix or name.startswith(prefix + ".")
-
-
-#: torch.distributed's internals: submodules and private names.
-def _torch_internal(name: str) -> bool:
-    if _is(name, "torch._C"):
-        return True
-    if _is(name, "torch.distributed") and name != "torch.distributed":
-        last = name[len("torch.distributed."):]
-        return True if last.startswith("_") or "." in last or last in _TORCH_DIST_SUBMODULES else False
-    return False
-
-
-_TORCH_DIST_SUBMODULES = {"distributed_c10d", "rendezvous", "c10d_logger", "constants", "utils", "device_mesh",
-                          "elastic", "algorithms", "fsdp", "tensor", "checkpoint", "launcher", "run", "nn",
-                          "optim", "pipelining", "rpc", "autograd", "logging_handlers"}
-
-
-#: Tools on top of the library (``python -m hpccomm.X``): nothing imports them.
-#: Like any user they may import torch.distributed, and mpi4py inside a
-#: function (after hpccomm started MPI; a raw-MPI baseline in the benchmark).
-#: ``hpccomm._cli_*`` are the ``hpccomm`` subcommands; ``hpccomm.examples`` the example programs;
-#: ``hpccomm.horovod`` Horovod's API, a user of torch.distributed and hpccomm's public API like the others.
-TOOLS = ("hpccomm.__main__", "hpccomm._cli", "hpccomm.bench", "hpccomm.bench_gpu", "hpccomm.demo", "hpccomm.jobs",
-         "hpccomm.examples", "hpccomm.horovod")
-
-
-def _is_tool(module: str) -> bool:
-    return any(module == t or module.startswith(t + ".") or (t == "hpccomm._cli" and module.startswith(t))
-               for t in TOOLS)
-
-
-def layering_violations(imports) -> list:
-    """The rules, over ``(module, where, imported name, at module level)``."""
-    bad = []
-    for module, where, name, top in imports:
-        tool = _is_tool(module)
-        if _is(name, "mpi4py") and module != "hpccomm._mpi" and (top or not tool):
-            bad.append(f"{where}: {module} imports {name}; only hpccomm._mpi may import mpi4py"
-                       + (" (a tool may, inside a function)" if tool else ""))
-        if _torch_internal(name) and module != "hpccomm._compat":
-            bad.append(f"{where}: {module} imports torch internals ({name}); only hpccomm._compat may")
-        if name == "torch.distributed" and not tool and module not in (
-                "hpccomm._compat", "hpccomm._init", "hpccomm.process_group"):
-            bad.append(f"{where}: {module} imports torch.distributed; only _compat, _init and "
-                       "process_group may (the rest get torch's names from _compat)")
-        if _is(module, "hpccomm.ops") and any(_is(name, up) for up in (
-                "hpccomm.process_group", "hpccomm._init", "hpccomm._work", *TOOLS)):
-            bad.append(f"{where}: {module} imports {name}; op modules must not import the layers above them")
-        if _is_tool(name) and not tool:
-            bad.append(f"{where}: {module} imports the tool {name}; nothing in the library may")
-        if module in _BELOW and _is(name, "hpccomm") and name != "hpccomm" \
-                and not any(_is(name, low) for low in _BELOW[module]):
-            bad.append(f"{where}: {module} imports {name}, which sits above it")
-    return bad
-
-
-#: what each bottom module may import from hpccomm.
-_BELOW = {
-    "hpccomm.errors": (),
-    "hpccomm._status": (),
-    "hpccomm.config": ("hpccomm.errors",),
-    "hpccomm._compat": ("hpccomm.errors",),
-    "hpccomm.launcher": (),
-    "hpccomm._mpi": ("hpccomm.errors", "hpccomm._compat", "hpccomm.config", "hpccomm.launcher"),
-}
-
-
-def test_layering():
-    imports = list(_all_imports())
-    assert any(m == "hpccomm._mpi" and _is(n, "mpi4py") for m, _, n, _ in imports), \
-        "the scan saw no mpi4py import"
-    assert any(_is(m, "hpccomm.ops") and n == "hpccomm.ops._common" for m, _, n, _ in imports), \
-        "relative imports were not resolved"
-    bad = layering_violations(imports)
-    assert not bad, "imports pointing the wrong way:\n" + "\n".join(bad)
-
-
-@pytest.mark.parametrize("module,source", [
-    ("hpccomm.ops.reduce", "from ..process_group import ProcessGroupHpccomm"),
-    ("hpccomm.ops.reduce", "from .. import process_group"),
-    ("hpccomm._group", "def f():\n    import mpi4py.MPI"),
-    ("hpccomm._init", "from torch.distributed import distributed_c10d"),
-    ("hpccomm._work", "import torch._C._distributed_c10d as c"),
-    ("hpccomm._group", "import torch.distributed as dist"),
-    ("hpccomm.process_group", "import importlib\nimportlib.import_module('torch.distributed.rendezvous')"),
-    ("hpccomm._mpi", "from ._group import Group"),
-    ("hpccomm.errors", "from .config import get"),
-    ("hpccomm.bench", "from mpi4py import MPI"),
-    ("hpccomm._init", "from . import bench"),
-    ("hpccomm.ops.gather", "from ..demo import say"),
-    ("hpccomm._group", "def f():\n    return __import__('mpi4py').MPI"),
-])
-def test_layering_rules_catch(module, source):
-    """Each rule fires on a planted bad import."""
-    found = imports_of(source, module)
-    assert layering_violations((module, "planted", name, top) for _, name, top in found), (module, source, found)
-
-
-@pytest.mark.parametrize("module,source", [
-    ("hpccomm.bench", "def main():\n    from mpi4py import MPI"),
-    ("hpccomm.demo", "import torch.distributed as dist\nimport hpccomm"),
-    ("hpccomm._init", "import torch.distributed as dist\nfrom . import _compat, _group"),
-    ("hpccomm.ops.reduce", "from .. import _mpi\nfrom .._compat import RedOpType\nfrom . import _common as c"),
-])
-def test_layering_rules_allow(module, source):
-    found = imports_of(source, module)
-    assert layering_violations((module, "planted", name, top) for _, name, top in found) == []
+    assert compat.premul_sum_factor(dist._make_nccl_premul_sum(3.0)) == 3.0
+    assert compat.reduce_op_type(R.MAX) == T.MAX
+    assert compat.reduce_op_type(dist._make_nccl_premul_sum(3.0)) == T.PREMUL_SUM
 
 
 def test_dead_local_peers_finds_gone_and_zombie_processes():
     import socket
     import subprocess
 
-    from hpccomm import _status
+    from hpccomm._core import state
 
     me = socket.gethostname()
     live = subprocess.Popen(["sleep", "30"])
@@ -781,11 +622,11 @@ def test_dead_local_peers_finds_gone_and_zombie_processes():
     gone = subprocess.Popen(["true"])
     gone.wait()  # reaped: its pid no longer exists
     deadline = time.monotonic() + 5
-    while _status.alive(zombie.pid) and time.monotonic() < deadline:  # exited, not reaped yet
+    while state.alive(zombie.pid) and time.monotonic() < deadline:  # exited, not reaped yet
         time.sleep(0.05)
     try:
         peers = [(me, os.getpid()), (me, live.pid), (me, zombie.pid), (me, gone.pid), ("elsewhere", gone.pid)]
-        assert _status.dead_local_peers(peers) == [(2, me, zombie.pid), (3, me, gone.pid)]
+        assert state.dead_local_peers(peers) == [(2, me, zombie.pid), (3, me, gone.pid)]
     finally:
         live.kill()
         live.wait()
@@ -793,7 +634,8 @@ def test_dead_local_peers_finds_gone_and_zombie_processes():
 
 
 def test_report_line_names_the_running_op_and_the_recorded_failure(monkeypatch):
-    from hpccomm import _signals, _status
+    from hpccomm._core import signals
+    from hpccomm._core import state
 
     class Group:
         name, timeout = "WORLD", 60
@@ -812,15 +654,15 @@ def test_report_line_names_the_running_op_and_the_recorded_failure(monkeypatch):
             return self.kv[k]
 
     store = Store()
-    monkeypatch.setattr(_status, "world", _status._World())
-    _status.set_world(1, 4, store, [])
-    monkeypatch.setattr(_status, "watched", {})
-    assert _signals.report_line() == (
+    monkeypatch.setattr(state, "world", state._World())
+    state.set_world(1, 4, store, [])
+    monkeypatch.setattr(state, "watched", {})
+    assert signals.report_line() == (
         "hpccomm: rank 1 of 4 ended by SIGTERM (the launcher ends the job) outside any hpccomm op; no failed "
         "rank known here (one on another node, or the job was cancelled: the launcher's message names it)")
-    _status.begin(Group(), "all_gather", 7, 60)
-    _status.record_failure("raised an uncaught KeyError (last op: barrier (op #6 on group 'WORLD'))")
-    line = _signals.report_line()
+    state.begin(Group(), "all_gather", 7, 60)
+    state.record_failure("raised an uncaught KeyError (last op: barrier (op #6 on group 'WORLD'))")
+    line = signals.report_line()
     assert line.startswith("hpccomm: rank 1 of 4 ended by SIGTERM (the launcher ends the job) while in all_gather "
                            "(op #7 on group 'WORLD', for 0.0 s); rank 1 raised an uncaught KeyError"), line
 
@@ -832,7 +674,7 @@ def test_wait_returns_only_after_the_future_completed():
     a torch INTERNAL ASSERT in a test)."""
     import threading
 
-    from hpccomm import _work
+    from hpccomm._core import work as core_work
 
     class Pending:
         engine_completes = True
@@ -841,7 +683,7 @@ def test_wait_returns_only_after_the_future_completed():
             return None
 
     out = [torch.ones(2)]
-    work = _work.Work(out, Pending(), "all_reduce (test)")
+    work = core_work.Work(out, Pending(), "all_reduce (test)")
     in_set_result, release = threading.Event(), threading.Event()
 
     class HeldFuture:  # holds the completing thread just before it completes the future
@@ -853,8 +695,9 @@ def test_wait_returns_only_after_the_future_completed():
             release.wait(10)
             self.raw.set_result(value)
 
-    work._raw = HeldFuture(work._raw)
-    completer = threading.Thread(target=work._complete_on_engine)
+    work.get_future()  # the futures exist: completing the Work completes them
+    work._rawf = HeldFuture(work._rawf)
+    completer = threading.Thread(target=work._ran_on_engine)
     completer.start()
     assert in_set_result.wait(10)
     assert work._done and not work.is_completed()  # marked done, future not yet complete

@@ -1,6 +1,6 @@
 """hpccomm's methods that torch's C++ layer calls are kept out of TorchDynamo
 once Dynamo is imported, whichever is imported first, and importing hpccomm
-does not import Dynamo (about 1 s).  See hpccomm._compat.hide_from_compiler;
+does not import Dynamo (about 1 s).  See hpccomm._torch.compat.hide_from_compiler;
 tests/test_fsdp.py::test_compiled_ddp_matches_eager is the end-to-end test."""
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import pytest
 CHECK = """
 import sys
 {first}
-from hpccomm import ProcessGroupHpccomm, _runner
-from hpccomm._work import Work
+from hpccomm import ProcessGroupHpccomm
+from hpccomm._core import op_path
+from hpccomm._core.work import Work
 print("dynamo imported:", "torch._dynamo" in sys.modules)
 {then}
 names = ["broadcast", "allreduce", "all_gather_single", "_allgather_base", "all_to_all_single", "barrier",
@@ -25,7 +26,7 @@ hidden += [getattr(getattr(BackendHpccomm, n), "_torchdynamo_disable", False)
            for n in [*(n for n in names[:-1] if n != "_allgather_base"), "start_coalescing", "end_coalescing",
                      "split", "monitored_barrier"]]
 print("hidden:", all(hidden))
-print("run-time methods:", getattr(_runner.run, "_torchdynamo_disable", False))
+print("run-time methods:", getattr(op_path.run, "_torchdynamo_disable", False))
 """
 
 

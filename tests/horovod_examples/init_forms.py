@@ -31,7 +31,7 @@ def raised(call):
 
 os.environ.pop("HOROVOD_DYNAMIC_PROCESS_SETS", None)
 # The order matters: hpccomm caches the world's peers at its first init (see the
-# lead's note on hpccomm._signals), so the first init here spans every rank.
+# lead's note on hpccomm._core.signals), so the first init here spans every rank.
 
 # 1. bad arguments, then the default form mixed with plain torch.distributed calls
 exc = raised(lambda: hvd.init(comm="world"))

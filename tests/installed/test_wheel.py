@@ -103,8 +103,8 @@ def test_metadata():
     assert {"openmpi", "mpich", "impi", "test", "frameworks"} <= set(meta.get_all("Provides-Extra"))
     points = {(e.group, e.name): e.value for e in dist.entry_points}
     assert points == {("console_scripts", "hpccomm"): "hpccomm.__main__:main",
-                      ("torch.distributed.backends", "hpccomm"): "hpccomm._plugin:register",
-                      ("torch.backends", "hpccomm"): "hpccomm._plugin:autoload"}, points
+                      ("torch.distributed.backends", "hpccomm"): "hpccomm._torch.plugin:register",
+                      ("torch.backends", "hpccomm"): "hpccomm._torch.plugin:autoload"}, points
 
 
 def test_hpccomm_command():

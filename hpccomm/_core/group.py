@@ -1,0 +1,161 @@
+"""A process group's MPI side: its communicators, ranks and op counters.
+
+Torch-free (but for tensors): the torch-facing adapters (``process_group.py``
+for torch 2.13, ``backend.py`` for torch >= 2.14) wrap one :class:`Group`.
+
+Op numbers.  ``seq`` counts the group's collectives and is the same on every
+member (debug-mode fingerprints and the watchdog's store keys depend on it);
+``p2p_seq`` counts this rank's point-to-point ops, which other members need
+not match.  hpccomm.state.start takes them, and records what runs.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Optional, Sequence
+
+from .. import _mpi, config
+from . import debug_mode, state
+
+_ids = itertools.count()
+_made: dict = {}  # global ranks -> groups of exactly those ranks this process made
+
+
+class Group:
+    """An MPI communicator owned by hpccomm, with what error messages need.
+
+    ``global_ranks``: this group's members as ranks of the default (world)
+    group, in group-rank order.  ``comm``: the communicator collectives run
+    on; ``p2p``: a duplicate for user point-to-point traffic (never matches
+    hpccomm's own messages).
+    """
+
+    #: The op modules see host tensors only (a GPU transport's view of the group says False:
+    #: hpccomm._gpu.cuda_mpi.DeviceView), so they hand MPI host memory without asking each tensor.
+    host = True
+
+    def __init__(self, comm, global_ranks: Sequence[int], name: str = "", store=None,
+                 timeout=None, owns_comm: bool = True, tag_ub: Optional[int] = None) -> None:
+        self.comm = comm
+        self.p2p = comm.Dup()  # collective over comm's members only
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.global_ranks = list(global_ranks)
+        members = tuple(self.global_ranks)
+        n = _made.get(members, 0)
+        _made[members] = n + 1
+        #: The same on every member (members make their groups of one set of ranks in
+        #: one order), whatever name torch gives the group: keys the store notices.
+        self.key = f"{','.join(map(str, members))}#{n}"
+        self.name = name or f"hpccomm:{next(_ids)}"
+        self.desc = ""
+        self.store = store
+        self.timeout = timeout
+        self.seq = 0  # collectives run so far (equal on every member)
+        self.p2p_seq = 0  # point-to-point ops posted so far (this rank's own)
+        self._seqs, self._p2p_seqs = itertools.count(1), itertools.count(1)  # next() is atomic under the GIL
+        self.running = None  # (name, seq, start) of the collective running now (hpccomm._core.state)
+        self.last = None  # the same, of the latest one
+        self.queued = 0  # async ops of this group not yet run by the comm thread
+        self.is_world = False
+        self.coalescing = None  # a list of pending p2p ops while torch coalesces them
+        # tracing or per-op debug logging (the settings, read when the group is made)
+        self._observed = bool(config.get("HPCCOMM_TRACE")) or config.get("HPCCOMM_LOG") == "DEBUG"
+        self.debug = debug_mode.enabled()  # compare every collective across ranks first
+        # async ops of up to 64 KiB posted as nonblocking MPI collectives (hpccomm._core.op_path.form)
+        self.nonblocking = config.get("HPCCOMM_ASYNC_NONBLOCKING")
+        self.max_count = config.get("HPCCOMM_MAX_MPI_COUNT")
+        self.tag_ub = _mpi.tag_ub() if tag_ub is None else tag_ub  # the largest tag MPI takes
+        self._owns_comm = owns_comm
+        self._lock = threading.Lock()
+        _mpi.live.add(self)
+        state.groups.add(self)
+
+    def where(self, seq: int | None = None) -> str:
+        """Context for error messages: op number, group and rank.  ``seq``
+        None names the collective being checked (the next one)."""
+        return f"op #{self.seq + 1 if seq is None else seq} on group '{self.name}', rank {self.rank}/{self.size}"
+
+    def where_p2p(self, seq: int | None = None) -> str:
+        """As :meth:`where`, for this rank's point-to-point ops."""
+        n = self.p2p_seq + 1 if seq is None else seq
+        return f"p2p op #{n} on group '{self.name}', rank {self.rank}/{self.size}"
+
+    def subgroup(self, ranks: Sequence[int], tag: int, name: str = "", store=None, timeout=None) -> "Group":
+        """The group of ``ranks`` (ranks of this group), built collectively by
+        the members only (MPI_Comm_create_group): non-members take no part."""
+        return Group(create_group(self.comm, ranks, tag), [self.global_ranks[r] for r in ranks], name, store,
+                     timeout)
+
+    def free(self, flush: bool = True) -> None:
+        """Free the communicators, after this group's queued ops ran (``flush``)."""
+        from .comm_thread import engine
+
+        if self.comm is not None and flush:
+            engine.flush(self)
+        comm, p2p, self.comm, self.p2p = self.comm, self.p2p, None, None
+        MPI = _mpi.mpi()
+        if comm is None or MPI.Is_finalized():
+            return
+        p2p.Free()
+        if self._owns_comm:
+            comm.Free()
+
+    @property
+    def debug(self) -> bool:
+        """Debug mode: every collective is compared across the group's ranks first (hpccomm._core.debug_mode)."""
+        return self._debug
+
+    @debug.setter
+    def debug(self, on: bool) -> None:
+        self._debug = on
+        #: Debug mode, tracing or per-op debug logging: the op path takes its instrumented branch
+        #: (hpccomm._core.op_path.execute); one attribute test on the latency-bound path.
+        self.instrumented = bool(on) or self._observed
+
+    @property
+    def freed(self) -> bool:
+        return self.comm is None
+
+    @property
+    def timeout(self):
+        """The group's timeout (a timedelta, or None for none)."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, value) -> None:
+        seconds = None
+        if value is not None:
+            seconds = value.total_seconds() if hasattr(value, "total_seconds") else float(value)
+        self._timeout, self.timeout_s = value, (seconds if seconds and seconds > 0 else None)
+        if self.timeout_s:
+            from .watchdog import watchdog
+
+            watchdog.start()  # it watches this group's ops from now on
+
+
+def create_group(comm, ranks: Sequence[int], tag: int):
+    """A communicator over ``ranks`` of ``comm``, made by those ranks only
+    (MPI_Comm_create_group): the other ranks of ``comm`` take no part."""
+    mgroup = comm.Get_group().Incl(list(ranks))
+    try:
+        return comm.Create_group(mgroup, tag)
+    finally:
+        mgroup.Free()
+
+
+def world(comm=None, store=None, timeout=None, name: str = "") -> Group:
+    """A group over a private duplicate of ``comm`` (default COMM_WORLD).
+
+    hpccomm never communicates on the user's communicator itself, so its
+    messages cannot match the user's own.
+    """
+    MPI = _mpi.mpi()
+    base = MPI.COMM_WORLD if comm is None else comm
+    dup = base.Dup()
+    return Group(dup, range(dup.Get_size()), name, store, timeout)
+
+
+def optional_free(group: Optional[Group]) -> None:
+    if group is not None:
+        group.free()

@@ -1,0 +1,277 @@
+"""What is running on this rank, and who failed: the one place that knows.
+
+- Op numbers: :func:`start` numbers every op when it starts (a group's
+  collectives are numbered alike on every member: they run in the same order
+  everywhere; point-to-point ops are numbered per rank) and records it as
+  running, until :func:`finished` (a collective run in this thread) or
+  :func:`end` (a posted op, once its Work completes).  :func:`begin` records
+  what else may hang: group creation, debug-mode checks.
+- Who failed: a rank about to end the job records why in the world group's
+  key-value store (:func:`record_failure`), so that the other ranks' lines
+  can name it; :data:`failures` holds what fault tolerance (hpccomm.fault_tolerance)
+  knows of lost ranks.
+- The keys of the key-value store that ranks use to tell each other of a
+  failure, a refusal or a timeout: :func:`failure_key`, :func:`refusal_key`,
+  :func:`timeout_key`.
+
+The watchdog (timeouts), the SIGTERM reporter (hpccomm._core.signals), the
+excepthook and hpccomm.errors' messages read it.  Nothing here calls MPI or
+starts a thread.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import weakref
+import socket
+import time
+from typing import Optional
+
+_monotonic = time.monotonic
+
+
+class Op:
+    """An op this rank is in: ``kind`` is ``"collective"`` or ``"p2p"``;
+    ``peer`` the other rank of a point-to-point op (None: any source)."""
+
+    __slots__ = ("group", "name", "seq", "start", "deadline", "kind", "peer")
+
+    def __init__(self, group, name, seq, start, deadline, kind="collective", peer=None) -> None:
+        self.group, self.name, self.seq, self.start, self.deadline = group, name, seq, start, deadline
+        self.kind, self.peer = kind, peer
+
+    def where(self) -> str:
+        g = self.group
+        return g.where_p2p(self.seq) if self.kind == "p2p" else g.where(self.seq)
+
+
+#: token -> Op (or a posted op's own record, hpccomm._core.work.Request): the ops this rank is in now
+#: besides each group's running collective.
+watched: dict = {}
+ids = itertools.count()
+#: The groups whose collectives run here: each says which one it is in, if
+#: any, in ``group.running`` = ``(name, seq, start)``, and its latest in
+#: ``group.last`` (set by :func:`start`).  hpccomm._core.group adds every group.
+groups = weakref.WeakSet()
+#: [the group whose op started last on this rank]
+last_group: list = [None]
+
+
+def start(group, op: str, record=None) -> int:
+    """Number op ``op`` of ``group`` and record it as running on this rank;
+    returns its number.
+
+    ``record`` None: a collective that runs now in the calling thread,
+    recorded in ``group.running`` until :func:`finished`.  Else a posted op's
+    record (hpccomm._core.work.Request: a point-to-point op, ``kind`` ``"p2p"``,
+    numbered apart, or a collective), which gets its number, start time and
+    deadline (the group's timeout) and is watched until :func:`end` with its
+    ``token``.  Collectives are numbered in the thread that runs (or posts)
+    them, when it does: they run in the same order on every member, so they
+    are numbered alike everywhere, whichever thread issued them; ``next()``
+    on the counters is atomic under the GIL.
+    """
+    now = _monotonic()
+    if record is None:
+        group.seq = seq = next(group._seqs)
+        group.running = group.last = (op, seq, now)
+        last_group[0] = group
+        return seq
+    if record.kind == "p2p":
+        group.p2p_seq = seq = next(group._p2p_seqs)
+    else:
+        group.seq = seq = next(group._seqs)
+        group.last = (op, seq, now)
+        last_group[0] = group
+    record.seq, record.start = seq, now
+    seconds = group.timeout_s
+    record.deadline = now + seconds if seconds else None
+    record.token = token = next(ids)
+    watched[token] = record
+    return seq
+
+
+def relabel(group, op: str) -> None:
+    """The collective running on ``group`` goes on as ``op`` (same number,
+    started now): after debug mode's fingerprint check, which ran under its own label."""
+    group.running = group.last = (op, group.seq, _monotonic())
+
+
+def finished(group) -> None:
+    """The collective :func:`start` recorded in ``group.running`` is over."""
+    group.running = None
+
+
+def begin(group, name: str, seq: int, seconds: Optional[float], kind: str = "collective", peer=None) -> int:
+    """Record that this rank entered op ``name`` (point-to-point ops, group
+    creation, debug checks; the op path records collectives in
+    ``group.running`` itself); ``seconds`` its time limit (None: none).
+    Returns the token for :func:`end`."""
+    token = next(ids)
+    now = time.monotonic()
+    watched[token] = Op(group, name, seq, now, now + seconds if seconds else None, kind, peer)
+    return token
+
+
+def records() -> list:
+    """The records made by :func:`begin` and :func:`watch` still open (a snapshot)."""
+    return list(watched.values())
+
+
+def end(token):
+    """The op of ``token`` (:func:`begin`, :func:`start`) is over; returns it (None if unknown)."""
+    return watched.pop(token, None)
+
+
+def running() -> list:
+    """The ops this rank is in now (a snapshot): the registered ones, and
+    each group's running collective (as an :class:`Op`)."""
+    ops = list(watched.values())
+    for g in list(groups):
+        entry = getattr(g, "running", None)
+        if entry is not None:
+            name, seq, start = entry
+            seconds = getattr(g, "timeout_s", None)
+            ops.append(Op(g, name, seq, start, start + seconds if seconds else None))
+    return ops
+
+
+def current() -> Optional[Op]:
+    """The longest-running op on this rank, or None."""
+    ops = running()
+    return min(ops, key=lambda op: op.start) if ops else None
+
+
+def last_op_text() -> str:
+    """``"last op: all_reduce (op #3 on group '0', rank 1/4)"``, or ``"before any op"``."""
+    g = last_group[0]
+    latest = getattr(g, "last", None)
+    return f"last op: {latest[0]} ({g.where(latest[1])})" if latest else "before any op"
+
+
+# ----------------------------------------------------------------------------
+# who failed
+# ----------------------------------------------------------------------------
+
+class _World:
+    group = None  # hpccomm's world group (hpccomm._core.group.Group), while it lives
+    rank = 0
+    size = 1
+    store = None
+    peers: list = []  # (host, pid) per world rank
+
+
+world = _World()
+
+
+class Failures:
+    """What this rank knows of lost ranks (fault tolerance, hpccomm.fault_tolerance)."""
+
+    tolerant = False  # fault tolerance is on (agreed at init): MPI errors may mean a rank died
+    first = None  # the first hpccomm.RankFailure seen since the last shrink
+    revoked = False  # every hpccomm communicator revoked since that failure
+
+
+failures = Failures()
+
+
+def set_fault_tolerance(on: bool) -> None:
+    """The ranks agreed at init whether fault tolerance is on."""
+    failures.tolerant = on
+
+
+def failure_key() -> str:
+    """The world store's key where a rank ending the job says why (:func:`record_failure`)."""
+    return "hpccomm/failure"
+
+
+def refusal_key(g, kind: str, seq=None, from_rank=None, to_rank=None) -> str:
+    """Where a rank announces that it refused an op the others may wait in
+    (hpccomm._core.op_path.refused): a collective by its number on the group, a
+    point-to-point op by its two world ranks."""
+    if kind == "p2p":
+        return f"hpccomm/refused/{g.key}/p2p/{from_rank}->{to_rank}"
+    return f"hpccomm/refused/{g.key}/{seq}"
+
+
+def timeout_key(op, rank=None) -> str:
+    """Where a watchdog reports that its rank timed out in ``op`` (an
+    :class:`Op`): this rank's key, or ``rank``'s (a world rank for a
+    point-to-point op, a group rank for a collective); ``rank=""`` gives the
+    prefix that every rank's key for that op starts with."""
+    g = op.group
+    if op.kind == "p2p":
+        return f"hpccomm/timeout/p2p/{g.global_ranks[g.rank] if rank is None else rank}"
+    return f"hpccomm/timeout/{op.seq}/{g.rank if rank is None else rank}"
+
+
+def set_world_group(group) -> None:
+    """Called when hpccomm's world group is made (and made again after a shrink)."""
+    world.group = group
+
+
+def set_world(rank: int, size: int, store, peers) -> None:
+    """Called when the world group is made, with every rank's (host, pid)."""
+    world.rank, world.size, world.store, world.peers = rank, size, store, list(peers)
+
+
+def record_failure(what: str) -> None:
+    """A rank about to end the job says why, in the store, for the others' lines."""
+    store = world.store
+    if store is None or world.size == 1:
+        return
+    try:
+        store.set(failure_key(), f"rank {world.rank} {what}")
+    except Exception:  # noqa: BLE001 - the store's host may be the one failing
+        pass
+
+
+def recorded_failure() -> Optional[str]:
+    store = world.store
+    if store is None:
+        return None
+    try:
+        if store.check([failure_key()]):
+            return store.get(failure_key()).decode(errors="replace")
+    except Exception:  # noqa: BLE001 - the store's host (rank 0) may be dead
+        return "the key-value store on rank 0 does not answer (rank 0 may be dead)"
+    return None
+
+
+def who_failed() -> str:
+    recorded = recorded_failure()
+    if recorded:
+        return recorded
+    dead = dead_local_peers(world.peers)
+    if dead:
+        return ", ".join(f"rank {r} (pid {pid} on {host}) is dead" for r, host, pid in dead)
+    return ("no failed rank known here (one on another node, or the job was cancelled: "
+            "the launcher's message names it)")
+
+
+def dead_local_peers(peers) -> list:
+    """``(rank, host, pid)`` of the ranks on this host whose process is gone
+    or a zombie (killed, not yet reaped by the launcher)."""
+    me = socket.gethostname()
+    dead = []
+    for rank, (host, pid) in enumerate(peers):
+        if host == me and pid != os.getpid() and not alive(pid):
+            dead.append((rank, host, pid))
+    return dead
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc (macOS): ask the kernel
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True

@@ -1,0 +1,235 @@
+"""Timeouts: a daemon thread that notices an op outliving its group's timeout.
+
+Every op registers itself in :mod:`hpccomm._core.state` while it runs: a
+collective while it communicates, a point-to-point op from the moment it is
+posted until it completes.  The ``hpccomm-watchdog`` thread wakes once a
+second; when an op has run longer than its group's timeout, the watchdog
+
+1. publishes in the group's key-value store which op this rank is stuck in,
+2. waits a few seconds for the other members' own reports (they time out on
+   the same op at about the same time), then
+3. prints one line naming the op, its group and sequence number, and which
+   ranks never arrived (or are stuck elsewhere, or did not answer: busy
+   outside hpccomm, hung or dead), and
+4. acts as ``HPCCOMM_ON_TIMEOUT`` says: ``abort`` (default) calls
+   MPI_Abort, ending every rank of the job: an MPI collective cannot be
+   cancelled, so its state is not recoverable; ``warn`` only prints.
+
+Threads: this thread never calls MPI but for MPI_Abort, and reads only
+settings validated at init (:mod:`hpccomm.config`).  At exit it is stopped
+and joined (an ``hpccomm._mpi.at_exit`` hook, after the ops still queued
+have run under its watch): a daemon thread inside a torch store call when
+the interpreter finalizes is ended by Python 3.11 as it takes the GIL back,
+and the forced unwind through torch's C++ binding aborts the process
+(``terminate called without an active exception``; seen with
+``HPCCOMM_ON_TIMEOUT=warn``, where the watchdog deletes its report of an op
+that completed late as the program ends).
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Optional
+
+from .. import config
+from . import state
+
+_GRACE = 3.0  # seconds to wait for the other ranks' reports
+_TICK = 1.0
+_ASK_AFTER = 1.0  # an op running this long asks the store whether a peer refused it
+_ASK_AT_MOST = 16  # ops asked about per tick (the oldest first)
+_JOIN = _GRACE + 2 * _TICK  # at exit: how long to wait for the thread to leave a store call
+_AT_EXIT_ORDER = 9  # after the hooks that run queued ops and complete pending requests (hpccomm._mpi.at_exit)
+
+
+class Watchdog:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = threading.Event()
+
+    def begin(self, group, name: str, seq: int, kind: str = "collective", peer=None) -> int:
+        """Record op ``name`` of ``group`` as running (see :mod:`hpccomm._core.state`);
+        returns the token for :meth:`end`."""
+        seconds = group.timeout_s
+        token = state.begin(group, name, seq, seconds, kind, peer)
+        if seconds and self._thread is None:
+            self.start()
+        return token
+
+    @staticmethod
+    def end(token) -> None:
+        state.end(token)
+
+    def current(self):
+        return state.current()
+
+    def start(self) -> None:
+        """Start the watchdog thread (once): a group with a timeout exists."""
+        if self._thread is not None:
+            return
+        with self._lock:
+            if self._thread is None:
+                from .. import _mpi
+
+                self._thread = threading.Thread(target=self._loop, name="hpccomm-watchdog", daemon=True)
+                self._thread.start()
+                _mpi.at_exit.append((_AT_EXIT_ORDER, self.stop))
+
+    def stop(self) -> None:
+        """At exit: end the thread and wait (at most ``_JOIN`` seconds) until
+        it has left any store call (see the module's docstring)."""
+        self._stopping.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(_JOIN)
+
+    def _loop(self) -> None:
+        reported: dict = {}  # (group id, kind, seq, start) -> Op: already reported (timed out or refused)
+        while not self._stopping.wait(_TICK):
+            now = time.monotonic()
+            running = state.running()
+            live = {}
+            for op in running:
+                key = (id(op.group), op.kind, op.seq, op.start)
+                live[key] = op
+                if key in reported:
+                    continue
+                if op.deadline is not None and now > op.deadline:
+                    reported[key] = op
+                    try:
+                        self._expired(op)
+                    except Exception as exc:  # noqa: BLE001 - the watchdog must outlive any one report
+                        print(f"hpccomm: the watchdog could not report a timeout: {exc!r}", file=sys.stderr,
+                              flush=True)
+            for key in [k for k in reported if k not in live]:  # it completed after all (HPCCOMM_ON_TIMEOUT=warn)
+                if not self._stopping.is_set():
+                    _forget_report(reported.pop(key))
+            waiting = sorted((op for key, op in live.items() if now - op.start > _ASK_AFTER and key not in reported),
+                             key=lambda op: op.start)[:_ASK_AT_MOST]
+            for op in waiting:
+                if self._stopping.is_set():
+                    break
+                try:
+                    if self._peer_refused(op):
+                        reported[(id(op.group), op.kind, op.seq, op.start)] = op
+                except Exception:  # noqa: BLE001 - the store may be gone (rank 0 dead): the timeout still holds
+                    pass
+
+    def _expired(self, op: state.Op) -> None:
+        g = op.group
+        me = g.global_ranks[g.rank] if g.global_ranks else g.rank
+        if op.kind == "p2p":
+            peer = "any rank" if op.peer is None else f"rank {g.global_ranks[op.peer]}"
+            what = f"{op.name} with {peer} ({op.where()})"
+        else:
+            what = f"{op.name} ({op.where()})"
+        action = config.get("HPCCOMM_ON_TIMEOUT")
+        message = (f"hpccomm: rank {me}: {what} did not complete within its timeout of {g.timeout}: "
+                   f"{self._diagnose(op)}")
+        print(message + ("; aborting the job (HPCCOMM_ON_TIMEOUT=abort)" if action == "abort" else ""),
+              file=sys.stderr, flush=True)
+        if action == "abort":
+            from .. import _mpi
+
+            state.record_failure(f"timed out in {what}")
+            _mpi.abort(3)
+
+    def _peer_refused(self, op: state.Op) -> bool:
+        """End the job if another rank announced it refused the op this rank
+        waits in (its checks raised there; this rank's MPI call cannot end).
+        True once reported."""
+        g = op.group
+        if g.store is None or g.size == 1 or not hasattr(g, "key"):
+            return False
+        me = g.global_ranks[g.rank]
+        if op.kind == "p2p":
+            if op.peer is None:
+                return False
+            key = state.refusal_key(g, "p2p", from_rank=g.global_ranks[op.peer], to_rank=me)
+        else:
+            key = state.refusal_key(g, "collective", seq=op.seq)
+        if not g.store.check([key]):
+            return False
+        said = g.store.get(key).decode(errors="replace")
+        action = config.get("HPCCOMM_ON_TIMEOUT")
+        print(f"hpccomm: rank {me}: {op.name} ({op.where()}) cannot complete: another rank refused it ({said})"
+              + ("; aborting the job (HPCCOMM_ON_TIMEOUT=abort)" if action == "abort" else ""),
+              file=sys.stderr, flush=True)
+        if action == "abort":
+            from .. import _mpi
+
+            _mpi.abort(4)
+        return True
+
+    def _diagnose(self, op: state.Op) -> str:
+        """Which members never arrived (a collective) or what the peer is
+        doing (point-to-point), learned through the store."""
+        g = op.group
+        store = g.store
+        if store is None or g.size == 1:
+            return "no key-value store to ask the other ranks"
+        if op.kind == "p2p":
+            return self._diagnose_p2p(op)
+        prefix = state.timeout_key(op, "")
+        try:
+            store.set(state.timeout_key(op), f"{op.seq}:{op.name}")
+            answers = _collect(store, prefix, range(g.size), self._stopping)
+        except Exception as exc:  # noqa: BLE001 - a diagnosis must not hide the timeout
+            return f"could not ask the other ranks through the store ({exc})"
+        missing = [g.global_ranks[r] for r in range(g.size) if r not in answers]
+        if not missing:
+            return "every rank of the group is in this op (a deadlock inside MPI, or a network failure)"
+        return (f"rank(s) {missing} never arrived (busy outside hpccomm, hung or dead); "
+                f"waiting in it: {sorted(g.global_ranks[r] for r in answers)}")
+
+    def _diagnose_p2p(self, op: state.Op) -> str:
+        g = op.group
+        store = g.store
+        prefix = state.timeout_key(op, "")
+        me = str(g.global_ranks[g.rank])
+        peers = range(g.size) if op.peer is None else [op.peer]
+        others = [str(g.global_ranks[r]) for r in peers if r != g.rank]
+        try:
+            store.set(state.timeout_key(op), f"{op.name} ({op.where()})")
+            answers = _collect(store, prefix, others, self._stopping)
+        except Exception as exc:  # noqa: BLE001 - a diagnosis must not hide the timeout
+            return f"could not ask the other ranks through the store ({exc})"
+        if op.peer is None:
+            return "no rank sent a matching message" + (
+                f"; stuck elsewhere: {', '.join(f'rank {r} in {w}' for r, w in sorted(answers.items()))}"
+                if answers else "")
+        peer = others[0] if others else me
+        if peer in answers:
+            return f"rank {peer} is stuck in {answers[peer]} (the two ranks wait for each other)"
+        return (f"rank {peer} never posted the matching {'send' if op.name == 'recv' else 'recv'} "
+                "(busy outside hpccomm, hung or dead)")
+
+
+def _forget_report(op: state.Op) -> None:
+    """Delete this rank's report of a timed-out op that completed after all."""
+    store = op.group.store
+    if store is None:
+        return
+    try:
+        store.delete_key(state.timeout_key(op))
+    except Exception:  # noqa: BLE001 - cleaning up a warning must not raise into the op path
+        pass
+
+
+def _collect(store, prefix: str, keys, stop: threading.Event, grace: float = _GRACE) -> dict:
+    """``{key: value}`` of the ``prefix + key`` entries that appear within
+    ``grace`` seconds (fewer once ``stop`` is set: the program is ending)."""
+    deadline = time.monotonic() + grace
+    answers: dict = {}
+    keys = list(keys)
+    while time.monotonic() < deadline and len(answers) < len(keys) and not stop.is_set():
+        for k in keys:
+            if k not in answers and store.check([prefix + str(k)]):
+                answers[k] = store.get(prefix + str(k)).decode()
+        stop.wait(0.1)
+    return answers
+
+
+watchdog = Watchdog()

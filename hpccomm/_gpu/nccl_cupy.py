@@ -1,0 +1,134 @@
+"""Transport: NCCL through CuPy's bindings (``cupy.cuda.nccl``), for a torch
+built without NCCL.
+
+As in cupyx.distributed: rank 0 of the group makes the NCCL unique id, which
+is broadcast over the group's MPI communicator; each hpccomm group gets its
+own NCCL communicator.  Ops are enqueued on the caller's current CUDA stream
+and return at once (NCCL's own semantics: later work on that stream is
+ordered after them).
+
+Covered: all_reduce, broadcast, reduce, all_gather_into_tensor,
+reduce_scatter_tensor, send, recv, on contiguous tensors.  Other ops are
+refused with a message naming the transports that have them.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .._torch.compat import RedOpType, reduce_op_type
+from ..errors import OpTypeError, OpValueError
+
+log = logging.getLogger("hpccomm")
+
+_DTYPES = {torch.float32: "NCCL_FLOAT32", torch.float64: "NCCL_FLOAT64", torch.float16: "NCCL_FLOAT16",
+           torch.bfloat16: "NCCL_BFLOAT16", torch.int8: "NCCL_INT8", torch.uint8: "NCCL_UINT8",
+           torch.int32: "NCCL_INT32", torch.uint32: "NCCL_UINT32", torch.int64: "NCCL_INT64",
+           torch.uint64: "NCCL_UINT64"}
+_OPS = {RedOpType.SUM: "NCCL_SUM", RedOpType.PRODUCT: "NCCL_PROD", RedOpType.MIN: "NCCL_MIN",
+        RedOpType.MAX: "NCCL_MAX", RedOpType.AVG: "NCCL_AVG"}
+COVERED = ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "send", "recv")
+
+
+def _import_nccl():
+    from cupy.cuda import nccl  # the 'cuda' extra
+
+    return nccl
+
+
+class CupyNCCL:
+    """NCCL communicators made with CuPy; see the module's docstring.
+
+    ``nccl`` (the ``cupy.cuda.nccl`` module), ``bcast(group, obj)`` (the MPI
+    broadcast of the unique id) and ``stream(device)`` (the current stream's
+    handle) are injectable for tests.
+    """
+
+    name = "nccl-cupy"
+    delegates = True  # takes the whole op, after hpccomm's checks
+
+    def __init__(self, device, reason: str, nccl=None, bcast=None, stream=None) -> None:
+        self.device = device
+        self.reason = reason
+        self.nccl = nccl if nccl is not None else _import_nccl()
+        self._bcast = bcast if bcast is not None else _mpi_bcast
+        self._stream = stream if stream is not None else (lambda d: torch.cuda.current_stream(d).cuda_stream)
+        self.comm = None
+
+    def _comm(self, group):
+        if self.comm is None:
+            uid = self.nccl.get_unique_id() if group.rank == 0 else None
+            uid = self._bcast(group, uid)
+            self.comm = self.nccl.NcclCommunicator(group.size, uid, group.rank)
+            log.info("hpccomm: group '%s': CuPy NCCL communicator made (unique id broadcast over MPI)", group.name)
+        return self.comm
+
+    def _dtype(self, group, op, t):
+        name = _DTYPES.get(t.dtype)
+        value = getattr(self.nccl, name, None) if name else None
+        if value is None:
+            raise OpTypeError(op, group.where(), f"CuPy's NCCL has no type for {t.dtype}",
+                              "Set HPCCOMM_GPU_TRANSPORT=staged or mpi for this dtype")
+        if not t.is_contiguous():
+            raise OpValueError(op, group.where(), "CuPy's NCCL transport needs contiguous tensors",
+                               "Call .contiguous() first")
+        return value
+
+    def _op(self, group, op, redop):
+        kind = reduce_op_type(redop)
+        name = _OPS.get(kind)
+        value = getattr(self.nccl, name, None) if name else None
+        if value is None:
+            raise OpTypeError(op, group.where(), f"CuPy's NCCL has no {str(kind).split('.')[-1]} reduction",
+                              "Set HPCCOMM_GPU_TRANSPORT=staged or mpi for it")
+        return value
+
+    def delegate(self, group, op: str, args, opts):
+        """Enqueue ``op`` on the current stream; returns the outputs."""
+        if op not in COVERED:
+            raise OpValueError(op, group.where(), f"{op} is not available through CuPy's NCCL (covered: "
+                               f"{', '.join(COVERED)})", "Install a torch built with NCCL, or set "
+                               "HPCCOMM_GPU_TRANSPORT=mpi (CUDA-aware MPI) or staged")
+        if op in ("send", "recv") and args[1] is None:
+            raise OpValueError(op, group.where(), "NCCL cannot receive from any source", "Name the source rank")
+        if op in ("send", "recv") and self.comm is None:
+            raise OpValueError(op, group.where(), "CuPy's NCCL communicator is made by all members of the group "
+                               "together, which a send or receive cannot do",
+                               "Run one collective with CUDA tensors on this group first (dist.barrier does not "
+                               "count: use dist.all_reduce on a small CUDA tensor)")
+        first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
+        dtype = self._dtype(group, op, first)
+        second = args[1] if op in ("all_gather_into_tensor", "reduce_scatter_tensor") else None
+        if second is not None:
+            self._dtype(group, op, second)
+        redop = {"all_reduce": 1, "reduce": 2, "reduce_scatter_tensor": 2}.get(op)
+        nop = self._op(group, op, args[redop]) if redop is not None else None
+        comm, s = self._comm(group), self._stream(self.device)
+        if op == "all_reduce":
+            t = first
+            comm.allReduce(t.data_ptr(), t.data_ptr(), t.numel(), dtype, nop, s)
+        elif op == "broadcast":
+            comm.bcast(first.data_ptr(), first.numel(), dtype, args[1], s)
+        elif op == "reduce":
+            comm.reduce(first.data_ptr(), first.data_ptr(), first.numel(), dtype, nop, args[1], s)
+        elif op == "all_gather_into_tensor":
+            comm.allGather(second.data_ptr(), first.data_ptr(), second.numel(), dtype, s)
+        elif op == "reduce_scatter_tensor":
+            comm.reduceScatter(second.data_ptr(), first.data_ptr(), first.numel(), dtype, nop, s)
+        elif op == "send":
+            comm.send(first.data_ptr(), first.numel(), dtype, args[1], s)
+        else:  # recv
+            comm.recv(first.data_ptr(), first.numel(), dtype, args[1], s)
+        return [first] if not isinstance(args[0], (list, tuple)) else args[0]
+
+    def plan(self, op, group, args):
+        raise AssertionError("CupyNCCL delegates: it runs no hpccomm plan")
+
+
+def _mpi_bcast(group, obj):
+    from .._core.comm_thread import engine
+
+    if not engine.on_comm_thread():
+        engine.flush(group)  # the comm thread must not be in MPI on this communicator meanwhile
+    return group.comm.bcast(obj, root=0)

@@ -1,0 +1,124 @@
+"""Transport: torch's own NCCL process group, built on hpccomm's store.
+
+Each hpccomm group that sends CUDA tensors gets one ``ProcessGroupNCCL`` over
+the same ranks, made from the group's key-value store (the TCPStore hpccomm
+opened and announced over MPI, or the one torch's rendezvous made), under
+the prefix ``hpccomm-nccl/``: still no MASTER_ADDR.  A torch subgroup maps to
+its own NCCL communicator, because each hpccomm subgroup has its own store
+and ranks.  The op is handed to NCCL with torch's own option objects and
+NCCL's Work is returned as is: NCCL's stream semantics (``wait()`` makes the
+current stream wait) are torch's, unchanged.
+"""
+from __future__ import annotations
+
+import logging
+
+from .._torch import compat
+from ..errors import OpValueError
+
+log = logging.getLogger("hpccomm")
+
+
+def _options(kind: str, given, **fields):
+    """A fresh torch option object of ``kind`` with ``fields``, keeping the
+    caller's timeout and asyncOp when it gave options."""
+    opts = compat.OPTION_CLASSES[kind]()
+    for name, value in fields.items():
+        setattr(opts, name, value)
+    if given is not None:
+        for name in ("timeout", "asyncOp"):
+            if hasattr(given, name) and hasattr(opts, name):
+                try:
+                    setattr(opts, name, getattr(given, name))
+                except (TypeError, AttributeError):  # a ReduceOp passed where options belong
+                    pass
+    return opts
+
+
+def _redop(op):
+    return op if isinstance(op, compat.ReduceOp) else compat.ReduceOp(op)
+
+
+def _coalesced(backend, name: str, single: str, outputs, inputs, opts):
+    """``backend.<name>`` if it has one, else one call per pair: NCCL runs a
+    communicator's ops in order on one stream, so the last Work completes
+    after all of them."""
+    method = getattr(backend, name, None)
+    if method is not None:
+        return method(outputs, inputs, opts)
+    work = None
+    for o, i in zip(outputs, inputs):
+        work = getattr(backend, single)(o, i, opts)
+    return work
+
+
+#: hpccomm op name -> how to call the NCCL backend with the adapter's arguments.
+CALLS = {
+    "all_reduce": lambda b, a, o: b.allreduce(a[0], _options("allreduce", o, reduceOp=_redop(a[1]))),
+    "all_reduce_coalesced": lambda b, a, o: b.allreduce_coalesced(
+        a[0], _options("allreduce_coalesced", o, reduceOp=_redop(a[1]))),
+    "reduce": lambda b, a, o: b.reduce(a[0], _options("reduce", o, rootRank=a[1], reduceOp=_redop(a[2]))),
+    "reduce_scatter": lambda b, a, o: b.reduce_scatter(a[0], a[1], _options("reduce_scatter", o,
+                                                                             reduceOp=_redop(a[2]))),
+    "reduce_scatter_tensor": lambda b, a, o: b._reduce_scatter_base(a[0], a[1], _options(
+        "reduce_scatter", o, reduceOp=_redop(a[2]))),
+    "reduce_scatter_tensor_coalesced": lambda b, a, o: _coalesced(
+        b, "reduce_scatter_tensor_coalesced", "_reduce_scatter_base", a[0], a[1],
+        _options("reduce_scatter", o, reduceOp=_redop(a[2]))),
+    "broadcast": lambda b, a, o: b.broadcast(a[0], _options("broadcast", o, rootRank=a[1])),
+    "scatter": lambda b, a, o: b.scatter(a[0], a[1], _options("scatter", o, rootRank=a[2])),
+    "all_gather": lambda b, a, o: b.allgather(a[0], a[1], _options("allgather", o)),
+    "all_gather_into_tensor": lambda b, a, o: b._allgather_base(a[0], a[1], _options("allgather", o)),
+    "all_gather_coalesced": lambda b, a, o: b.allgather_coalesced(a[0], a[1], _options("allgather", o)),
+    "all_gather_into_tensor_coalesced": lambda b, a, o: _coalesced(
+        b, "allgather_into_tensor_coalesced", "_allgather_base", a[0], a[1], _options("allgather", o)),
+    "gather": lambda b, a, o: b.gather(a[0], a[1], _options("gather", o, rootRank=a[2])),
+    "gather_single": lambda b, a, o: b.gather_single(a[0], a[1], _options("gather", o, rootRank=a[2])),
+    "all_to_all_single": lambda b, a, o: b.alltoall_base(a[0], a[1], list(a[2] or []), list(a[3] or []),
+                                                         _options("alltoall", o)),
+    "all_to_all": lambda b, a, o: b.alltoall(a[0], a[1], _options("alltoall", o)),
+    "send": lambda b, a, o: b.send(a[0], a[1], a[2]),
+    "recv": lambda b, a, o: b.recv(a[0], a[1], a[2]),
+}
+
+
+class TorchNCCL:
+    """Delegates CUDA ops to a ``ProcessGroupNCCL`` over the group's store."""
+
+    name = "nccl"
+    delegates = True  # takes the whole op, after hpccomm's checks
+
+    def __init__(self, device, reason: str, make_backend=None) -> None:
+        self.device = device
+        self.reason = reason
+        self._make = make_backend if make_backend is not None else compat.make_nccl_backend
+        self.backend = None
+
+    def _backend(self, group):
+        if self.backend is None:
+            if group.store is None:
+                raise OpValueError("nccl", group.where(), "this group has no key-value store to build NCCL on")
+            store = compat.PrefixStore("hpccomm-nccl/", group.store)
+            self.backend = self._make(store, group.rank, group.size, group.timeout, f"hpccomm-nccl:{group.name}",
+                                      group.global_ranks)
+            log.info("hpccomm: group '%s': NCCL process group made on hpccomm's store (%d ranks)",
+                     group.name, group.size)
+        return self.backend
+
+    def delegate(self, group, op: str, args, opts):
+        """NCCL's Work for ``op``; refuses what NCCL cannot do, before any communication."""
+        if op == "recv" and args[1] is None:
+            raise OpValueError(op, group.where(), "NCCL cannot receive from any source",
+                               "Name the source rank, or use CPU tensors (hpccomm's MPI path can)")
+        call = CALLS.get(op)
+        if call is None:
+            raise OpValueError(op, group.where(), f"{op} has no NCCL form in hpccomm")
+        return call(self._backend(group), args, opts)
+
+    def plan(self, op, group, args):
+        raise AssertionError("TorchNCCL delegates: it runs no hpccomm plan")
+
+    def close(self) -> None:
+        backend, self.backend = self.backend, None
+        if backend is not None and hasattr(backend, "shutdown"):
+            backend.shutdown()

@@ -1,0 +1,243 @@
+"""The checks every op runs before any communication, and the reductions.
+
+Each raises :class:`hpccomm.errors.OpError` (an :class:`~hpccomm.errors.OpTypeError`
+or :class:`~hpccomm.errors.OpValueError`) naming the op, its number on the
+group, the rank and what is wrong, with the user's tensors untouched.
+:func:`reduction` is the part of a reducing op's plan that depends only on
+the dtype and the ReduceOp (the same on every rank), computed once per pair.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import _mpi
+from .._core import state
+from .._torch.compat import RedOpType, premul_sum_factor, reduce_op_type
+from ..errors import OpError, OpTypeError, OpValueError  # noqa: F401 - OpError for the op modules
+
+
+_R = RedOpType
+
+#: (dtype, RedOpType value) -> :func:`reduction`'s answer, for the pairs it accepted (never PREMUL_SUM, whose
+#: factor varies).  Keyed by the enum's int: hashing or comparing torch's pybind enums costs several
+#: thousand instructions each, more than the rest of a small op's checks.
+_REDUCTIONS: dict = {}
+
+
+_Tensor = torch.Tensor
+
+_STRIDED = torch.strided
+
+
+class NotOnCPU(OpTypeError):
+    """A tensor on a device this path does not serve: hpccomm._core.op_path takes a
+    CUDA call to its GPU transport on catching it (so the CPU path pays
+    nothing to learn that a call is on the CPU); to a direct caller it is the
+    refusal it says."""
+
+
+def check_tensor(group, op: str, t, what: str = "tensor") -> None:
+    """``t`` is a dense tensor of a dtype hpccomm moves, on the CPU or on the
+    device the group serves (``group.device_type``: a GPU transport's view of
+    the group, see :mod:`hpccomm.gpu`).  The one test of a tensor every op
+    runs (each condition a cheap identity or membership test when it holds)."""
+    if not isinstance(t, _Tensor):
+        raise OpTypeError(op, group.where(), f"{what} is a {type(t).__name__}, not a torch.Tensor")
+    if t.layout is not _STRIDED:
+        raise OpTypeError(op, group.where(), f"{what} has layout {t.layout}; only dense (strided) tensors can be sent",
+                          "Call .to_dense() first")
+    if not t.is_cpu and t.device.type != getattr(group, "device_type", "cpu"):
+        dev = t.device.type
+        if dev == "meta":
+            raise OpTypeError(op, group.where(), f"{what} is a meta tensor: it has no data to communicate")
+        raise NotOnCPU(op, group.where(), f"{what} is on device {t.device}; this path moves CPU tensors only",
+                       "CUDA tensors go through torch.distributed calls, which route them to a GPU transport "
+                       "(docs/gpu.md). Move it to the CPU with .cpu()")
+    if t.dtype not in _mpi.DTYPES:
+        raise OpTypeError(op, group.where(), f"{what} has dtype {t.dtype}, which hpccomm cannot send",
+                          f"Supported: {', '.join(str(d).replace('torch.', '') for d in _mpi.DTYPES)}")
+
+
+def single(group, op: str, tensors, what: str = "tensors", role: str = "tensor") -> torch.Tensor:
+    """``check_list(tensors, 1)`` and :func:`check_tensor` of its tensor
+    (called ``role`` in messages); returns the tensor."""
+    if tensors.__class__ is not list or len(tensors) != 1:
+        check_list(group, op, tensors, 1, what)
+    t = tensors[0]
+    check_tensor(group, op, t, role)
+    return t
+
+
+def check_pair(group, op: str, output, input, whole: str = "") -> None:
+    """An op's ``output`` and ``input`` tensors: each checked (:func:`check_tensor`),
+    one dtype; ``whole`` (``"output"`` or ``"input"``): that one holds every rank's
+    part, the group size times the other's elements."""
+    check_tensor(group, op, output, "output")
+    check_tensor(group, op, input, "input")
+    if input.dtype != output.dtype:
+        raise OpTypeError(op, group.where(), f"input has dtype {input.dtype} but output has {output.dtype}")
+    if whole:
+        big, part = (output, input) if whole == "output" else (input, output)
+        n = part.numel()
+        if big.numel() != n * group.size:
+            other = "input" if whole == "output" else "output"
+            raise OpValueError(op, group.where(), f"{whole} has {big.numel()} elements, expected {other}'s "
+                               f"{n} × group size {group.size} = {n * group.size}")
+
+
+def check_tensors(group, op: str, ts, what: str = "tensor") -> None:
+    for i, t in enumerate(ts):
+        check_tensor(group, op, t, f"{what}[{i}]")
+
+
+def check_list(group, op: str, ts, n: int, what: str) -> None:
+    if not isinstance(ts, (list, tuple)):
+        raise OpTypeError(op, group.where(), f"{what} is a {type(ts).__name__}, not a list of tensors")
+    if len(ts) != n:
+        raise OpValueError(op, group.where(), f"{what} has {len(ts)} tensors, expected {n}"
+                           + (" (one per rank of the group)" if n == group.size else ""))
+
+
+def per_rank(group, op: str, lists, outer: str, what: str, like, of: str = "", hint: str = "") -> list:
+    """torch's ``[[t_0, ..., t_{size-1}]]`` argument of a gather, scatter or
+    reduce_scatter: a list of one list of one tensor per rank of the group,
+    each checked, of ``like``'s dtype; with ``of`` (how messages name
+    ``like``), each of ``like``'s size too (``hint`` says what the op needs).
+    Returns the inner list."""
+    check_list(group, op, lists, 1, outer)
+    ts = lists[0]
+    check_list(group, op, ts, group.size, what)
+    check_tensors(group, op, ts, what)
+    check_same_dtype(group, op, ts, like.dtype, what)
+    if of:
+        n = like.numel()
+        for i, t in enumerate(ts):
+            if t.numel() != n:
+                raise OpValueError(op, group.where(), f"{what}[{i}] has {t.numel()} elements but {of} has {n}", hint)
+    return ts
+
+
+def rooted(group, op: str, root: int, side: str, lists, outer: str, what: str, like, of: str, hint: str):
+    """A rooted op's root (``side``: ``"dst"`` or ``"src"``, as torch names
+    it) and its list argument that only the root fills (gather's
+    ``gather_list``, scatter's ``scatter_list``): ``root`` a rank of the
+    group; at the root :func:`per_rank` (returned), elsewhere empty or None
+    (None returned)."""
+    check_root(group, op, root, side)
+    role = "destination" if side == "dst" else "source"
+    if group.rank == root:
+        return per_rank(group, op, lists, outer, what, like, of, hint)
+    if lists and any(len(x) for x in lists):
+        raise OpValueError(op, group.where(), f"{what} must be empty or None on rank {group.rank}, "
+                           f"which is not the {role} (rank {root})")
+    return None
+
+
+def check_same_dtype(group, op: str, ts, dtype, what: str) -> None:
+    for i, t in enumerate(ts):
+        if t.dtype != dtype:
+            raise OpTypeError(op, group.where(), f"{what}[{i}] has dtype {t.dtype} but the input has {dtype}",
+                              "All tensors of one op must have the same dtype")
+
+
+def check_root(group, op: str, root: int, what: str = "root") -> None:
+    if not isinstance(root, int) or not 0 <= root < group.size:
+        raise OpValueError(op, group.where(), f"{what} {root!r} is not a rank of this group of size {group.size}",
+                           "Pass a group rank in 0..size-1 (use group_src/group_dst, or dist.get_group_rank)")
+
+
+def check_tag(group, op: str, tag: int) -> None:
+    if not isinstance(tag, int) or not 0 <= tag <= group.tag_ub:
+        raise OpValueError(op, group.where(), f"tag {tag!r} is outside 0..{group.tag_ub} (MPI_TAG_UB)")
+
+
+def end_job(group, exc: Exception) -> None:
+    """A refusal only this rank can see while its peers may already be
+    inside MPI: print it, record it for the other ranks' lines, and end the
+    job (MPI_Abort) rather than leave them waiting."""
+    import sys
+
+    print(f"{exc}; ending the job: the other ranks of group '{group.name}' may already be waiting in MPI",
+          file=sys.stderr, flush=True)
+    state.record_failure(f"refused {exc.op}: {exc.what}" if isinstance(exc, OpError) else str(exc))
+    _mpi.abort(1)
+
+
+def reduce_op(group, op: str, dtype: torch.dtype, redop):
+    """``(RedOpType, premul factor or None)`` for ``redop`` on ``dtype``, or an
+    error.  The op path calls it through :func:`reduction`, which remembers
+    the pairs it accepted."""
+    try:
+        kind = reduce_op_type(redop)
+    except AttributeError:
+        raise OpTypeError(op, group.where(), f"{redop!r} is not a torch.distributed.ReduceOp") from None
+    info = _mpi.DTYPES[dtype]
+    if kind not in _mpi.ALLOWED_OPS[info.kind]:
+        name = str(kind).split(".")[-1]
+        if info.kind == "bytes":
+            why = f"{dtype} can be moved but not reduced"
+        elif kind in (_R.BAND, _R.BOR, _R.BXOR):
+            why = f"ReduceOp.{name} needs an integer or bool tensor, got {dtype}"
+        elif kind == _R.AVG and info.kind == "bool":
+            why = "ReduceOp.AVG is not defined for bool tensors"
+        elif kind in (_R.MIN, _R.MAX) and info.kind == "complex":
+            why = f"ReduceOp.{name} is not defined for complex tensors"
+        elif kind == _R.PREMUL_SUM:
+            why = f"ReduceOp.PREMUL_SUM needs a floating-point or complex tensor, got {dtype}"
+        else:
+            why = f"ReduceOp.{name} is not supported for {dtype}"
+        raise OpTypeError(op, group.where(), why)
+    factor = None
+    if kind == _R.PREMUL_SUM:
+        try:
+            factor = premul_sum_factor(redop)
+        except (AttributeError, TypeError):
+            raise OpTypeError(op, group.where(), "ReduceOp.PREMUL_SUM needs its factor",
+                              "Make it with dist._make_nccl_premul_sum(factor)") from None
+    return kind, factor
+
+
+class Reduction:
+    """How one dtype reduces with one ReduceOp: the part of a reducing op's
+    plan that depends only on that pair (made once per pair by :func:`reduction`).
+
+    ``kind``: the RedOpType; ``average``: divide the SUM by the group size
+    afterwards (AVG); ``factor``: PREMUL_SUM's factor (else None); ``mop``:
+    the MPI op; ``nonblocking``: the reduction has a nonblocking form (MPI
+    predefines its op: float16/bfloat16 reduce through user-defined ops,
+    which MPI would call back into Python from whichever thread drives a
+    posted request, so they keep the blocking form).
+    """
+
+    __slots__ = ("dtype", "kind", "average", "factor", "mop", "nonblocking")
+
+    def __init__(self, dtype, kind, factor) -> None:
+        self.dtype, self.kind, self.factor = dtype, kind, factor
+        self.average = kind == _R.AVG
+        self.mop = _mpi.mpi_op(dtype, kind)
+        self.nonblocking = self.mop.is_predefined
+
+
+def reduction(group, op: str, dtype: torch.dtype, redop) -> Reduction:
+    """:class:`Reduction` of ``redop`` (a ``ReduceOp`` or ``RedOpType``) on
+    ``dtype``.  Refuses as :func:`reduce_op` does, with its messages; a pair
+    accepted once is looked up by the enum's value afterwards (PREMUL_SUM,
+    whose factor varies from call to call, is made each time).
+
+    Example::
+
+        r = reduction(group, "all_reduce", t.dtype, dist.ReduceOp.AVG)
+        comm.Allreduce(_mpi.IN_PLACE, _mpi.host_buffer(t), op=r.mop)
+    """
+    try:  # the key is the enum's value: hashing torch's pybind enums costs more than a small op's checks
+        code = redop.value if redop.__class__ is _R else redop.op.value
+    except AttributeError:
+        code = None  # not a ReduceOp: reduce_op says so
+    hit = _REDUCTIONS.get((dtype, code))
+    if hit is not None:
+        return hit
+    kind, factor = reduce_op(group, op, dtype, redop)
+    answer = Reduction(dtype, kind, factor)
+    if factor is None:
+        _REDUCTIONS[(dtype, code)] = answer
+    return answer

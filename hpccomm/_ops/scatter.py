@@ -1,0 +1,94 @@
+"""Rooted distribution: broadcast and scatter.
+
+Each function here is one op's plan function (see :mod:`hpccomm._ops.plan`).
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import _mpi
+from . import checks, staging
+from .plan import with_steps
+
+
+def broadcast(group, tensors, root: int, op: str = "broadcast"):
+    """broadcast's plan: MPI_Bcast on the tensor's memory; a strided tensor
+    through a contiguous copy (sent from it on the root, written back on the
+    others); past the count limit in chunks."""
+    t = checks.single(group, op, tensors)
+    checks.check_root(group, op, root, "src")
+    comm = group.comm
+    if group.host and t.is_contiguous():  # the common case: one call on the user's memory
+        buf = _mpi.host_buffer(t)
+        if buf[1] <= group.max_count:
+            return (comm.Bcast, (buf, root), comm.Ibcast, tensors, t, None, None, buf[0].nbytes)
+    before = after = None
+    if group.rank == root:
+        buf, before = staging.staged_input(t)
+    else:
+        buf, after = staging.staged_output(t)
+    nbytes = t.numel() * t.element_size()
+    if t.numel() > group.max_count:
+        def run():
+            for off, n in staging.chunks(buf.numel(), group.max_count):
+                comm.Bcast(_mpi.buffer(buf, off, n), root=root)
+
+        return with_steps(run, (), None, tensors, (t, buf), before, after, nbytes)
+    return with_steps(comm.Bcast, (_mpi.buffer(buf), root), comm.Ibcast, tensors, (t, buf), before, after, nbytes)
+
+
+def scatter(group, outputs, input_lists, root: int, op: str = "scatter"):
+    output = checks.single(group, op, outputs, "output_tensors", "output")
+    inputs = checks.rooted(group, op, root, "src", input_lists, "input_tensor_lists", "scatter_list", output,
+                           "the output", "scatter needs tensors of the output's size")
+    return (_scatter_recv(group, output, root, outputs) if inputs is None  # not the root: its part from the root
+            else _scatter_send(group, output, inputs, root, outputs))
+
+
+def _big(group, n: int) -> bool:
+    return n * group.size > group.max_count  # every rank decides alike: sizes are equal
+
+
+def _scatter_recv(group, output, root, outputs):
+    """A non-root's part of scatter: its slot from ``root``."""
+    comm, n = group.comm, output.numel()
+    out, after = staging.staged_output(output)
+
+    def run():
+        if _big(group, n):
+            for off, k in staging.chunks(n, group.max_count):
+                comm.Recv(_mpi.buffer(out, off, k), source=root, tag=0)
+        else:
+            comm.Scatter(None, _mpi.buffer(out), root=root)
+
+    return with_steps(run, (), None, outputs, (output, out), None, after, n * output.element_size())
+
+
+def _scatter_send(group, output, inputs, root, outputs):
+    """The root's part of scatter: read in place when the inputs are laid end
+    to end in one storage, else concatenated."""
+    comm, n = group.comm, output.numel()
+    out, after = staging.staged_output(output)
+    send = staging.flat_view(inputs)
+    before = None
+    if send is None or staging.overlaps(send, out):
+        send = torch.empty(n * group.size, dtype=output.dtype, device=output.device)
+        if inputs:
+            def before():
+                torch.cat([t.reshape(-1) for t in inputs], out=send)
+
+    def run():
+        if _big(group, n):
+            out.view(-1).copy_(send[root * n:(root + 1) * n])
+            reqs = []
+            for r in range(group.size):
+                if r != root:
+                    for off, k in staging.chunks(n, group.max_count):
+                        reqs.append(comm.Isend(_mpi.buffer(send, r * n + off, k), dest=r, tag=0))
+            _mpi.mpi().Request.Waitall(reqs)
+        else:
+            sendbuf = _mpi.buffer(send)
+            sendbuf[1] = n  # mpi4py reads an explicit count as the count per rank, not the total
+            comm.Scatter(sendbuf, _mpi.buffer(out), root=root)
+
+    return with_steps(run, (), None, outputs, (inputs, output, send, out), before, after, n * output.element_size())

@@ -1,0 +1,143 @@
+"""torch's op methods, mapped onto hpccomm's op path: shared by both adapters.
+
+torch calls a backend by method names (``allreduce``, ``all_gather_single``,
+...) with option objects.  :class:`TorchOps` unpacks the options and calls
+:func:`hpccomm._core.op_path.run` with the op's entry in :mod:`hpccomm._ops.table`.
+The two adapters that torch sees are thin classes over it:
+
+- ``hpccomm.process_group.ProcessGroupHpccomm``: a ``ProcessGroup`` subclass
+  (torch 2.13, which has no Python ``Backend``);
+- ``hpccomm.backend.BackendHpccomm``: a ``Backend`` subclass (torch >= 2.14,
+  dispatched by torch's C++ ``PyBackend`` trampoline).
+
+Which one torch gets is decided once, by feature test
+(:func:`hpccomm._torch.compat.py_backend`).  Every subclass holds its group's MPI
+side in ``self._g`` (a :class:`hpccomm._core.group.Group`).
+"""
+from __future__ import annotations
+
+import types
+
+from .. import _mpi
+from .._core import failures, op_path, trace
+from .._core.comm_thread import engine
+from .._gpu import dispatch
+from .._ops import table
+from . import BACKEND_NAME, compat
+from .compat import ReduceOp
+
+_SUM = ReduceOp.SUM
+
+
+def _redop(opts):
+    return _SUM if opts is None else getattr(opts, "reduceOp", opts)
+
+
+class TorchOps:
+    """torch's collective and point-to-point methods (see the module docstring)."""
+
+    _g = None  # the hpccomm.Group (set by the adapter's constructor)
+
+    @property
+    def mpi_comm(self):
+        """The group's mpi4py communicator its collectives run on (owned by hpccomm: do not free it)."""
+        return self._g.comm
+
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    # -- collectives ----------------------------------------------------------
+    def allreduce(self, tensors, opts=None):
+        if not isinstance(tensors, (list, tuple)):
+            tensors = [tensors]
+        # (a sparse tensor, DDP's sparse gradients on torch 2.13, is taken by all_reduce's plan too)
+        return op_path.run(self._g, table.ALL_REDUCE, (tensors, _redop(opts)), opts)
+
+    def allreduce_sparse(self, tensors, opts=None):
+        return op_path.run(self._g, table.ALL_REDUCE_SPARSE, (tensors, _redop(opts)), opts)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        return op_path.run(self._g, table.ALL_REDUCE_COALESCED, (tensors, _redop(opts)), opts)
+
+    def reduce(self, tensors, opts):
+        return op_path.run(self._g, table.REDUCE, (tensors, opts.rootRank, opts.reduceOp), opts)
+
+    def reduce_scatter(self, outputs, input_lists, opts=None):
+        return op_path.run(self._g, table.REDUCE_SCATTER, (outputs, input_lists, _redop(opts)), opts)
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        return op_path.run(self._g, table.REDUCE_SCATTER_TENSOR, (output, input, _redop(opts)), opts)
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        return op_path.run(self._g, table.REDUCE_SCATTER_TENSOR_COALESCED, (outputs, inputs, _redop(opts)), opts)
+
+    def broadcast(self, tensors, opts):
+        return op_path.run(self._g, table.BROADCAST, (tensors, opts.rootRank), opts)
+
+    def scatter(self, outputs, input_lists, opts):
+        return op_path.run(self._g, table.SCATTER, (outputs, input_lists, opts.rootRank), opts)
+
+    def allgather(self, output_lists, inputs, opts=None):
+        return op_path.run(self._g, table.ALL_GATHER, (output_lists, inputs), opts)
+
+    def all_gather_single(self, output, input, opts=None):
+        return op_path.run(self._g, table.ALL_GATHER_INTO_TENSOR, (output, input), opts)
+
+    def allgather_coalesced(self, output_lists, inputs, opts=None):
+        return op_path.run(self._g, table.ALL_GATHER_COALESCED, (output_lists, inputs), opts)
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        return op_path.run(self._g, table.ALL_GATHER_INTO_TENSOR_COALESCED, (outputs, inputs), opts)
+
+    def gather(self, output_lists, inputs, opts):
+        return op_path.run(self._g, table.GATHER, (output_lists, inputs, opts.rootRank), opts)
+
+    def gather_single(self, output, input, opts):
+        return op_path.run(self._g, table.GATHER_SINGLE, (output, input, opts.rootRank), opts)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        return op_path.run(self._g, table.ALL_TO_ALL_SINGLE, (output, input, output_split_sizes, input_split_sizes), opts)
+
+    def alltoall(self, outputs, inputs, opts=None):
+        return op_path.run(self._g, table.ALL_TO_ALL, (outputs, inputs), opts)
+
+    def barrier(self, opts=None):
+        return op_path.run(self._g, table.BARRIER, (), opts)
+
+    # -- point-to-point -------------------------------------------------------
+    def send(self, tensors, dst: int, tag: int = 0):
+        return op_path.run(self._g, table.SEND, (tensors, dst, tag))
+
+    def recv(self, tensors, src: int, tag: int = 0):
+        return op_path.run(self._g, table.RECV, (tensors, src, tag))
+
+    def recv_anysource(self, tensors, tag: int = 0):
+        return op_path.run(self._g, table.RECV, (tensors, None, tag))
+
+    # -- lifetime -------------------------------------------------------------
+    def abort(self) -> None:
+        """Abort every rank of the job: MPI state cannot be recovered.  In
+        fault-tolerance mode, revoke and free this group's communicators on
+        this rank only (``dist.shrink_group`` aborts the groups it drops)."""
+        if not failures.abort_group(self._g):
+            _mpi.abort(1)
+
+    def shutdown(self) -> None:
+        """Free this group's MPI communicators and transports (torch's destroy_process_group calls it)."""
+        g = self._g
+        if g.comm is not None and g.is_world:
+            engine.flush(g)
+            trace.finish(g.comm)  # every rank destroys the world: gather the trace now
+        dispatch.release(g)
+        g.free()
+
+
+def hide_methods(cls) -> None:
+    """Keep the methods torch's C++ layer calls on ``cls`` (the public ones
+    and torch's legacy aliases) out of ``torch.compile``."""
+    compat.hide_from_compiler(cls, [
+        name for name, value in vars(cls).items()
+        if isinstance(value, types.FunctionType) and (not name.startswith("_") or name.endswith("_base"))])
+
+
+hide_methods(TorchOps)

@@ -1,0 +1,115 @@
+"""How torch finds hpccomm, with or without ``import hpccomm``.
+
+Two entry points (setup.cfg) and ``import hpccomm`` itself call into here:
+
+- ``torch.distributed.backends``: ``hpccomm = hpccomm._torch.plugin:register``.
+  torch >= 2.14 loads it the first time a backend string names ``hpccomm``,
+  so ``dist.init_process_group("hpccomm")`` works without ``import hpccomm``.
+- ``torch.backends``: ``hpccomm = hpccomm._torch.plugin:autoload``.  torch loads
+  these device-extension entry points at ``import torch`` (torch >= 2.5;
+  ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` turns them off).  hpccomm uses it to
+  register itself before torch's rendezvous runs: torch's default
+  ``init_method`` is ``env://``, whose handler needs RANK, WORLD_SIZE,
+  MASTER_ADDR and MASTER_PORT before any backend is loaded.  Under an MPI
+  launcher, when the rank or MASTER_ADDR/MASTER_PORT are missing, hpccomm's
+  env:// handler takes rank, size and the key-value store from MPI instead
+  (for any backend, and for ``torch.distributed.rpc.init_rpc``); with all of
+  them set, or outside an MPI launcher, it is torch's handler unchanged.
+
+Everything here is cheap and never raises into ``import torch``: nothing is
+imported beyond torch.distributed until a process group or a rendezvous is
+actually made.
+"""
+from __future__ import annotations
+
+import os
+
+from . import BACKEND_NAME
+
+
+_registering = [False]  # True while register() runs (it may import torch, whose autoload calls back)
+
+
+def register() -> None:
+    """Register the backend ``"hpccomm"`` and the ``mpi://`` rendezvous with
+    torch, and let env:// take rank and size from MPI under an MPI launcher
+    (see the module docstring).  Idempotent; MPI is not started."""
+    _registering[0] = True
+    try:
+        from . import compat
+
+        if not compat.distributed_available():
+            return
+        compat.register_backend(BACKEND_NAME, _create, devices=["cpu", "cuda"])
+        compat.register_rendezvous_handler("mpi", _mpi_rendezvous)
+        compat.wrap_env_rendezvous(_env_or_mpi)
+    finally:
+        _registering[0] = False
+
+
+def autoload() -> None:
+    """torch's device-extension autoload calls this at ``import torch``:
+    :func:`register`, never raising (a failure here would fail ``import torch``).
+    When ``import hpccomm`` came first, its own registration is what imports
+    torch: that one completes once torch is imported, so nothing is done here."""
+    if _registering[0]:
+        return
+    try:
+        register()
+    except Exception as exc:  # noqa: BLE001 - never break `import torch`
+        import warnings
+
+        warnings.warn(f"hpccomm could not register itself with torch ({exc!r}); `import hpccomm` to retry",
+                      RuntimeWarning, stacklevel=2)
+
+
+def _create(opts, backend_options=None):
+    """The backend creator torch calls (see :func:`hpccomm._start.creator.create`);
+    with it, recovery (:mod:`hpccomm.fault_tolerance`, which a Backend's
+    ``shrink`` reaches) is loaded too."""
+    from .. import fault_tolerance
+    from .._start import creator
+
+    made = creator.create(opts, backend_options)
+    fault_tolerance.follow_mode()
+    return made
+
+
+def _mpi_rendezvous(url: str = "mpi://", **kwargs):
+    """``init_method="mpi://"``: rank, size and the store from MPI."""
+    from .._start.bootstrap import _mpi_rendezvous as rendezvous
+
+    return rendezvous(url, **kwargs)
+
+
+def _env_or_mpi(env_handler):
+    """torch's env:// handler, or MPI's rendezvous when an MPI launcher
+    started this process and env:// lacks what it needs (the rank, or
+    MASTER_ADDR/MASTER_PORT): rank, size and the store then come from MPI
+    (a rank or world size given anyway must agree with MPI's)."""
+    def handler(url: str, **kwargs):
+        from urllib.parse import parse_qs, urlparse
+
+        query = parse_qs(urlparse(url).query)
+        rank = query.get("rank", [os.environ.get("RANK")])[0]
+        complete = rank is not None and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ
+        if complete or not _mpi_launched():
+            return env_handler(url, **kwargs)
+        from .._start.bootstrap import _mpi_rendezvous as rendezvous
+
+        size = int(query.get("world_size", [os.environ.get("WORLD_SIZE", "-1")])[0])
+        return rendezvous(url, expect_size=size if size > 0 else None,
+                          expect_rank=int(rank) if rank is not None and int(rank) >= 0 else None, **kwargs)
+
+    handler.hpccomm = True  # marks the wrapper, so it is installed once
+    handler.wrapped = env_handler
+    return handler
+
+
+def _mpi_launched() -> bool:
+    """Whether an MPI launcher (mpirun, mpiexec, srun with a PMI plugin)
+    started this process: pure environment parsing."""
+    from .. import launcher
+
+    launch = launcher.detect()
+    return launch.name in ("openmpi", "mpich", "intelmpi", "srun") and bool(launch.size)

@@ -1,0 +1,90 @@
+"""Debugging aids: :func:`hpccomm.explain`, what hpccomm would hand MPI for a
+call, without making it.
+
+A supported debugging aid (and what the tests ask instead of patching the op
+path): the op's checks run, its plan (hpccomm._ops.plan) is made and the form
+the call would take is decided (hpccomm._core.op_path.form), and both are
+described.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from . import _mpi
+from ._core.op_path import form
+from ._ops.plan import AFTER, ARGS, BEFORE, CALL, ICALL, NBYTES, Stepped
+from ._ops.table import OPS
+from ._torch import compat
+from .errors import HpccommError
+
+
+class Explained(NamedTuple):
+    """What hpccomm would hand MPI for one call (returned by :func:`hpccomm.explain`).
+
+    :param op: the op's name (``"all_reduce"``).
+    :param where: ``"here"`` (blocking, in the calling thread), ``"posted"``
+        (a nonblocking MPI call posted here, completed by its Work) or
+        ``"queued"`` (on hpccomm's comm thread, in issue order).
+    :param call: the MPI call it makes (``"Allreduce"``, ``"Iallreduce"``),
+        or ``""`` where it makes several, in Python.
+    :param buffers: each MPI buffer argument, ``"IN_PLACE"`` or
+        ``(address, count)`` (the count as MPI is given it).
+    :param before: a step runs before the MPI call (a strided or aliased
+        tensor copied into a contiguous buffer, PREMUL_SUM's scaling).
+    :param after: a step runs after it (a strided output's write-back,
+        AVG's division, a list output copied out).
+    :param nbytes: the bytes of this rank's input.
+
+    Example::
+
+        Explained(op='all_reduce', where='here', call='Allreduce',
+                  buffers=('IN_PLACE', (94006168942784, 4)), before=False, after=False, nbytes=16)
+    """
+
+    op: str
+    where: str
+    call: str
+    buffers: tuple
+    before: bool
+    after: bool
+    nbytes: int
+
+
+def explain(op: str, *args, group=None, async_op: bool = False) -> Explained:
+    """What hpccomm would hand MPI for op ``op`` called with ``args`` on a
+    group, without communicating: the op's checks run (a refusal raises, as
+    the call would), and its plan is described.  A supported debugging aid:
+    ask it whether a call is zero-copy, in place, or posted.
+
+    :param op: the op's name, as hpccomm names it (``"all_reduce"``,
+        ``"all_gather_into_tensor"``, ``"send"``; hpccomm._ops.table lists them).
+    :param args: the op's arguments as torch hands them to a backend:
+        tensors in lists, ReduceOps, group ranks (``"all_reduce", [t],
+        dist.ReduceOp.SUM``; ``"broadcast", [t], root``; ``"send", [t], peer, tag``).
+    :param group: the torch process group (default: the default group); an
+        hpccomm group.
+    :param async_op: describe the call as ``async_op=True`` (the form it takes).
+    :returns: an :class:`hpccomm.Explained`.
+    :raises hpccomm.OpError: the call would be refused (the same message).
+    :raises hpccomm.HpccommError: ``group`` is not an hpccomm group.
+    :raises KeyError: ``op`` is not an op hpccomm runs.
+
+    Example::
+
+        e = hpccomm.explain("all_gather_into_tensor", out, out[rank * n:(rank + 1) * n])
+        e.call, e.buffers[0]       # ('Allgather', 'IN_PLACE'): FSDP's layout, no copy
+    """
+    g = compat.group_of(compat.world_group() if group is None else group)
+    if g is None:
+        raise HpccommError(f"hpccomm.explain: {group!r} is not an hpccomm process group")
+    info = OPS[op]
+    plan = info.plan(g, *args)
+    where, nonblocking = form(g, info, plan, async_op)
+    call = plan[ICALL] if nonblocking else plan[CALL]
+    if isinstance(call, Stepped):
+        call = call.call
+    buffers = tuple("IN_PLACE" if a is _mpi.IN_PLACE else (a[0].address, a[1]) for a in plan[ARGS]
+                    if a is _mpi.IN_PLACE or (isinstance(a, list) and len(a) == 3))
+    mpi_call = type(getattr(call, "__self__", None)).__module__ == "mpi4py.MPI"  # else Python making several
+    return Explained(info.name, where, call.__name__ if mpi_call else "", buffers, plan[BEFORE] is not None,
+                     plan[AFTER] is not None, plan[NBYTES])
