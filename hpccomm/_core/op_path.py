@@ -28,7 +28,7 @@ import time
 
 from .. import _mpi
 from .._gpu import dispatch
-from .._ops.checks import NotOnCPU
+from .._ops.checks import NotOnCPU, check_root
 from .._ops.plan import ARGS, BEFORE, CALL, ICALL, NBYTES, OUTPUTS, with_steps
 from ..errors import HpccommError, OpError
 from . import comm_thread, debug_mode, failures, state, trace
@@ -301,9 +301,9 @@ def announce_refusal(g, op, args, exc: OpError) -> None:
     me = g.global_ranks[g.rank]
     try:
         if op.p2p:  # the peer waits in the matching receive or send
-            peer = args[1] if len(args) > 1 and isinstance(args[1], int) else None
-            if peer is not None and 0 <= peer < g.size:
-                g.store.set(state.refusal_key(g, "p2p", from_rank=me, to_rank=g.global_ranks[peer]), str(exc))
+            peer = args[1] if len(args) > 1 else None
+            check_root(g, op.name, peer)  # raises (and nothing is announced) unless a rank of the group
+            g.store.set(state.refusal_key(g, "p2p", from_rank=me, to_rank=g.global_ranks[peer]), str(exc))
         else:
             g.store.set(state.refusal_key(g, "collective", seq=g.seq + 1), f"rank {me}: {exc}")
     except Exception:  # noqa: BLE001 - the refusal itself is raised either way
