@@ -42,6 +42,8 @@ _LAZY = {
     "shrink": ".fault_tolerance",
     "rank_failure": ".fault_tolerance",
 }
+#: Public submodules loaded on first use (``hpccomm.gpu.routes()`` after ``import hpccomm``).
+_SUBMODULES = ("gpu",)
 
 __all__ = [
     "BACKEND_NAME",
@@ -79,6 +81,8 @@ __all__ = [
 
 
 def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)  # (the import makes it a plain attribute)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'hpccomm' has no attribute {name!r}")
@@ -88,7 +92,7 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))
 
 
 def is_available() -> bool:

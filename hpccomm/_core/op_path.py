@@ -8,8 +8,9 @@ arguments and torch's options) and returns the op's Work (hpccomm._core.work):
    (:mod:`hpccomm._ops.plan`); a refusal raises
    :class:`hpccomm.errors.OpError` before any communication, and the other
    ranks, which may be waiting in the op, learn of it (:func:`refused`).  A
-   CUDA tensor sends the call to its group's GPU transport, which wraps the
-   plan (:mod:`hpccomm.gpu`);
+   CUDA tensor sends the call to the route its group takes for that device
+   and op family, which wraps the plan or hands the call to NCCL
+   (:mod:`hpccomm._gpu.dispatch`);
 2. the plan runs in the form the call takes (:func:`form`): blocking in the
    calling thread (:func:`execute`); queued on the comm thread
    (``async_op=True``, or behind such ops: hpccomm._core.comm_thread); or posted as a
@@ -67,10 +68,12 @@ def run(g, op, args, opts=None):
     try:
         plan = op.plan(g, *args)  # raises OpError before any communication
     except NotOnCPU as exc:  # a device tensor (the CPU path pays only for this except clause)
-        return _on_device(g, op, args, opts, exc)
+        plan, not_cpu = None, exc
     except OpError as exc:
         refused(g, op, args, exc)  # the other ranks must not wait for this op
         raise
+    if plan is None:  # (outside the except clause: a device error carries no unrelated context)
+        return _on_device(g, op, args, opts, not_cpu)
     if op.p2p:  # always posted (form)
         return _post(g, op, plan, args[1], None)
     asynchronous = opts is not None and getattr(opts, "asyncOp", False)
@@ -79,18 +82,18 @@ def run(g, op, args, opts=None):
     return done(execute(g, op.name, plan, args))  # the latency-bound case: blocking, here (form: "here")
 
 
-def _on_device(g, op, args, opts, exc: NotOnCPU):
-    """:func:`run` for a call with CUDA tensors: its group's GPU transport for
-    that device (chosen once, hpccomm._gpu.dispatch) delegates the whole op
-    (NCCL), or wraps its plan (CUDA-aware MPI, staged)."""
+def _on_device(g, op, args, opts, not_cpu: NotOnCPU):
+    """:func:`run` for a call with CUDA tensors: the route its group takes for
+    that device and op family (chosen once, hpccomm._gpu.dispatch) delegates
+    the call to NCCL, rewritten into what NCCL takes, or wraps the op's plan
+    (CUDA-aware MPI, staged)."""
     try:
         device = dispatch.cuda_device(g, op.name, args)  # OpValueError when the call mixes devices
         if device is None:
-            raise exc  # not a CUDA tensor: refused as it stands
-        transport = dispatch.transport(g, op, device)
-        if transport.delegates:  # NCCL takes the whole op, after the op's checks
-            dispatch.check_only(g, op, args)
-            return dispatch.delegated(transport, g, op.name, args, opts)
+            raise not_cpu  # not a CUDA tensor: refused as it stands
+        transport, wire = dispatch.route(g, op, device, args)
+        if wire is not None:  # NCCL takes the call, after the op's checks
+            return dispatch.delegated(transport, g, op.name, wire, opts)
         plan = transport.plan(op, g, args)  # the op's checks run inside
     except OpError as refusal:
         refused(g, op, args, refusal)

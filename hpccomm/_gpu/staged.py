@@ -18,6 +18,7 @@ import torch
 
 from .._ops.plan import steps, with_steps
 from .streams import CudaStreams
+from .tensors import translate
 
 
 def pinned(nbytes: int) -> torch.Tensor:
@@ -119,7 +120,7 @@ class Staged:
             self.streams.synchronize(self.device)
             self._copy_in(pairs)
             call, cargs, icall, outputs, keep, before, after, nbytes = plan
-            outputs = _translate(outputs, {id(h): dev for dev, h, _, _ in pairs})
+            outputs = translate(outputs, {id(h): dev for dev, h, _, _ in pairs})
             # the host buffers MPI reads or writes: alive (in keep) until done
             return (call, cargs, icall, outputs, (keep, pairs), before, steps(after, lambda: self._copy_back(pairs)),
                     nbytes)
@@ -135,17 +136,5 @@ class Staged:
             self._copy_back(pairs)
             self.streams.synchronize(self.device)
 
-        return with_steps(call, cargs, None, _translate(outputs, {id(h): dev for dev, h, _, _ in pairs}),
+        return with_steps(call, cargs, None, translate(outputs, {id(h): dev for dev, h, _, _ in pairs}),
                           (keep, pairs), staged_before, staged_after, nbytes)
-
-
-def _translate(result, to_device):
-    """The op's result with each host stand-in replaced by its device tensor
-    (a Work's future holds the user's tensors)."""
-    if isinstance(result, torch.Tensor):
-        return to_device.get(id(result), result)
-    if isinstance(result, list):
-        return [_translate(r, to_device) for r in result]
-    if isinstance(result, tuple):
-        return tuple(_translate(r, to_device) for r in result)
-    return result

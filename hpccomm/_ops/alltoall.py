@@ -129,14 +129,14 @@ def alltoall(group, outputs, inputs, op: str = "all_to_all"):
     send = staging.flat_view(inputs)
     before = after = None
     if send is None:
-        send = torch.empty(sum(scounts), dtype=dtype, device=inputs[0].device)
+        send = inputs[0].new_empty(sum(scounts))
 
         def before():
             torch.cat([t.reshape(-1) for t in inputs], out=send)
 
     recv = staging.flat_view(outputs)
     if recv is None or staging.overlaps(send, recv):
-        recv = torch.empty(sum(rcounts), dtype=dtype, device=send.device)
+        recv = send.new_empty(sum(rcounts))
 
         def after():
             for t, part in zip(outputs, torch.split(recv, rcounts)):

@@ -100,7 +100,7 @@ def all_gather(group, output_lists, inputs, op: str = "all_gather"):
                                  and send.data_ptr() != outputs[group.rank].data_ptr()):
         recv, after = flat, None  # the outputs are one buffer: zero-copy
     else:
-        recv = torch.empty(sum(counts), dtype=input.dtype, device=input.device)
+        recv = input.new_empty(sum(counts))
 
         def after():
             for t, part in zip(outputs, torch.split(recv, counts)):
@@ -178,7 +178,7 @@ def _gather_recv(group, input, root, outputs, result, write_back=None):
     counts = [t.numel() for t in outputs]
     flat = staging.flat_view(outputs)
     direct = flat is not None and not staging.overlaps(send, flat)
-    recv = flat if direct else torch.empty(sum(counts), dtype=input.dtype, device=input.device)
+    recv = flat if direct else input.new_empty(sum(counts))
     displs = _displs(counts)
 
     def run():

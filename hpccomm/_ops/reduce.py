@@ -96,7 +96,7 @@ def all_reduce_coalesced(group, tensors, redop, op: str = "all_reduce_coalesced"
     plans = []
     for ts in by_dtype.values():
         if len(ts) > 1 and sum(t.numel() for t in ts) * ts[0].element_size() <= _FLATTEN_BYTES:
-            flat = torch.empty(sum(t.numel() for t in ts), dtype=ts[0].dtype, device=ts[0].device)
+            flat = ts[0].new_empty(sum(t.numel() for t in ts))
             inner = all_reduce(group, [flat], redop, op)
 
             def gather_in(ts=ts, flat=flat):
@@ -213,7 +213,7 @@ def reduce_scatter(group, outputs, input_lists, redop, op: str = "reduce_scatter
     send = staging.flat_view(inputs)
     before = None
     if send is None or factor is not None or staging.overlaps(send, output):
-        send = torch.empty(output.numel() * group.size, dtype=output.dtype, device=output.device)
+        send = output.new_empty(output.numel() * group.size)
 
         def before(send=send):
             torch.cat([t.reshape(-1) for t in inputs], out=send)

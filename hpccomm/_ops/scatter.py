@@ -72,7 +72,7 @@ def _scatter_send(group, output, inputs, root, outputs):
     send = staging.flat_view(inputs)
     before = None
     if send is None or staging.overlaps(send, out):
-        send = torch.empty(n * group.size, dtype=output.dtype, device=output.device)
+        send = output.new_empty(n * group.size)
         if inputs:
             def before():
                 torch.cat([t.reshape(-1) for t in inputs], out=send)

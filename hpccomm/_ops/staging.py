@@ -19,7 +19,7 @@ _UNSIGNED_WIDE = (torch.uint16, torch.uint32, torch.uint64)
 def premultiplied(t: torch.Tensor, factor, inplace: bool) -> torch.Tensor:
     """``t * factor`` for PREMUL_SUM, in ``t`` when allowed, else in a new tensor."""
     if isinstance(factor, torch.Tensor):  # NCCL's form is a 1-element tensor: make it a scalar
-        factor = factor.to(device=t.device, dtype=t.dtype).reshape(())
+        factor = factor.to(t).reshape(())
     if inplace:
         return t.mul_(factor)
     # contiguous, whatever t's strides, on t's own memory kind
@@ -48,7 +48,7 @@ def contiguous(t: torch.Tensor) -> torch.Tensor:
 def out_buffer(t: torch.Tensor) -> torch.Tensor:
     """Where MPI writes a result for ``t``: ``t`` itself, or a fresh contiguous
     tensor whose data :func:`write_back` copies into ``t`` afterwards."""
-    return t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    return t if t.is_contiguous() else t.new_empty(t.shape)
 
 
 def write_back(user: torch.Tensor, staged: torch.Tensor) -> None:
@@ -61,7 +61,7 @@ def staged_input(t: torch.Tensor):
     that fills it when the op runs (None: ``t`` itself, contiguous)."""
     if t.is_contiguous():
         return t, None
-    buf = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    buf = t.new_empty(t.shape)
     return buf, partial(buf.copy_, t)
 
 
@@ -70,14 +70,14 @@ def staged_output(t: torch.Tensor):
     that copies it into ``t`` once it is there (None: ``t`` itself)."""
     if t.is_contiguous():
         return t, None
-    buf = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    buf = t.new_empty(t.shape)
     return buf, partial(t.copy_, buf)
 
 
 def copy_apart(t: torch.Tensor):
     """``(buffer, before)``: a contiguous buffer of ``t``'s size and the plan
     step copying ``t`` into it when the op runs (MPI forbids aliased buffers)."""
-    buf = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    buf = t.new_empty(t.shape)
     return buf, partial(buf.copy_, t)
 
 
@@ -86,7 +86,7 @@ def scaled(t: torch.Tensor, factor):
     buffer, computed when the op runs (the user's tensor is left as it is
     should MPI fail)."""
     if isinstance(factor, torch.Tensor):  # NCCL's form is a 1-element tensor: make it a scalar
-        factor = factor.to(device=t.device, dtype=t.dtype).reshape(())
+        factor = factor.to(t).reshape(())
     buf = torch.empty_like(t, memory_format=torch.contiguous_format)
     return buf, partial(torch.mul, t, factor, out=buf)
 
@@ -107,7 +107,7 @@ def flat_view(ts: Sequence[torch.Tensor]):
             return None
         ptr += t.numel() * size
     total = sum(t.numel() for t in full)
-    base = torch.empty(0, dtype=first.dtype, device=first.device)
+    base = first.new_empty(0)
     base.set_(first.untyped_storage(), first.storage_offset(), (total,), (1,))
     return base
 

@@ -75,7 +75,7 @@ def _world_group(opts) -> _group.Group:
     group = _group.Group(comm, range(comm.Get_size()), store=opts.store, timeout=opts.timeout)
     group.is_world = True
     state.set_world_group(group)
-    dispatch.bind(started.info.local_rank, started.info.local_size)
+    dispatch.bind_later(started.info.local_rank, started.info.local_size)  # nothing of CUDA touched now
     _install_excepthook(comm.Get_rank(), comm.Get_size())
     signals.install(comm, opts.store)
     trace.start(comm)

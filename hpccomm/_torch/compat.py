@@ -186,6 +186,16 @@ OPTION_CLASSES = {
 }
 
 
+def on_cuda_init(fn) -> None:
+    """Run ``fn`` when this process first initialises CUDA (at once if it
+    has): torch's queue of calls deferred to CUDA's start
+    (``torch.cuda._lazy_call``, in torch since 1.x), so nothing of CUDA is
+    touched before the program itself uses it."""
+    import torch
+
+    torch.cuda._lazy_call(fn)
+
+
 def torch_nccl_available() -> bool:
     """Whether this torch was built with NCCL (``dist.is_nccl_available()``)."""
     return bool(dist.is_nccl_available())
