@@ -83,7 +83,7 @@ SUITES = {
     "bench": ["test_bench.py"],
     "tools": ["test_jobs.py", "test_slurm.py", "test_torch_suite_runner.py"],
     "unit": ["test_unit.py", "test_unit_compile.py", "test_layers.py"],
-    "gpu": ["test_gpu_unit.py", "test_cuda.py"],
+    "gpu": ["test_gpu_unit.py", "test_cuda.py", "test_gpu_contracts.py"],
     # hpccomm installed from its wheel, with the training frameworks: only in tests/matrix.sh's 2.13-wheel cell,
     # which makes the venv they need (tests/installed/conftest.py: a run that names no suite does not collect them)
     "frameworks": ["installed/test_frameworks.py"],

@@ -128,6 +128,8 @@ def test_info_json_alone():
     # the GPU transport report (hpccomm.gpu.info): on this MPI, how CUDA-awareness was decided
     assert rank["gpu"]["mpi_cuda_aware"] in ("yes", "no", "unknown") and rank["gpu"]["mpi_cuda_aware_how"]
     assert rank["gpu"]["cpu_transport"] == "mpi (host memory)"
+    assert rank["gpu"]["gpu_binding"].startswith("none: "), rank["gpu"]  # a CPU job binds no GPU
+    assert rank["gpu"]["cuda_routes"].startswith("reduction: "), rank["gpu"]
     assert rank["options"]["HPCCOMM_LOG"] == "WARNING"
     # the synthetic views below have the same fields as a real one
     fake = _view(0, 1)
@@ -272,7 +274,9 @@ def _view(rank: int, size: int, host: str = "n1", launcher: str = "openmpi") -> 
                 "mpi_cuda_aware_how": "MPIX_Query_cuda_support() returned 0 (Open MPI extension)",
                 "nccl_torch": "no (torch.distributed.is_nccl_available() is False)", "nccl_cupy": "no",
                 "gpu_count": 0, "gpu_transport": "auto", "cpu_transport": "mpi (host memory)",
-                "cuda_transport": "none: no GPU transport", "gpu_binding": "none: not bound yet"},
+                "mpi_cuda_advice": "-", "mpi_device_reductions": "unknown (not CUDA-aware)",
+                "cuda_routes": "reduction: staged, movement: staged, p2p: staged (fallback staged): ...",
+                "gpu_binding": "none: not bound yet"},
         "pid": 1000 + rank,
     }
 

@@ -263,3 +263,25 @@ def test_the_fake_device_serves_stale_memory_until_synchronised():
     DEVICE.flush()
     assert DEVICE.memory(t).tolist() == [0.0, 2.0, 4.0, 6.0] and host.tolist() == [0.0, 2.0, 4.0, 6.0]
     assert torch.equal(DEVICE.memory(made), DEVICE.value(made)) and DEVICE.dirty() == 0
+
+
+@pytest.mark.mpi
+def test_bench_gpu_rows_run_the_transport_they_name(world):
+    """bench_gpu sets each row's transport on every rank and labels the row
+    with the route hpccomm says ran (the labels were once the init-time choice
+    whatever the row said)."""
+    from hpccomm import bench_gpu
+
+    rank, size = world
+    with fake_gpus(mpi_cuda=True, reductions=False):
+        rows = bench_gpu.measure(["staged", "mpi", "nccl", "auto"], list(bench_gpu.OPS), [64],
+                                 lambda count, value: DEVICE.tensor(torch.full((count,), value)), DEVICE.flush, 2, 1)
+    assert len(rows) == 4 * len(bench_gpu.OPS) and all(r["correct"] for r in rows), rows
+    for r in rows:
+        ran = r["ran"].split(" ")[0]
+        if r["transport"] == "auto":  # the table's choice: NCCL reduces, CUDA-aware MPI moves data
+            assert ran == ("nccl" if r["op"] in ("all_reduce", "reduce_scatter") else "mpi"), r
+        else:
+            assert ran == r["transport"], r
+    table = bench_gpu.render(rows)
+    assert table.splitlines()[0].split()[:3] == ["asked", "ran", "op"] and "WRONG" not in table

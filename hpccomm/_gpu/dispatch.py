@@ -109,8 +109,11 @@ def capabilities() -> select.Capabilities:
 
 
 def _identify(device) -> tuple:
-    """``(node, GPU)`` of ``device``: the GPU's UUID (so ranks on one GPU are
-    seen whatever their CUDA_VISIBLE_DEVICES), and the node's GPU count."""
+    """``((node, GPU), GPUs on the node)`` of ``device``: the GPU's UUID (so
+    ranks on one GPU are seen whatever their CUDA_VISIBLE_DEVICES); ``((), 0)``
+    where CUDA is not up (no GPU to tell apart)."""
+    if not torch.cuda.is_available():
+        return (), 0
     props = torch.cuda.get_device_properties(device)
     gpu = str(getattr(props, "uuid", "") or getattr(props, "pci_bus_id", "") or device.index)
     return (socket.gethostname(), gpu), torch.cuda.device_count()
