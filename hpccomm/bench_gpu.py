@@ -137,6 +137,12 @@ def measure(transports, ops, sizes, full, sync, iters: int, warmup: int) -> list
     for transport in transports:
         if transport != "host":
             hpccomm.gpu.set_transport(transport)  # every rank, between ops: the routes are made anew
+            try:  # a transport that cannot serve this group (NCCL on shared GPUs) is refused on every rank alike
+                make_op(ops[0], 4 * n, n, rank, full)[0]()
+            except hpccomm.OpError as exc:
+                if rank == 0:
+                    print(f"# transport {transport}: not available here ({exc})")
+                continue
         for op in ops:
             for nbytes in sizes:
                 run, check, moved = make_op(op, nbytes, n, rank, full)

@@ -21,7 +21,8 @@ import torch.distributed as dist
 if not torch.cuda.is_available():
     _why = ("no GPU: torch.cuda.is_available() is False "
             f"(torch {torch.__version__}, built with CUDA {torch.version.cuda or 'none'}); "
-            "the GPU transports are covered by tests/test_gpu_unit.py here")
+            "the GPU routes are covered here by tests/test_gpu_contracts.py (fake device and NCCL) and "
+            "tests/test_gpu_unit.py")
     print(f"tests/test_cuda.py skipped: {_why}")
     pytest.skip(_why, allow_module_level=True)
 
