@@ -64,6 +64,7 @@ __all__ = [
     "errors",
     "explain",
     "from_mpi4py",
+    "gpu",
     "init_process_group",
     "is_available",
     "is_mpi_available",

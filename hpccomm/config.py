@@ -165,11 +165,14 @@ OPTIONS: dict[str, Option] = {
         ),
         Option(
             "HPCCOMM_GPU_TRANSPORT", _lower, "auto",
-            "How CUDA tensors travel (chosen per group and device, the reason logged at INFO): 'mpi' "
-            "hands device memory to a CUDA-aware MPI; 'nccl' delegates to torch's NCCL process group "
-            "(or CuPy's NCCL) built on hpccomm's key-value store; 'staged' copies through reused pinned "
-            "host buffers and runs the CPU op (slow, said once in the log); 'auto' takes CUDA-aware MPI "
-            "if the MPI library says it is, else NCCL, else refuses the op naming this variable.",
+            "How CUDA tensors travel, per group, device and op family (the routes logged at INFO and shown by "
+            "hpccomm info; docs/gpu.md has the table). 'auto' chooses from every member's findings: reductions "
+            "through NCCL unless the CUDA-aware MPI reduces on the device, data movement and point-to-point "
+            "through CUDA-aware MPI; without CUDA-aware MPI, collectives through NCCL and point-to-point staged; "
+            "where NCCL cannot serve (ranks sharing a GPU), CUDA-aware MPI, else staged. 'mpi', 'nccl' "
+            "(torch's NCCL, or CuPy's) and 'staged' (copies through reused pinned host buffers) force one "
+            "transport for every op; what NCCL cannot take exactly goes to CUDA-aware MPI or staged. Also "
+            "hpccomm.gpu.set_transport(name, group).",
             ("auto", "mpi", "nccl", "staged"),
         ),
         Option(
@@ -185,9 +188,10 @@ OPTIONS: dict[str, Option] = {
         ),
         Option(
             "HPCCOMM_GPU_BIND", _lower, "local_rank",
-            "Which GPU each rank uses when the world group is made: 'local_rank' calls "
-            "torch.cuda.set_device(local rank modulo the GPU count); 'none' leaves the current device "
-            "alone (bind it yourself, for example from CUDA_VISIBLE_DEVICES per rank).",
+            "Which GPU each rank uses: 'local_rank' calls torch.cuda.set_device(local rank modulo the GPU count) "
+            "when the process first uses CUDA (a CPU job never touches CUDA; a device the program set stands); "
+            "'none' leaves the current device alone (bind it yourself, for example from CUDA_VISIBLE_DEVICES "
+            "per rank).",
             ("local_rank", "none"),
         ),
         Option(

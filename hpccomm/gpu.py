@@ -23,22 +23,37 @@ def _group(group):
 
 
 def set_transport(name: str, group=None) -> None:
-    """Force transport ``name`` (``auto``, ``mpi``, ``nccl``, ``staged``, as
-    ``HPCCOMM_GPU_TRANSPORT``) for the CUDA ops of ``group`` (default: the
-    world group) from its next op on.  Call it on every member, between ops
-    (the members compare their settings at the next collective on CUDA
-    tensors and refuse together if they differ).  Raises ValueError for an
-    unknown name."""
+    """Force one transport for the CUDA ops of a group from its next op on;
+    its routes are made anew (its NCCL communicators closed).  Call it on
+    every member, between ops: the members compare their settings at the
+    next collective on CUDA tensors and refuse together if they differ.
+
+    :param name: ``auto``, ``mpi``, ``nccl`` or ``staged``, as ``HPCCOMM_GPU_TRANSPORT``
+    :param group: a process group of hpccomm (default: the world group)
+    :raises ValueError: for an unknown name
+
+    Example::
+
+        hpccomm.gpu.set_transport("staged")     # every rank
+        dist.all_reduce(torch.ones(4, device="cuda"))
+    """
     from ._gpu import dispatch
 
     dispatch.set_transport(_group(group), name)
 
 
 def routes(group=None) -> dict:
-    """The routes ``group`` (default: the world group) has chosen so far, per
-    device: ``{"cuda:0": {"reduction": "nccl", "movement": "mpi", "p2p": "mpi",
-    "fallback": "mpi", "reason": "..."}}``, and the point-to-point route this
-    rank chose alone under ``"p2p:cuda:0"``."""
+    """The routes a group has chosen so far, per device, and the
+    point-to-point route this rank chose alone under ``"p2p:<device>"``.
+    Never raises.
+
+    :param group: a process group of hpccomm (default: the world group)
+
+    Example::
+
+        hpccomm.gpu.routes()
+        # {'cuda:0': {'reduction': 'nccl', 'movement': 'mpi', 'p2p': 'mpi', 'fallback': 'mpi', 'reason': '...'}}
+    """
     from ._gpu import dispatch
 
     out = {}
@@ -49,24 +64,41 @@ def routes(group=None) -> dict:
 
 
 def taken(group=None) -> dict:
-    """``{op name: route}``: what the last CUDA call of each op ran on
-    ``group`` (default: the world group), asked of hpccomm, with what was
-    rewritten for NCCL: ``{"all_reduce": "nccl (int16 SUM widened to int32)"}``."""
+    """What the last CUDA call of each op ran on a group: ``{op name:
+    route}``, with what was rewritten for NCCL.  Never raises.
+
+    :param group: a process group of hpccomm (default: the world group)
+
+    Example::
+
+        dist.all_reduce(torch.ones(4, dtype=torch.int16, device="cuda"))
+        hpccomm.gpu.taken()          # {'all_reduce': 'nccl (int16 SUM widened to int32)'}
+    """
     from ._gpu import dispatch
 
     return dispatch.taken(_group(group))
 
 
 def bind() -> dict:
-    """Bind this rank to its GPU now (normally done when the process first
-    uses CUDA): ``{"device": index or None, "how": sentence}``."""
+    """Bind this rank to its GPU now (hpccomm otherwise binds when the
+    process first uses CUDA: ``HPCCOMM_GPU_BIND``): initialises CUDA.
+    Returns ``{"device": index or None, "how": sentence}``.  Never raises
+    (a failed binding is said in ``how``).
+
+    Example::
+
+        hpccomm.init_process_group()
+        hpccomm.gpu.bind()           # {'device': 1, 'how': 'local rank 1 of 2 on this node, 2 GPU(s): ...'}
+    """
     from ._gpu import dispatch
 
     return dispatch.bind()
 
 
 def info() -> dict:
-    """What ``hpccomm info`` reports about GPUs on this rank (MPI must be up).
+    """What ``hpccomm info`` reports about GPUs on this rank (MPI must be
+    up; it starts MPI otherwise).  Never raises for a missing GPU or NCCL:
+    each finding says what was found.
 
     Keys: ``mpi_cuda_aware`` (yes/no/unknown), ``mpi_cuda_aware_how``,
     ``mpi_cuda_advice`` (what would make it CUDA-aware, when it is not),
@@ -74,8 +106,11 @@ def info() -> dict:
     ``gpu_count``, ``gpu_transport`` (the setting), ``cpu_transport``,
     ``cuda_routes`` (the route table this rank would make alone, per op
     family, and why, or why none) and ``gpu_binding`` (rank -> GPU).  Asking
-    for the GPU count initialises CUDA in this process, as ``hpccomm info``
-    asks.
+    for the GPU count asks CUDA's driver, as ``hpccomm info`` does.
+
+    Example::
+
+        hpccomm.gpu.info()["cuda_routes"]   # 'reduction: nccl, movement: mpi, p2p: mpi (fallback mpi): ...'
     """
     from . import config
     from ._gpu import dispatch, probe, select

@@ -149,7 +149,7 @@ def _documented_params(obj):
     return [p for p in sig.parameters if p not in ("self", "args")]
 
 
-@pytest.mark.parametrize("name", sorted(n for n in hpccomm.__all__ if n not in ("BACKEND_NAME", "errors")))
+@pytest.mark.parametrize("name", sorted(n for n in hpccomm.__all__ if n not in ("BACKEND_NAME", "errors", "gpu")))
 def test_public_name_has_full_docstring(name):
     """Every public function and class: a docstring with an example, every
     argument described, and the errors it raises (or that it raises none)."""
@@ -161,6 +161,17 @@ def test_public_name_has_full_docstring(name):
         assert re.search(rf":param {param}:", doc), f"hpccomm.{name}: argument {param!r} is not described"
     if inspect.isfunction(obj):
         assert ":raises " in doc or "Never raises" in doc, f"hpccomm.{name}: the docstring says nothing of errors"
+
+
+@pytest.mark.parametrize("name", ["set_transport", "routes", "taken", "bind", "info"])
+def test_gpu_function_has_full_docstring(name):
+    """hpccomm.gpu's functions, held to the bar of the top-level names."""
+    obj = getattr(hpccomm.gpu, name)
+    doc = inspect.getdoc(obj) or ""
+    assert "Example" in doc and "::" in doc, f"hpccomm.gpu.{name}: the docstring has no example"
+    for param in _documented_params(obj):
+        assert re.search(rf":param {param}:", doc), f"hpccomm.gpu.{name}: argument {param!r} is not described"
+    assert ":raises " in doc or "Never raises" in doc, f"hpccomm.gpu.{name}: the docstring says nothing of errors"
 
 
 def test_errors_module_and_backend_name_are_documented():
@@ -191,7 +202,7 @@ def test_docs_build_with_warnings_as_errors(site):
 def test_every_public_name_is_in_the_api_reference(site):
     html = (site / "api.html").read_text()
     for name in hpccomm.__all__:
-        modules = ("errors", "config")  # documented as modules (hpccomm.launcher as the callable it is)
+        modules = ("errors", "config", "gpu")  # documented as modules (hpccomm.launcher as the callable it is)
         anchor = f'id="module-hpccomm.{name}"' if name in modules else f'id="hpccomm.{name}"'
         assert anchor in html, f"hpccomm.{name} is not in the API reference (docs/api.md)"
 
