@@ -11,17 +11,17 @@ Its memory (what ``data_ptr()`` gives, what MPI reads and writes) is the
 *host-visible* state.  Every torch op on such tensors is a kernel on one
 stream: it runs at once, but its writes land in a shadow copy of the storage,
 which later kernels see and the memory does not, until the stream is
-synchronised (:meth:`FakeDevice.flush`: ``CudaStreams.wait`` /
-``synchronize``, the streams object the transports take).  A tensor a kernel
-creates holds garbage in memory until then.  So MPI handed memory that a
+synchronised as far as that kernel (:meth:`FakeDevice.flush`: ``CudaStreams.wait``
+for an event recorded after it, ``synchronize``; the streams object the
+transports take).  A tensor a kernel creates holds garbage in memory until then.  So MPI handed memory that a
 kernel of the op wrote, without a synchronisation between, sends stale data,
 and the peers' results are wrong: the harness fails.  A copy to a host
 tensor reads the device's current values (a blocking device-to-host copy
 waits for the stream); with ``non_blocking=True`` it lands at the next
-synchronisation.  One stream and one flush for all: an event wait flushes
-everything queued so far (stronger than CUDA, which waits only for the work
-before the event; a transport that waits for an event and then launches the
-kernel MPI reads is still caught).
+synchronisation that reaches it.  One stream: an event is the number of
+the last kernel queued when it was recorded, and waiting for it brings the
+writes of exactly the kernels before it to memory (a transport that waits
+for an event recorded before the kernel MPI reads is caught).
 
 NCCL (:class:`FakeNCCL`)
 ------------------------
@@ -107,8 +107,11 @@ class FakeDevice:
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._shadows: dict = {}  # storage address -> (memory bytes, shadow bytes)
-        self._pending_host: list = []  # (host tensor, value): non_blocking device-to-host copies
+        self._shadows: dict = {}  # storage address -> (memory bytes, shadow bytes): the device's current values
+        # what reaches memory when the stream gets there, in order: (kernel number, storage address, memory bytes,
+        # snapshot of the storage after that kernel), or (kernel number, None, host tensor, value) for a
+        # non_blocking device-to-host copy
+        self._pending: list = []
         self.flushes = 0
         self.kernels = 0
 
@@ -128,20 +131,30 @@ class FakeDevice:
             return _plain(t).clone()
 
     # -- the stream ----------------------------------------------------------
-    def flush(self) -> None:
-        """The stream is synchronised: every pending kernel's writes reach memory."""
+    def flush(self, upto=None) -> None:
+        """The stream reached kernel ``upto`` (an event: :meth:`record`), or
+        everything queued (``None``): those kernels' writes reach memory."""
         with self._lock, torch._C.DisableTorchFunctionSubclass():
-            for memory, shadow in self._shadows.values():
-                memory.copy_(shadow)
-            self._shadows.clear()
-            for host, value in self._pending_host:
-                host.copy_(value)
-            self._pending_host.clear()
+            keep = []
+            for entry in self._pending:
+                number, key, target, value = entry
+                if upto is not None and number > upto:
+                    keep.append(entry)
+                    continue
+                target.copy_(value)
+            self._pending = keep
+            still = {e[1] for e in keep}
+            for key in [k for k in self._shadows if k not in still]:
+                del self._shadows[key]
             self.flushes += 1
+
+    def record(self) -> int:
+        """An event: the number of the last kernel queued so far."""
+        return self.kernels
 
     def dirty(self) -> int:
         """How many storages hold writes that memory does not show yet."""
-        return len(self._shadows)
+        return len({e[1] for e in self._pending if e[1] is not None})
 
     def _device_view(self, t: torch.Tensor) -> torch.Tensor:
         entry = self._shadows.get(_key(t))
@@ -188,13 +201,17 @@ class FakeDevice:
 
             with torch._C.DisableTorchFunctionSubclass():
                 result = func(*dev(list(args)), **{k: dev(v) for k, v in kwargs.items()})
+                for key in {_key(t) for t in targets}:
+                    memory, shadow = self._shadows[key]
+                    self._pending.append((self.kernels, key, memory, shadow.clone()))
             return self._result(result, args, kwargs, targets, mapped, name)
 
     def _to_host(self, host, src, kwargs):
         with torch._C.DisableTorchFunctionSubclass():
             value = self._device_view(src).clone()
             if kwargs.get("non_blocking"):
-                self._pending_host.append((host, value))
+                self.kernels += 1
+                self._pending.append((self.kernels, None, host, value))
             else:
                 host.copy_(value)
         return host
@@ -230,6 +247,7 @@ class FakeDevice:
             _over(shadow, fresh).copy_(result)
             made = fresh.as_subclass(StaleCudaTensor)
             self._shadows[_key(made)] = (raw, shadow)
+            self._pending.append((self.kernels, _key(made), raw, shadow.clone()))
         return made
 
     def _wrap_views(self, result, args):
@@ -328,11 +346,11 @@ class FakeStreams:
 
     def record(self, device):
         self.log.append("record")
-        return object()
+        return self.device.record()
 
     def wait(self, event) -> None:
         self.log.append("wait")
-        self.device.flush()
+        self.device.flush(event)
 
     def synchronize(self, device) -> None:
         self.log.append("synchronize")

@@ -285,3 +285,17 @@ def test_bench_gpu_rows_run_the_transport_they_name(world):
             assert ran == r["transport"], r
     table = bench_gpu.render(rows)
     assert table.splitlines()[0].split()[:3] == ["asked", "ran", "op"] and "WRONG" not in table
+
+
+def test_an_event_brings_exactly_the_kernels_before_it_to_memory():
+    a, b = DEVICE.tensor(torch.zeros(2)), DEVICE.tensor(torch.zeros(2))
+    a.fill_(1.0)
+    event = DEVICE.record()
+    b.fill_(2.0)
+    a.add_(1.0)
+    DEVICE.flush(event)
+    assert DEVICE.memory(a).tolist() == [1.0, 1.0] and DEVICE.memory(b).tolist() == [0.0, 0.0]
+    assert DEVICE.value(a).tolist() == [2.0, 2.0] and DEVICE.dirty() == 2
+    DEVICE.flush()
+    assert DEVICE.memory(a).tolist() == [2.0, 2.0] and DEVICE.memory(b).tolist() == [2.0, 2.0]
+    assert DEVICE.dirty() == 0
