@@ -88,6 +88,30 @@ def _port(raw: str) -> int:
 _port.__name__ = "port"
 
 
+#: The op families of CUDA tensors and the routes HPCCOMM_GPU_ROUTES may force (hpccomm._gpu.select).
+GPU_FAMILIES = ("reduction", "movement", "p2p")
+GPU_ROUTES = ("mpi", "composed", "nccl", "staged")
+
+
+def _routes(raw: str) -> tuple:
+    """``"reduction=composed,movement=nccl"`` as sorted ``(family, route)`` pairs."""
+    pairs = {}
+    for item in (part.strip() for part in raw.split(",")):
+        if not item:
+            continue
+        family, sep, name = (x.strip().lower() for x in item.partition("="))
+        if not sep or family not in GPU_FAMILIES or name not in GPU_ROUTES:
+            raise ValueError(f"{item!r} is not FAMILY=ROUTE with FAMILY one of {', '.join(GPU_FAMILIES)} and ROUTE "
+                             f"one of {', '.join(GPU_ROUTES)}")
+        if name == "composed" and family != "reduction":
+            raise ValueError(f"{item!r}: hpccomm composes reductions only")
+        pairs[family] = name
+    return tuple(sorted(pairs.items()))
+
+
+_routes.__name__ = "route list"
+
+
 def _bool(raw: str) -> bool:
     value = raw.strip().lower()
     if value in ("1", "true", "yes", "on"):
@@ -173,7 +197,14 @@ OPTIONS: dict[str, Option] = {
             "(torch's NCCL, or CuPy's) and 'staged' (copies through reused pinned host buffers) force one "
             "transport for every op; what NCCL cannot take exactly goes to CUDA-aware MPI or staged. Also "
             "hpccomm.gpu.set_transport(name, group).",
-            ("auto", "mpi", "nccl", "staged"),
+            ("auto", "mpi", "composed", "nccl", "staged"),
+        ),
+        Option(
+            "HPCCOMM_GPU_ROUTES", _routes, (),
+            "The route of single op families of CUDA tensors, forced on top of HPCCOMM_GPU_TRANSPORT: "
+            "'reduction=composed,movement=nccl' (families: reduction, movement, p2p; routes: mpi, composed "
+            "(reductions only: hpccomm's ring over the MPI library's point-to-point messages), nccl, staged). "
+            "Also hpccomm.gpu.set_routes(group, reduction=...).",
         ),
         Option(
             "HPCCOMM_ADAPTER", _lower, "auto",

@@ -15,11 +15,9 @@ from __future__ import annotations
 
 
 def _group(group):
-    import torch.distributed as dist
+    from ._torch.compat import group_of, world_group
 
-    from ._torch.compat import group_of
-
-    return group_of(group if group is not None else dist.group.WORLD)
+    return group_of(group if group is not None else world_group())
 
 
 def set_transport(name: str, group=None) -> None:
@@ -28,7 +26,7 @@ def set_transport(name: str, group=None) -> None:
     every member, between ops: the members compare their settings at the
     next collective on CUDA tensors and refuse together if they differ.
 
-    :param name: ``auto``, ``mpi``, ``nccl`` or ``staged``, as ``HPCCOMM_GPU_TRANSPORT``
+    :param name: ``auto``, ``mpi``, ``composed``, ``nccl`` or ``staged``, as ``HPCCOMM_GPU_TRANSPORT``
     :param group: a process group of hpccomm (default: the world group)
     :raises ValueError: for an unknown name
 
@@ -40,6 +38,25 @@ def set_transport(name: str, group=None) -> None:
     from ._gpu import dispatch
 
     dispatch.set_transport(_group(group), name)
+
+
+def set_routes(group=None, **families) -> None:
+    """Force the route of single op families for the CUDA ops of a group from
+    its next op on, on top of its transport (as ``HPCCOMM_GPU_ROUTES``); no
+    family named: none forced.  Call it on every member, between ops.
+
+    :param group: a process group of hpccomm (default: the world group)
+    :param families: ``reduction``, ``movement`` or ``p2p`` = ``mpi``, ``composed`` (reductions only),
+        ``nccl`` or ``staged``
+    :raises ValueError: for an unknown family or route
+
+    Example::
+
+        hpccomm.gpu.set_routes(reduction="composed")   # every rank: hpccomm's ring over CUDA-aware MPI
+    """
+    from ._gpu import dispatch
+
+    dispatch.set_routes(_group(group), families)
 
 
 def routes(group=None) -> dict:
@@ -118,7 +135,7 @@ def info() -> dict:
     caps = dispatch.capabilities()
     requested = config.get("HPCCOMM_GPU_TRANSPORT")
     try:
-        table = select.route_table([select.Facts.of(requested, None, caps)])
+        table = select.route_table([select.Facts.of(requested, None, caps, forced=config.get("HPCCOMM_GPU_ROUTES"))])
         cuda = f"{table.summary()}: {table.reason}"
     except select.NoTransport as exc:
         cuda = f"none: {exc}"
@@ -129,6 +146,7 @@ def info() -> dict:
         "mpi_cuda_aware_how": caps.mpi_cuda.how,
         "mpi_cuda_advice": caps.mpi_cuda.advice or "-",
         "mpi_device_reductions": f"{caps.mpi_device_reductions.word()} ({caps.mpi_device_reductions.how})",
+        "mpi_device_movement": f"{caps.mpi_device_movement.word()} ({caps.mpi_device_movement.how})",
         "nccl_torch": f"{caps.nccl_torch.word()} ({caps.nccl_torch.how})",
         "nccl_cupy": f"{caps.nccl_cupy.word()} ({caps.nccl_cupy.how})",
         "gpu_count": count.value,

@@ -36,7 +36,7 @@ FAKE = gpu_sequence.Device(to_device=DEVICE.tensor, to_host=lambda t: DEVICE.val
 
 
 @contextlib.contextmanager
-def fake_gpus(shared=False, mpi_cuda=True, nccl=True, reductions=None, streams=FakeStreams):
+def fake_gpus(shared=False, mpi_cuda=True, nccl=True, reductions=None, streams=FakeStreams, movement=None):
     """The world group's CUDA routes over the fakes: each rank on a GPU of its
     own (or all on one), with the findings given; NCCL's own channel a
     duplicate of the group's communicator.  Every rank enters it together."""
@@ -47,7 +47,8 @@ def fake_gpus(shared=False, mpi_cuda=True, nccl=True, reductions=None, streams=F
     saved = (dispatch.identify, dispatch._caps[0], dict(dispatch.BUILDERS))
     dispatch.identify = lambda device: (gpu, 1 if shared else size)
     dispatch._caps[0] = select.Capabilities(Finding(mpi_cuda, f"injected {mpi_cuda}"), Finding(nccl, "injected"),
-                                            Finding(False, "injected"), Finding(reductions, "injected"))
+                                            Finding(False, "injected"), Finding(reductions, "injected"),
+                                            Finding(movement, "injected"))
     made = {}
 
     def nccl_transport(device, reason):
@@ -56,6 +57,7 @@ def fake_gpus(shared=False, mpi_cuda=True, nccl=True, reductions=None, streams=F
 
     dispatch.BUILDERS.update({
         select.MPI: lambda device, reason: CudaAwareMPI(device, reason, streams=streams()),
+        select.COMPOSED: lambda device, reason: CudaAwareMPI(device, reason, streams=streams(), composed=True),
         select.STAGED: lambda device, reason: Staged(device, reason, streams=streams(), alloc=fake_pinned),
         select.NCCL_TORCH: nccl_transport,
     })
@@ -64,6 +66,7 @@ def fake_gpus(shared=False, mpi_cuda=True, nccl=True, reductions=None, streams=F
         yield made
     finally:
         hpccomm.gpu.set_transport("auto")
+        hpccomm.gpu.set_routes()
         dispatch.release(g)
         dispatch.identify, dispatch._caps[0] = saved[0], saved[1]
         dispatch.BUILDERS.clear()
@@ -86,19 +89,29 @@ def fake_gpu_comm():
     return MPI.COMM_WORLD
 
 
-# name -> (setting, ranks share one GPU, CUDA-aware MPI, MPI reduces on the device, routes (reduction, movement,
-# p2p, fallback), the same at one rank (who shares a GPU with nobody), receives from any source work)
+# name -> (setting, ranks share one GPU, CUDA-aware MPI, MPI reduces on the device, MPI moves device memory fast,
+# routes (reduction, movement, p2p, fallback), the same at one rank (who shares a GPU with nobody), receives from
+# any source work, per-family routes forced)
 SCENARIOS = {
-    "auto-nccl-no-cuda-mpi": ("auto", False, False, None, ("nccl", "nccl", "staged", "staged"), None, True),
-    "auto-nccl-reductions-mpi-movement": ("auto", False, True, False, ("nccl", "mpi", "mpi", "mpi"), None, True),
-    "auto-mpi-reduces-on-device": ("auto", False, True, True, ("mpi",) * 4, None, True),
-    "auto-shared-gpu-cuda-mpi": ("auto", True, True, False, ("mpi",) * 4, ("nccl", "mpi", "mpi", "mpi"), True),
-    "auto-shared-gpu-nothing": ("auto", True, False, None, ("staged",) * 4, ("nccl", "nccl", "staged", "staged"),
-                                True),
-    "forced-nccl-fallback-staged": ("nccl", False, False, None, ("nccl", "nccl", "nccl", "staged"), None, False),
-    "forced-nccl-fallback-mpi": ("nccl", False, True, False, ("nccl", "nccl", "nccl", "mpi"), None, False),
-    "forced-mpi": ("mpi", False, True, None, ("mpi",) * 4, None, True),
-    "forced-staged": ("staged", True, False, None, ("staged",) * 4, None, True),
+    "auto-nccl-no-cuda-mpi": ("auto", False, False, None, None, ("nccl", "nccl", "staged", "staged"), None, True, {}),
+    "auto-nccl-reductions-mpi-movement": ("auto", False, True, False, True, ("nccl", "mpi", "mpi", "mpi"), None,
+                                          True, {}),
+    "auto-mpi-reduces-on-device": ("auto", False, True, True, None, ("mpi",) * 4, None, True, {}),
+    "auto-mpi-reduces-moves-slowly": ("auto", False, True, True, False, ("mpi", "nccl", "mpi", "mpi"), None, True,
+                                      {}),
+    "auto-shared-gpu-cuda-mpi": ("auto", True, True, False, True, ("composed", "mpi", "mpi", "mpi"),
+                                 ("nccl", "mpi", "mpi", "mpi"), True, {}),
+    "auto-shared-gpu-nothing": ("auto", True, False, None, None, ("staged",) * 4,
+                                ("nccl", "nccl", "staged", "staged"), True, {}),
+    "forced-nccl-fallback-staged": ("nccl", False, False, None, None, ("nccl", "nccl", "nccl", "staged"), None,
+                                    False, {}),
+    "forced-nccl-fallback-composed": ("nccl", False, True, False, True, ("nccl", "nccl", "nccl", "mpi"), None,
+                                      False, {}),
+    "forced-mpi": ("mpi", False, True, None, None, ("mpi",) * 4, None, True, {}),
+    "forced-composed": ("composed", True, True, None, None, ("composed", "mpi", "mpi", "mpi"), None, True, {}),
+    "forced-staged": ("staged", True, False, None, None, ("staged",) * 4, None, True, {}),
+    "routes-reduction-composed-movement-staged": ("auto", False, True, True, True, ("composed", "staged", "mpi", "mpi"),
+                                                  None, True, {"reduction": "composed", "movement": "staged"}),
 }
 
 
@@ -107,10 +120,11 @@ SCENARIOS = {
 def test_routes_match_the_cpu_path(world, name):
     """Each scenario's routes are the ones the table names, and run a random
     sequence of ops on fake device tensors with the CPU path's results."""
-    setting, shared, mpi_cuda, reductions, expected, alone, any_source = SCENARIOS[name]
+    setting, shared, mpi_cuda, reductions, movement, expected, alone, any_source, forced = SCENARIOS[name]
     rank, size = world
-    with fake_gpus(shared=shared, mpi_cuda=mpi_cuda, reductions=reductions) as made:
+    with fake_gpus(shared=shared, mpi_cuda=mpi_cuda, reductions=reductions, movement=movement) as made:
         hpccomm.gpu.set_transport(setting)
+        hpccomm.gpu.set_routes(**forced)
         dist.all_reduce(DEVICE.tensor(torch.ones(2)))  # the group's first collective on the device: its routes
         routes = hpccomm.gpu.routes()["cuda:0"]
         got = (routes["reduction"], routes["movement"], routes["p2p"], routes["fallback"])
@@ -173,7 +187,7 @@ def test_rewritten_calls_are_logged_once_and_taken_says_what_ran(world, caplog):
     said = [r.getMessage() for r in caplog.records if "all_reduce of int16 SUM goes through nccl" in r.getMessage()]
     assert len(said) == 1, said
     assert "strided tensor through a contiguous copy" in said[0] and "int16 SUM widened to int32" in said[0]
-    assert taken["all_reduce"] == "mpi (nccl cannot take it exactly)", taken  # the last call: BAND of int32
+    assert taken["all_reduce"] == "composed (nccl cannot take it exactly)", taken  # the last call: BAND of int32
     assert DEVICE.value(b).tolist() == [1, 2, 3]
     expected = torch.arange(6, dtype=torch.int16).reshape(2, 3).t() * size
     assert torch.equal(DEVICE.value(t), expected)
@@ -273,7 +287,7 @@ def test_bench_gpu_rows_run_the_transport_they_name(world):
     from hpccomm import bench_gpu
 
     rank, size = world
-    with fake_gpus(mpi_cuda=True, reductions=False):
+    with fake_gpus(mpi_cuda=True, reductions=False, movement=True):
         rows = bench_gpu.measure(["staged", "mpi", "nccl", "auto"], list(bench_gpu.OPS), [64],
                                  lambda count, value: DEVICE.tensor(torch.full((count,), value)), DEVICE.flush, 2, 1)
     assert len(rows) == 4 * len(bench_gpu.OPS) and all(r["correct"] for r in rows), rows

@@ -150,8 +150,8 @@ def test_gpu_transport_option(monkeypatch, raw, value):
 
 def test_bad_gpu_options_name_the_variable(monkeypatch):
     monkeypatch.setenv("HPCCOMM_GPU_TRANSPORT", "ucx")
-    with pytest.raises(hpccomm.ConfigError, match=r"^HPCCOMM_GPU_TRANSPORT='ucx' is not one of auto, mpi, nccl, "
-                       r"staged$"):
+    with pytest.raises(hpccomm.ConfigError, match=r"^HPCCOMM_GPU_TRANSPORT='ucx' is not one of auto, mpi, composed, "
+                       r"nccl, staged$"):
         config.get("HPCCOMM_GPU_TRANSPORT")
     monkeypatch.setenv("HPCCOMM_GPU_BIND", "round_robin")
     with pytest.raises(hpccomm.ConfigError, match=r"^HPCCOMM_GPU_BIND='round_robin' is not one of local_rank, "
@@ -337,7 +337,7 @@ def test_nccl_probes():
 # selection: every combination of findings, setting, backend map and sharing
 # --------------------------------------------------------------------------
 
-def expected_routes(requested, mapped, mpi, on_device, torch_nccl, cupy, shared):
+def expected_routes(requested, mapped, mpi, on_device, moves, torch_nccl, cupy, shared):
     """The rule, written independently of select.route_table: ``(reduction,
     movement, p2p, fallback)`` or ``("error", fragments the message must hold)``."""
     nccl = "nccl" if torch_nccl else "nccl-cupy" if cupy else None
@@ -354,32 +354,36 @@ def expected_routes(requested, mapped, mpi, on_device, torch_nccl, cupy, shared)
         return (nccl, nccl, nccl, fallback)
     if requested == "staged":
         return ("staged",) * 4
-    if requested == "mpi":
+    if requested in ("mpi", "composed"):
         if mpi is False:
-            return ("error", ["HPCCOMM_GPU_TRANSPORT=mpi but the MPI library is not CUDA-aware"])
-        return ("mpi",) * 4
+            return ("error", [f"HPCCOMM_GPU_TRANSPORT={requested} but the MPI library is not CUDA-aware"])
+        return (requested, "mpi", "mpi", "mpi")
+    nccl_serves = nccl is not None and not shared
     if mpi is True:
-        return ("mpi",) * 4 if on_device or nccl is None or shared else (nccl, "mpi", "mpi", "mpi")
-    if nccl and not shared:
+        movement = nccl if nccl_serves and moves is False else "mpi"
+        if on_device:
+            return ("mpi", movement, "mpi", "mpi")
+        return (nccl, movement, "mpi", "mpi") if nccl_serves else ("composed", "mpi", "mpi", "mpi")
+    if nccl_serves:
         return (nccl, nccl, "staged", "staged")
     return ("staged",) * 4
 
 
-COMBOS = [(req, mp, m, d, t, c, sh) for req in ("auto", "mpi", "nccl", "staged") for mp in (None, "nccl", "gloo")
-          for m in (True, False, None) for d in ((True, False, None) if m else (None,)) for t in (True, False)
-          for c in (True, False) for sh in (True, False)]
+COMBOS = [(req, mp, m, d, mv, t, c, sh) for req in ("auto", "mpi", "composed", "nccl", "staged")
+          for mp in (None, "nccl", "gloo") for m in (True, False, None)
+          for d in ((True, False, None) if m else (None,)) for mv in ((True, False, None) if m else (None,))
+          for t in (True, False) for c in (True, False) for sh in (True, False)]
 
 
-def two_ranks(requested, mapped, mpi, on_device, torch_nccl, cupy, shared):
-    facts = select.Facts(requested, mapped, mpi, on_device, torch_nccl, cupy, ("node0", "GPU-0"))
-    return [facts, select.Facts(requested, mapped, mpi, on_device, torch_nccl, cupy,
-                                ("node0", "GPU-0" if shared else "GPU-1"))]
+def two_ranks(requested, mapped, mpi, on_device, moves, torch_nccl, cupy, shared, forced=()):
+    return [select.Facts(requested, mapped, mpi, on_device, torch_nccl, cupy, ("node0", gpu), moves, forced)
+            for gpu in ("GPU-0", "GPU-0" if shared else "GPU-1")]
 
 
-@pytest.mark.parametrize("requested,mapped,mpi,on_device,torch_nccl,cupy,shared", COMBOS)
-def test_route_table(requested, mapped, mpi, on_device, torch_nccl, cupy, shared):
-    want = expected_routes(requested, mapped, mpi, on_device, torch_nccl, cupy, shared)
-    facts = two_ranks(requested, mapped, mpi, on_device, torch_nccl, cupy, shared)
+@pytest.mark.parametrize("requested,mapped,mpi,on_device,moves,torch_nccl,cupy,shared", COMBOS)
+def test_route_table(requested, mapped, mpi, on_device, moves, torch_nccl, cupy, shared):
+    want = expected_routes(requested, mapped, mpi, on_device, moves, torch_nccl, cupy, shared)
+    facts = two_ranks(requested, mapped, mpi, on_device, moves, torch_nccl, cupy, shared)
     if want[0] != "error":
         routes = select.route_table(facts)
         assert (routes.reduction, routes.movement, routes.p2p, routes.fallback) == want, routes
@@ -393,23 +397,47 @@ def test_route_table(requested, mapped, mpi, on_device, torch_nccl, cupy, shared
         _well_formed(str(info.value))
 
 
+@pytest.mark.parametrize("forced,shared,want", [
+    ((("reduction", "composed"),), False, ("composed", "mpi", "mpi")),
+    ((("movement", "staged"), ("p2p", "staged")), False, ("nccl", "staged", "staged")),
+    ((("movement", "nccl"),), False, ("nccl", "nccl", "mpi")),
+    ((("movement", "nccl"),), True, "HPCCOMM_GPU_ROUTES movement=nccl but ranks 0, 1 share one GPU"),
+])
+def test_forced_routes_on_top(forced, shared, want):
+    facts = two_ranks("auto", None, True, False, True, True, False, shared, forced)
+    if isinstance(want, str):
+        with pytest.raises(NoTransport, match=want):
+            select.route_table(facts)
+        return
+    routes = select.route_table(facts)
+    assert (routes.reduction, routes.movement, routes.p2p) == want, routes
+    assert "HPCCOMM_GPU_ROUTES forces" in routes.reason
+
+
+def test_reductions_fall_back_to_the_composition():
+    routes = select.route_table(two_ranks("nccl", None, True, False, True, True, False, False))
+    assert routes.fallback_for("reduction") == "composed" and routes.fallback_for("movement") == "mpi"
+    routes = select.route_table(two_ranks("nccl", None, False, None, None, True, False, False))
+    assert routes.fallback_for("reduction") == routes.fallback_for("movement") == "staged"
+
+
 def test_auto_always_serves():
     """Whatever the findings, auto has a route for every family (staging at worst)."""
-    for _, _, m, d, t, c, sh in [combo for combo in COMBOS if combo[0] == "auto" and combo[1] is None]:
-        routes = select.route_table(two_ranks("auto", None, m, d, t, c, sh))
-        assert all(routes.of(f) in ("mpi", "nccl", "nccl-cupy", "staged") for f in select.FAMILIES)
+    for _, _, m, d, mv, t, c, sh in [combo for combo in COMBOS if combo[0] == "auto" and combo[1] is None]:
+        routes = select.route_table(two_ranks("auto", None, m, d, mv, t, c, sh))
+        assert all(routes.of(f) in ("mpi", "composed", "nccl", "nccl-cupy", "staged") for f in select.FAMILIES)
 
 
 def test_route_table_members_must_agree():
     a = select.Facts("auto", None, True, None, True, False, ("n", "g0"))
     with pytest.raises(NoTransport, match=r"the ranks of this group asked for different GPU transports \(rank 0: "
-                       r"auto, rank 1: staged\)\. Give every rank the same HPCCOMM_GPU_TRANSPORT"):
+                       r"auto, rank 1: staged\)\. Give every rank the same HPCCOMM_GPU_TRANSPORT, HPCCOMM_GPU_ROUTES"):
         select.route_table([a, select.Facts("staged", None, True, None, True, False, ("n", "g1"))])
     with pytest.raises(NoTransport, match=r"disagree on whether the MPI library is CUDA-aware \(rank 0: yes, "
                        r"rank 1: no\): their point-to-point ops would not match"):
         select.route_table([a, select.Facts("auto", None, False, None, True, False, ("n", "g1"))])
     routes = select.route_table([a, select.Facts("auto", None, True, None, False, False, ("n", "g1"))])
-    assert routes.reduction == "mpi" and "no NCCL on every rank" in routes.reason  # NCCL must be on every rank
+    assert routes.reduction == "composed" and "no NCCL on every rank" in routes.reason  # NCCL must be on every rank
 
 
 def test_p2p_route_is_chosen_alone():
@@ -447,7 +475,7 @@ def test_table_everyone_agrees(injected, monkeypatch):
     monkeypatch.setattr(dispatch, "_caps", [caps(mpi=True)])
     g = fake_group()
     routes = dispatch.table(g, "all_reduce", CUDA0)
-    assert routes.summary() == "reduction: mpi, movement: mpi, p2p: mpi (fallback mpi)"
+    assert routes.summary() == "reduction: composed, movement: mpi, p2p: mpi (fallback mpi)"
     assert len(injected) == 1 and injected[0][1] is None and injected[0][0].mpi_cuda is True
     dispatch.release(g)
 
@@ -461,7 +489,7 @@ def test_table_ranks_ask_differently(injected, monkeypatch):
     assert str(info.value) == (
         "hpccomm all_reduce (op #3 on group 'fake', rank 1/4): CUDA tensors cannot be sent: the ranks of this "
         "group asked for different GPU transports (rank 0: auto, rank 1: staged, rank 2: auto, rank 3: auto). "
-        "Give every rank the same HPCCOMM_GPU_TRANSPORT and backend string")
+        "Give every rank the same HPCCOMM_GPU_TRANSPORT, HPCCOMM_GPU_ROUTES and backend string")
 
 
 def test_table_another_rank_could_not_probe(monkeypatch, injected):
@@ -525,13 +553,20 @@ def test_refusal_is_not_cached(injected, monkeypatch):
 def test_set_transport_makes_routes_anew(injected, monkeypatch):
     monkeypatch.setattr(dispatch, "_caps", [caps(mpi=True)])
     g = fake_group()
-    assert dispatch.table(g, "all_reduce", CUDA0).reduction == "mpi"
+    assert dispatch.table(g, "all_reduce", CUDA0).reduction == "composed"
     dispatch.set_transport(g, "staged")
     assert dispatch.routes_of(g) == {} and dispatch.requested(g) == "staged"
     assert dispatch.table(g, "all_reduce", CUDA0).reduction == "staged"
-    with pytest.raises(ValueError, match=r"hpccomm.gpu.set_transport: 'ucx' is not one of auto, mpi, nccl, staged"):
+    with pytest.raises(ValueError, match=r"hpccomm.gpu.set_transport: 'ucx' is not one of auto, mpi, composed, nccl, "
+                       r"staged"):
         dispatch.set_transport(g, "ucx")
     dispatch.set_transport(g, "auto")
+    dispatch.set_routes(g, {"reduction": "mpi"})
+    assert dispatch.table(g, "all_reduce", CUDA0).reduction == "mpi"
+    with pytest.raises(ValueError, match=r"hpccomm.gpu.set_routes: 'movement=composed': hpccomm composes reductions "
+                       r"only"):
+        dispatch.set_routes(g, {"movement": "composed"})
+    dispatch.set_routes(g, {})
     dispatch.release(g)
 
 
@@ -1095,6 +1130,7 @@ def test_info_dict(MPI):
 
     report = gpu.info()
     assert set(report) == {"mpi_cuda_aware", "mpi_cuda_aware_how", "mpi_cuda_advice", "mpi_device_reductions",
+                           "mpi_device_movement",
                            "nccl_torch", "nccl_cupy", "gpu_count", "gpu_transport", "cpu_transport", "cuda_routes",
                            "gpu_binding"}
     assert report["mpi_cuda_aware"] in ("yes", "no", "unknown")

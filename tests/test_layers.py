@@ -37,11 +37,11 @@ MAP = {
         "hpccomm._core.group"],
     "op translation: one plan per op": [
         "hpccomm._ops", "hpccomm._ops.plan", "hpccomm._ops.checks", "hpccomm._ops.staging", "hpccomm._ops.gather",
-        "hpccomm._ops.reduce", "hpccomm._ops.scatter", "hpccomm._ops.alltoall", "hpccomm._ops.p2p",
+        "hpccomm._ops.reduce", "hpccomm._ops.composed", "hpccomm._ops.scatter", "hpccomm._ops.alltoall", "hpccomm._ops.p2p",
         "hpccomm._ops.table"],
     "the Work": ["hpccomm._core.work"],
     "GPU transports": [
-        "hpccomm._gpu", "hpccomm._gpu.streams", "hpccomm._gpu.probe", "hpccomm._gpu.select", "hpccomm._gpu.cuda_mpi",
+        "hpccomm._gpu", "hpccomm._gpu.streams", "hpccomm._gpu.tensors", "hpccomm._gpu.nccl_wire", "hpccomm._gpu.probe", "hpccomm._gpu.select", "hpccomm._gpu.cuda_mpi",
         "hpccomm._gpu.staged", "hpccomm._gpu.nccl_torch", "hpccomm._gpu.nccl_cupy", "hpccomm._gpu.dispatch"],
     "the op path": ["hpccomm._core.op_path"],
     "the torch adapters": [

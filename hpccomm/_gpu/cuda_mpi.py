@@ -73,13 +73,15 @@ class _Ordered:
 class CudaAwareMPI:
     """Hands device memory to MPI; see the module's docstring."""
 
-    name = "mpi"
     delegates = False  # runs hpccomm's own plans (plan)
 
-    def __init__(self, device, reason: str, streams=None) -> None:
+    def __init__(self, device, reason: str, streams=None, composed: bool = False) -> None:
         self.device = device
         self.reason = reason
         self.streams = streams if streams is not None else CudaStreams()
+        #: reductions through hpccomm's composition (hpccomm._ops.composed: the route ``composed``)
+        self.composed = composed
+        self.name = "composed" if composed else "mpi"
         self._said_half = False
 
     def _widened(self, op, args):
@@ -114,11 +116,12 @@ class CudaAwareMPI:
         op is posted at once: the caller's stream is waited for then.  Device
         plans keep the blocking form."""
         pairs = []
-        if op.reducing and any(t.dtype in _HALF for t in tensors_in(args)):
-            args, pairs = self._widened(op, args)
+        planner = op.composed if self.composed and op.composed is not None else op.plan
+        if planner is op.plan and op.reducing and any(t.dtype in _HALF for t in tensors_in(args)):
+            args, pairs = self._widened(op, args)  # (the composition reduces 16-bit floats with torch's kernels)
         streams, device = self.streams, self.device
         view = DeviceView(group, "cuda", lambda: streams.synchronize(device))
-        call, cargs, icall, outputs, keep, before, after, nbytes = op.plan(view, *args)
+        call, cargs, icall, outputs, keep, before, after, nbytes = planner(view, *args)
         outputs = translate(outputs, {id(w): x for x, w, _, _ in pairs})
         if op.p2p:  # posted now (its MPI call waits for the stream), completed by its Work
             return (call, cargs, icall, outputs, keep, before, after, nbytes)

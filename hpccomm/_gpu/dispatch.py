@@ -52,6 +52,7 @@ _tables: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Group -> {
 _p2p: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Group -> {device: transport name}
 _made: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Group -> {(device, name): transport}
 _forced: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Group -> transport set by set_transport
+_forced_routes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Group -> routes set by set_routes
 _maps: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Group -> backend torch's string names for cuda
 _ran: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Group -> {op name: route that ran last}
 _said: set = set()  # route kinds already logged
@@ -104,7 +105,7 @@ def capabilities() -> select.Capabilities:
         MPI = _mpi.mpi()
         cuda_aware = probe.probe_mpi_cuda(MPI)
         _caps[0] = select.Capabilities(cuda_aware, probe.probe_nccl_torch(compat.torch_nccl_available),
-                                       probe.probe_nccl_cupy(), probe.probe_device_reductions(MPI, cuda_aware))
+                                       probe.probe_nccl_cupy(), *probe.probe_device_speed(MPI, cuda_aware))
     return _caps[0]
 
 
@@ -136,9 +137,15 @@ def note_backend_map(group, device_backends) -> None:
         _maps[group] = cuda.lower()
 
 
+def forced_routes(group) -> tuple:
+    """The per-family routes forced for ``group``: hpccomm.gpu.set_routes's, else HPCCOMM_GPU_ROUTES."""
+    found = _forced_routes.get(group)
+    return found if found is not None else config.get("HPCCOMM_GPU_ROUTES")
+
+
 def _facts(group, device) -> select.Facts:
     where, _ = identify(device)
-    return select.Facts.of(requested(group), _maps.get(group), capabilities(), where)
+    return select.Facts.of(requested(group), _maps.get(group), capabilities(), where, forced_routes(group))
 
 
 def _agree(group, mine):
@@ -160,6 +167,7 @@ agree = _agree
 
 BUILDERS = {
     select.MPI: lambda device, reason: CudaAwareMPI(device, reason),
+    select.COMPOSED: lambda device, reason: CudaAwareMPI(device, reason, composed=True),
     select.STAGED: lambda device, reason: Staged(device, reason),
     select.NCCL_TORCH: lambda device, reason: TorchNCCL(device, reason),
     select.NCCL_CUPY: lambda device, reason: CupyNCCL(device, reason),
@@ -235,7 +243,8 @@ def route(group, op, device, args):
         name, fallback = _p2p_route(group, op.name, device)
     else:
         routes = table(group, op.name, device)
-        name, fallback = routes.of(select.REDUCTION if op.reducing else select.MOVEMENT), routes.fallback
+        family = select.REDUCTION if op.reducing else select.MOVEMENT
+        name, fallback = routes.of(family), routes.fallback_for(family)
     made = transport_named(group, device, name)
     if not made.delegates:
         _record(group, op.name, name, "")
@@ -330,13 +339,26 @@ def release(group) -> None:
 
 
 def set_transport(group, name: str) -> None:
-    """Force transport ``name`` (auto, mpi, nccl, staged) for ``group``'s CUDA
-    ops from its next op on; the routes are made anew (hpccomm.gpu.set_transport)."""
+    """Force transport ``name`` (auto, mpi, composed, nccl, staged) for
+    ``group``'s CUDA ops from its next op on; the routes are made anew
+    (hpccomm.gpu.set_transport)."""
     choices = config.OPTIONS["HPCCOMM_GPU_TRANSPORT"].choices
     if name not in choices:
         raise ValueError(f"hpccomm.gpu.set_transport: {name!r} is not one of {', '.join(choices)}")
     release(group)
     _forced[group] = name
+
+
+def set_routes(group, routes: dict) -> None:
+    """Force the route of single op families (``{"reduction": "composed"}``)
+    for ``group`` from its next op on, on top of its transport; ``{}`` forces
+    none (hpccomm.gpu.set_routes)."""
+    try:
+        forced = config.OPTIONS["HPCCOMM_GPU_ROUTES"].parse(",".join(f"{k}={v}" for k, v in routes.items()))
+    except ValueError as exc:
+        raise ValueError(f"hpccomm.gpu.set_routes: {exc}") from None
+    release(group)
+    _forced_routes[group] = forced
 
 
 def routes_of(group) -> dict:

@@ -1,17 +1,23 @@
 """Choosing GPU routes: pure logic over the members' findings.
 
-Which transport carries a CUDA op depends on the op's family (:data:`FAMILIES`:
+Which route carries a CUDA op depends on the op's family (:data:`FAMILIES`:
 reductions, data movement, point-to-point), on what every member of the group
-has (a CUDA-aware MPI, and whether it reduces on the device; NCCL through torch
-or CuPy) and on whether two members share a GPU (NCCL refuses that).  One table
-decides, :func:`route_table`, from every member's :class:`Facts`, so every
-member computes the same :class:`Routes`; docs/gpu.md prints the table with the
-figures it rests on.  ``auto`` can always serve: where neither CUDA-aware MPI
-nor NCCL can, it stages through host memory (and says so).
+has (a CUDA-aware MPI, and how fast it reduces and moves device memory, as
+measured: :mod:`hpccomm._gpu.probe`; NCCL through torch or CuPy) and on whether
+two members share a GPU (NCCL refuses that).  One table decides,
+:func:`route_table`, from every member's :class:`Facts`, so every member
+computes the same :class:`Routes`; docs/gpu.md prints the table with the
+figures it rests on.  The routes: ``mpi`` (the MPI library's own op on device
+memory), ``composed`` (hpccomm's reductions composed of the library's
+point-to-point messages and torch's kernels: hpccomm._ops.composed), ``nccl``
+or ``nccl-cupy``, ``staged``.  ``auto`` can always serve: where neither
+CUDA-aware MPI nor NCCL can, it stages through host memory (and says so).
 
 ``HPCCOMM_GPU_TRANSPORT`` (or a ``cuda:<backend>`` entry of torch's backend
-string) forces one transport for every family; a forced transport that cannot
-serve raises :class:`NoTransport` with a message that names the fix.
+string) forces one transport for every family; ``HPCCOMM_GPU_ROUTES`` (or
+hpccomm.gpu.set_routes) forces the route of single families on top of either.
+A forced route that cannot serve raises :class:`NoTransport` with a message
+that names the fix.
 
 Point-to-point ops involve two members, so their route is chosen by each rank
 alone (:func:`p2p_route`) from what is the same on every rank (the setting,
@@ -26,15 +32,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from .. import config
 from .probe import Finding
 
 VARIABLE = "HPCCOMM_GPU_TRANSPORT"
-#: Transport names: the strategy modules of this package.
-MPI, NCCL_TORCH, NCCL_CUPY, STAGED = "mpi", "nccl", "nccl-cupy", "staged"
+ROUTES_VARIABLE = "HPCCOMM_GPU_ROUTES"
+#: Route names: the strategy modules of this package (``composed``: the CUDA-aware MPI transport running
+#: hpccomm's composed reductions).
+MPI, COMPOSED, NCCL_TORCH, NCCL_CUPY, STAGED = "mpi", "composed", "nccl", "nccl-cupy", "staged"
 NCCLS = (NCCL_TORCH, NCCL_CUPY)
 #: The op families a route is chosen for (an op's family: hpccomm._ops.table).
-REDUCTION, MOVEMENT, P2P = "reduction", "movement", "p2p"
-FAMILIES = (REDUCTION, MOVEMENT, P2P)
+FAMILIES = config.GPU_FAMILIES
+REDUCTION, MOVEMENT, P2P = FAMILIES
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,8 @@ class Capabilities:
     nccl_cupy: Finding
     #: whether the CUDA-aware MPI reduces on the device (hpccomm._gpu.probe.device_reductions)
     mpi_device_reductions: Finding = field(default=Finding(None, "not asked"))
+    #: whether it moves device memory fast (hpccomm._gpu.probe.device_movement)
+    mpi_device_movement: Finding = field(default=Finding(None, "not asked"))
 
 
 @dataclass(frozen=True)
@@ -62,11 +73,16 @@ class Facts:
     nccl_torch: bool
     nccl_cupy: bool
     gpu: tuple = ()
+    mpi_device_movement: Optional[bool] = None
+    #: per-family routes forced on top (HPCCOMM_GPU_ROUTES): sorted ``(family, route)`` pairs
+    forced: tuple = ()
 
     @classmethod
-    def of(cls, requested: str, mapped: Optional[str], caps: Capabilities, gpu: tuple = ()) -> "Facts":
+    def of(cls, requested: str, mapped: Optional[str], caps: Capabilities, gpu: tuple = (),
+           forced: tuple = ()) -> "Facts":
         return cls(requested, mapped, caps.mpi_cuda.value, caps.mpi_device_reductions.value,
-                   bool(caps.nccl_torch.value), bool(caps.nccl_cupy.value), tuple(gpu))
+                   bool(caps.nccl_torch.value), bool(caps.nccl_cupy.value), tuple(gpu),
+                   caps.mpi_device_movement.value, tuple(sorted(forced)))
 
 
 @dataclass(frozen=True)
@@ -84,6 +100,13 @@ class Routes:
 
     def of(self, family: str) -> str:
         return getattr(self, family)
+
+    def fallback_for(self, family: str) -> str:
+        """Where a call of ``family`` an NCCL route cannot take goes: reductions
+        to hpccomm's composition rather than a library that reduces on the host."""
+        if family == REDUCTION and self.fallback == MPI and self.reduction != MPI:
+            return COMPOSED
+        return self.fallback
 
     def names(self) -> tuple:
         """Every transport these routes use (each made once per group and device)."""
@@ -130,21 +153,19 @@ def route_table(facts: Sequence[Facts]) -> Routes:
     """The group's routes from every member's facts (the same on every member).
 
     Raises :class:`NoTransport` when the members' settings differ or a forced
-    transport cannot serve.  ``auto``:
+    route cannot serve.  ``auto``:
 
-    ==========================  ==================  ==================  =========
-    what every member has       reductions          data movement       p2p
-    ==========================  ==================  ==================  =========
-    CUDA-aware MPI that         mpi                 mpi                 mpi
-    reduces on the device
-    CUDA-aware MPI, NCCL can    nccl                mpi                 mpi
-    serve (no shared GPU)
-    CUDA-aware MPI, no NCCL     mpi                 mpi                 mpi
-    or a shared GPU
-    NCCL can serve, MPI not     nccl                nccl                staged
-    CUDA-aware
-    neither                     staged              staged              staged
-    ==========================  ==================  ==================  =========
+    ===============================  ==========  =============  =========
+    what every member has            reductions  data movement  p2p
+    ===============================  ==========  =============  =========
+    CUDA-aware MPI reducing on the   mpi         mpi            mpi
+    device (Intel MPI, offload on)   (nccl if NCCL can serve and the
+                                     library moves data slowly: movement)
+    CUDA-aware MPI, NCCL can serve   nccl        mpi            mpi
+    CUDA-aware MPI, NCCL cannot      composed    mpi            mpi
+    NCCL can serve, MPI not aware    nccl        nccl           staged
+    neither                          staged      staged         staged
+    ===============================  ==========  =============  =========
 
     Example::
 
@@ -153,18 +174,59 @@ def route_table(facts: Sequence[Facts]) -> Routes:
         >>> route_table([f, g]).summary()
         'reduction: nccl, movement: mpi, p2p: mpi (fallback mpi)'
     """
-    settings = {(f.requested, f.mapped) for f in facts}
+    settings = {(f.requested, f.mapped, f.forced) for f in facts}
     if len(settings) > 1:
         listed = ", ".join(f"rank {r}: {f.requested}" + (f" (backend string cuda:{f.mapped})" if f.mapped else "")
+                           + (f" ({ROUTES_VARIABLE} {_forced_text(f.forced)})" if f.forced else "")
                            for r, f in enumerate(facts))
         raise NoTransport(f"the ranks of this group asked for different GPU transports ({listed}). "
-                          f"Give every rank the same {VARIABLE} and backend string")
+                          f"Give every rank the same {VARIABLE}, {ROUTES_VARIABLE} and backend string")
     answers = {f.mpi_cuda for f in facts}
     if len(answers) > 1:
         listed = ", ".join(f"rank {r}: {_word(f.mpi_cuda)}" for r, f in enumerate(facts))
         raise NoTransport(f"the ranks of this group disagree on whether the MPI library is CUDA-aware ({listed}): "
                           "their point-to-point ops would not match. Run every rank with the same MPI library "
                           "and settings")
+    routes = _table(facts)
+    forced = facts[0].forced
+    if not forced:
+        return routes
+    chosen = dict(reduction=routes.reduction, movement=routes.movement, p2p=routes.p2p)
+    for family, name in forced:
+        _can_serve(facts, name, f"{ROUTES_VARIABLE} {family}={name}", family)
+        chosen[family] = _nccl_name(facts) if name in NCCLS else name
+    return Routes(chosen[REDUCTION], chosen[MOVEMENT], chosen[P2P], routes.fallback,
+                  f"{routes.reason}; {ROUTES_VARIABLE} forces {_forced_text(forced)}")
+
+
+def _forced_text(forced) -> str:
+    return ",".join(f"{family}={name}" for family, name in forced)
+
+
+def _can_serve(facts: Sequence[Facts], name: str, why: str, family: str = "") -> None:
+    """Raise :class:`NoTransport` when route ``name`` cannot serve these members."""
+    if name in (MPI, COMPOSED):
+        if facts[0].mpi_cuda is False:
+            raise NoTransport(f"{why} but the MPI library is not CUDA-aware. Use a CUDA-aware MPI build (see "
+                              f"hpccomm info, [gpu]), or set {VARIABLE}=auto")
+        if name == COMPOSED and family not in ("", REDUCTION):
+            raise NoTransport(f"{why}: hpccomm composes reductions only; choose mpi, nccl or staged for {family}")
+    elif name in NCCLS or name == "nccl":
+        if _nccl_name(facts) is None:
+            raise NoTransport(f"{why} but NCCL is not available on every rank (torch's NCCL: "
+                              f"{_listed(facts, 'nccl_torch')}; CuPy's: {_listed(facts, 'nccl_cupy')}). Install a "
+                              f"torch built with CUDA, or cupy (the 'cuda' extra), or set {VARIABLE}=auto")
+        shared = shared_gpus(facts)
+        if shared:
+            raise NoTransport(f"{why} but {_sharing(shared)}, and NCCL refuses two ranks on one GPU. Set "
+                              f"{VARIABLE}=auto (CUDA-aware MPI or staging serve shared GPUs), or run at most one "
+                              "rank per GPU")
+    elif name != STAGED:
+        raise NoTransport(f"{why}: {name!r} is not one of mpi, composed, nccl, staged")
+
+
+def _table(facts: Sequence[Facts]) -> Routes:
+    """The routes of the setting (:func:`route_table` before per-family routes are forced)."""
     requested, mapped = facts[0].requested, facts[0].mapped
     mpi_cuda = facts[0].mpi_cuda
     shared = shared_gpus(facts)
@@ -176,37 +238,36 @@ def route_table(facts: Sequence[Facts]) -> Routes:
             raise NoTransport(f"the backend string maps cuda to '{mapped}', which hpccomm cannot hand CUDA "
                               f"tensors to (torch builds only the first backend when one is a Python process "
                               f"group). Use 'cuda:nccl', or 'hpccomm' alone with {VARIABLE}")
-        if nccl is None:
-            raise NoTransport(f"{why} but NCCL is not available on every rank (torch's NCCL: "
-                              f"{_listed(facts, 'nccl_torch')}; CuPy's: {_listed(facts, 'nccl_cupy')}). Install a "
-                              f"torch built with CUDA, or cupy (the 'cuda' extra), or set {VARIABLE}=auto")
-        if shared:
-            raise NoTransport(f"{why} but {_sharing(shared)}, and NCCL refuses two ranks on one GPU. Set "
-                              f"{VARIABLE}=auto (CUDA-aware MPI or staging serve shared GPUs), or run at most one "
-                              "rank per GPU")
+        _can_serve(facts, NCCL_TORCH, why)
         return Routes(nccl, nccl, nccl, fallback, f"{why}: {nccl} for every op; what NCCL lacks goes to {fallback}")
     if requested == STAGED:
         return Routes(STAGED, STAGED, STAGED, STAGED, f"{VARIABLE}=staged: copies through pinned host memory")
-    if requested == MPI:
-        if mpi_cuda is False:
-            raise NoTransport(f"{VARIABLE}=mpi but the MPI library is not CUDA-aware. Use a CUDA-aware MPI build "
-                              f"(see hpccomm info, [gpu]), or set {VARIABLE}=auto")
+    if requested in (MPI, COMPOSED):
+        _can_serve(facts, requested, f"{VARIABLE}={requested}")
         how = "trusted: the library could not be asked" if mpi_cuda is None else "CUDA-aware MPI"
-        return Routes(MPI, MPI, MPI, MPI, f"{VARIABLE}=mpi ({how})")
+        reduction = "its own reductions" if requested == MPI else "hpccomm's composed reductions"
+        return Routes(requested, MPI, MPI, MPI, f"{VARIABLE}={requested} ({how}; {reduction})")
     if requested != "auto":
-        raise NoTransport(f"{VARIABLE}={requested!r} is not one of auto, mpi, nccl, staged")
+        raise NoTransport(f"{VARIABLE}={requested!r} is not one of auto, mpi, composed, nccl, staged")
     can_nccl = nccl is not None and not shared
     why_not_nccl = ("no NCCL on every rank" if nccl is None else _sharing(shared)) if not can_nccl else ""
     if mpi_cuda:
         on_device = all(f.mpi_device_reductions for f in facts)
-        if on_device or not can_nccl:
-            why = ("it reduces on the device" if on_device else
-                   f"NCCL cannot serve ({why_not_nccl})")
-            return Routes(MPI, MPI, MPI, MPI, f"{VARIABLE}=auto: CUDA-aware MPI for every op; {why}")
+        slow_movement = any(f.mpi_device_movement is False for f in facts)
+        movement = nccl if can_nccl and slow_movement else MPI
+        moving = (f"data movement through {nccl} (the MPI library moves device memory slowly)"
+                  if movement != MPI else "data movement and point-to-point through CUDA-aware MPI")
+        if on_device:
+            return Routes(MPI, movement, MPI, MPI, f"{VARIABLE}=auto: reductions through CUDA-aware MPI (it reduces "
+                                                   f"on the device); {moving}")
         known = "reduces on the host" if any(f.mpi_device_reductions is False for f in facts) else \
             "is not known to reduce on the device"
-        return Routes(nccl, MPI, MPI, MPI, f"{VARIABLE}=auto: reductions through {nccl} (the MPI library {known}); "
-                                           "data movement and point-to-point through CUDA-aware MPI")
+        if can_nccl:
+            return Routes(nccl, movement, MPI, MPI, f"{VARIABLE}=auto: reductions through {nccl} (the MPI library "
+                                                    f"{known}); {moving}")
+        return Routes(COMPOSED, MPI, MPI, MPI, f"{VARIABLE}=auto: reductions composed of CUDA-aware MPI's "
+                                               f"point-to-point messages and torch's kernels (the MPI library "
+                                               f"{known}; NCCL cannot serve: {why_not_nccl}); {moving}")
     if can_nccl:
         return Routes(nccl, nccl, STAGED, STAGED,
                       f"{VARIABLE}=auto: MPI is not CUDA-aware, so collectives through {nccl}; point-to-point "

@@ -35,7 +35,7 @@ import torch
 from .. import _mpi
 from .._torch.compat import RedOpType
 from . import checks, staging
-from .plan import blocking
+from .plan import blocking, sequence
 
 _R = RedOpType
 #: The tag of the ring's messages on the group's collective communicator (user messages travel on
@@ -246,3 +246,16 @@ def reduce(group, tensors, root: int, redop, op: str = "reduce"):
             back()
 
     return blocking(run, tensors, (t, work, scratch), t.numel() * t.element_size())
+
+
+def all_reduce_coalesced(group, tensors, redop, op: str = "all_reduce_coalesced"):
+    """all_reduce_coalesced's composed plan: each tensor's, in turn."""
+    if not isinstance(tensors, (list, tuple)):
+        checks.check_list(group, op, tensors, 0, "tensors")
+    return sequence([all_reduce(group, [t], redop, op) for t in tensors], tensors)
+
+
+def reduce_scatter_tensor_coalesced(group, outputs, inputs, redop, op: str = "reduce_scatter_tensor_coalesced"):
+    """reduce_scatter_tensor_coalesced's composed plan: each pair's, in turn."""
+    checks.check_list(group, op, inputs, len(outputs), "inputs")
+    return sequence([reduce_scatter_tensor(group, o, i, redop, op) for o, i in zip(outputs, inputs)], outputs)

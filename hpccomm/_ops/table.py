@@ -13,9 +13,9 @@ always; the four collectives below with ``HPCCOMM_ASYNC_NONBLOCKING=1``, for
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
-from . import alltoall, gather, p2p, reduce, scatter
+from . import alltoall, composed, gather, p2p, reduce, scatter
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,16 +26,22 @@ class Op:
     reducing: bool = False
     first: str = "out"
     nonblocking: bool = False
+    #: a reducing op's plan composed of point-to-point messages and local arithmetic
+    #: (hpccomm._ops.composed: the GPU route ``composed``), None for the others
+    composed: Optional[Callable] = None
 
 
-ALL_REDUCE = Op("all_reduce", reduce.all_reduce, reducing=True, first="inout", nonblocking=True)
+ALL_REDUCE = Op("all_reduce", reduce.all_reduce, reducing=True, first="inout", nonblocking=True,
+                composed=composed.all_reduce)
 ALL_REDUCE_SPARSE = Op("all_reduce", reduce.all_reduce_sparse, reducing=True, first="inout")
-ALL_REDUCE_COALESCED = Op("all_reduce_coalesced", reduce.all_reduce_coalesced, reducing=True, first="inout")
-REDUCE = Op("reduce", reduce.reduce, reducing=True, first="inout")
-REDUCE_SCATTER = Op("reduce_scatter", reduce.reduce_scatter, reducing=True)
-REDUCE_SCATTER_TENSOR = Op("reduce_scatter_tensor", reduce.reduce_scatter_tensor, reducing=True, nonblocking=True)
+ALL_REDUCE_COALESCED = Op("all_reduce_coalesced", reduce.all_reduce_coalesced, reducing=True, first="inout",
+                          composed=composed.all_reduce_coalesced)
+REDUCE = Op("reduce", reduce.reduce, reducing=True, first="inout", composed=composed.reduce)
+REDUCE_SCATTER = Op("reduce_scatter", reduce.reduce_scatter, reducing=True, composed=composed.reduce_scatter)
+REDUCE_SCATTER_TENSOR = Op("reduce_scatter_tensor", reduce.reduce_scatter_tensor, reducing=True, nonblocking=True,
+                           composed=composed.reduce_scatter_tensor)
 REDUCE_SCATTER_TENSOR_COALESCED = Op("reduce_scatter_tensor_coalesced", reduce.reduce_scatter_tensor_coalesced,
-                                     reducing=True)
+                                     reducing=True, composed=composed.reduce_scatter_tensor_coalesced)
 BROADCAST = Op("broadcast", scatter.broadcast, first="inout", nonblocking=True)
 SCATTER = Op("scatter", scatter.scatter)
 ALL_GATHER = Op("all_gather", gather.all_gather)
