@@ -356,6 +356,12 @@ class FakeStreams:
         self.log.append("synchronize")
         self.device.flush()
 
+    def copy_async(self, dst, src, after=None, back: bool = False):
+        """A copy on a side stream: ordered after every earlier kernel (one stream here), its event returned."""
+        self.log.append("copy-back" if back else "copy-in")
+        dst.copy_(src, non_blocking=True)
+        return self.device.record()
+
 
 def fake_pinned(nbytes: int) -> torch.Tensor:
     """Host buffers for the staged transport (plain memory: no GPU to pin for)."""

@@ -58,7 +58,9 @@ def fake_gpus(shared=False, mpi_cuda=True, nccl=True, reductions=None, streams=F
     dispatch.BUILDERS.update({
         select.MPI: lambda device, reason: CudaAwareMPI(device, reason, streams=streams()),
         select.COMPOSED: lambda device, reason: CudaAwareMPI(device, reason, streams=streams(), composed=True),
-        select.STAGED: lambda device, reason: Staged(device, reason, streams=streams(), alloc=fake_pinned),
+        # (pipelined from 24 bytes, in chunks of 8: the battery's tensors go through the pipeline too)
+        select.STAGED: lambda device, reason: Staged(device, reason, streams=streams(), alloc=fake_pinned,
+                                                     pipeline_bytes=24, chunk_bytes=8),
         select.NCCL_TORCH: nccl_transport,
     })
     dispatch.release(g)
@@ -203,6 +205,21 @@ class NoSync(FakeStreams):
         self.log.append("synchronize")
 
 
+class OutOfOrder(FakeStreams):
+    """The staged pipeline's streams with each chunk waited for one chunk late
+    (its MPI call reads a chunk whose copy to the host has not landed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.previous = None
+
+    def wait(self, event) -> None:
+        self.log.append("wait")
+        if self.previous is not None:
+            self.device.flush(self.previous)
+        self.previous = event
+
+
 @pytest.mark.mpi
 def test_the_harness_catches_a_missing_synchronisation(world):
     """Without its synchronisations, the CUDA-aware MPI route hands MPI memory
@@ -219,6 +236,39 @@ def test_the_harness_catches_a_missing_synchronisation(world):
     want = torch.cat([torch.arange(0.0, 8.0, 2.0) + r for r in range(size)])
     everyone = fake_gpu_comm().allgather(torch.equal(got, want))
     assert not any(everyone), "a missing synchronisation went unseen"
+
+
+@pytest.mark.mpi
+def test_the_staged_pipeline_overlaps_in_order(world):
+    """The pipelined staging: every chunk's MPI call after that chunk's copy
+    to the host landed (a pipeline waiting one chunk late is caught: stale
+    memory), copies back after each call, the op complete when the last one
+    landed."""
+    rank, size = world
+    n = 10
+    want = (torch.arange(float(n)) * size + size * (size - 1) / 2).tolist()
+    for streams, right in ((FakeStreams, True), (OutOfOrder, False)):
+        made = {}
+
+        def record(device, reason, streams=streams):
+            made["staged"] = Staged(device, reason, streams=streams(), alloc=fake_pinned, pipeline_bytes=24,
+                                    chunk_bytes=8)
+            return made["staged"]
+
+        with fake_gpus(mpi_cuda=False, nccl=False):
+            dispatch.BUILDERS[select.STAGED] = record
+            t = DEVICE.tensor(torch.arange(float(n)) + rank)
+            dist.all_reduce(t)
+            got = DEVICE.value(t).tolist()
+        everyone = fake_gpu_comm().allgather(got == want)
+        if right:
+            assert all(everyone), (got, want)
+            log = made["staged"].streams.log
+            chunks = 5  # 40 bytes in chunks of 8
+            assert log[:chunks + 3] == ["record"] + ["copy-in"] * chunks + ["wait", "copy-back"], log
+            assert log.count("copy-in") == log.count("copy-back") == chunks and log[-1] == "wait", log
+        else:
+            assert not all(everyone), "a pipeline waiting one chunk late went unseen"
 
 
 def test_fake_nccl_refuses_what_nccl_refuses():

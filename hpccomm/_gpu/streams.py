@@ -26,6 +26,9 @@ from __future__ import annotations
 class CudaStreams:
     """The stream operations a host-synchronous transport needs."""
 
+    def __init__(self) -> None:
+        self._side: dict = {}
+
     def record(self, device):
         """An event recorded on ``device``'s current stream of the calling thread."""
         import torch
@@ -43,3 +46,23 @@ class CudaStreams:
         import torch
 
         torch.cuda.current_stream(device).synchronize()
+
+    def copy_async(self, dst, src, after=None, back: bool = False):
+        """Copy ``src`` into ``dst`` (one on the device, the other in pinned host
+        memory) on a side stream, one for each direction (``back``: to the
+        device), after ``after`` (an event, or None); returns an event marking
+        the copy's end.  The caller keeps both tensors alive until then."""
+        import torch
+
+        device = src.device if src.is_cuda else dst.device
+        key = (device, back)
+        side = self._side.get(key)
+        if side is None:
+            side = self._side[key] = torch.cuda.Stream(device)
+        if after is not None:
+            side.wait_event(after)
+        with torch.cuda.stream(side):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(side)
+        return event
