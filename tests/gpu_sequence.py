@@ -130,7 +130,7 @@ def draw(seed: int, count: int, n: int, ops=OPS, dtypes=DTYPES, layouts=LAYOUTS,
     for _ in range(count):
         op, dtype, layout, root = rng.choice(usable), rng.choice(dtypes), rng.choice(layouts), rng.randrange(n)
         redop = rng.choice(redops_for(dtype)) if op in REDUCING else None
-        steps.append((op, dtype, layout, redop, root, rng.choice([1, 3, 4, 6, 8, 17])))
+        steps.append((op, dtype, layout, redop, root, rng.choice([1, 3, 4, 6, 8, 17]), rng.random() < 0.3))
     return steps
 
 
@@ -145,11 +145,12 @@ def battery(n: int, any_source=True) -> list:
     for i, dtype in enumerate(DTYPES):
         for j, redop in enumerate(redops_for(dtype)):
             for k, op in enumerate(("all_reduce", "reduce_scatter_tensor", "reduce")):
-                steps.append((op, dtype, LAYOUTS[(i + j + k) % len(LAYOUTS)], redop, (i + j) % n, 3 + (j % 2)))
+                steps.append((op, dtype, LAYOUTS[(i + j + k) % len(LAYOUTS)], redop, (i + j) % n, 3 + (j % 2),
+                              (i + j + k) % 3 == 0))
         for op in OPS:
             if op in REDUCING or (op in ("send_recv", "recv_any") and n == 1) or (op == "recv_any" and not any_source):
                 continue
-            steps.append((op, dtype, "strided", None, i % n, 4))
+            steps.append((op, dtype, "strided", None, i % n, 4, i % 2 == 0))
     return steps
 
 
@@ -162,15 +163,15 @@ def run(seed: int, count: int, device: Device, ops=OPS, dtypes=DTYPES, layouts=L
         steps = draw(seed, count, n, ops, dtypes, layouts, any_source)
     report = Report()
     comm = _verdict_comm()
-    for step, (op, dtype, layout, redop, root, m) in enumerate(steps):
+    for step, (op, dtype, layout, redop, root, m, asynchronous) in enumerate(steps):
         if redop == "premul":
             redop = dist._make_nccl_premul_sum(2.0)
         desc = f"#{step} {op} {str(dtype).replace('torch.', '')} {layout} m={m} root={root}" + \
-            (f" {redop}" if redop is not None else "")
+            (f" {redop}" if redop is not None else "") + (" async" if asynchronous else "")
         if log:
             log(desc)
         try:
-            problems = _one(op, dtype, layout, redop, root, m, rank, n, device, step)
+            problems = _one(op, dtype, layout, redop, root, m, rank, n, device, step, asynchronous)
         except Exception as exc:  # noqa: BLE001 - counted and reported, with where it was raised
             where = traceback.extract_tb(exc.__traceback__)[-1]
             problems = [("refused", f"{type(exc).__name__}: {str(exc)[:300]} "
@@ -189,8 +190,10 @@ def _verdict_comm():
     return MPI.COMM_WORLD
 
 
-def _one(op, dtype, layout, redop, root, m, rank, n, device, salt):
-    """One op on device tensors and on CPU tensors; the problems found."""
+def _one(op, dtype, layout, redop, root, m, rank, n, device, salt, asynchronous=False):
+    """One op on device tensors (``async_op=True`` then ``wait()`` for the
+    collectives that have it, when ``asynchronous``) and on CPU tensors; the
+    problems found."""
     problems = []
     loose = redop is not None and (redop == R.AVG or not isinstance(redop, type(R.SUM)))
     mine = values(m, dtype, rank, salt)
@@ -225,7 +228,7 @@ def _one(op, dtype, layout, redop, root, m, rank, n, device, salt):
     if op == "all_reduce":
         d, db, bh = placed(mine, layout, device)
         c = device.to_host(d)
-        dist.all_reduce(d, op=redop)
+        _done(dist.all_reduce(d, op=redop, async_op=asynchronous))
         dist.all_reduce(c, op=redop)
         check("all_reduce", d, c, replicated=True)
         intact_outside("all_reduce", d, db, bh)
@@ -240,7 +243,7 @@ def _one(op, dtype, layout, redop, root, m, rank, n, device, salt):
     elif op == "broadcast":
         d, db, bh = placed(mine, layout, device)
         c = device.to_host(d)
-        dist.broadcast(d, src=root)
+        _done(dist.broadcast(d, src=root, async_op=asynchronous))
         dist.broadcast(c, src=root)
         check("broadcast", d, c, replicated=True)
         intact_outside("broadcast", d, db, bh)
@@ -256,7 +259,7 @@ def _one(op, dtype, layout, redop, root, m, rank, n, device, salt):
             check("all_gather_into_tensor (in place)", whole, out_cpu, replicated=True)
         else:
             out, ob, obh = placed(torch.zeros(m * n, dtype=dtype), layout, device)
-            dist.all_gather_into_tensor(out, d)
+            _done(dist.all_gather_into_tensor(out, d, async_op=asynchronous))
             dist.all_gather_into_tensor(out_cpu, mine.clone())
             check("all_gather_into_tensor", out, out_cpu, replicated=True)
             untouched("all_gather_into_tensor input", db, bh)
@@ -275,7 +278,7 @@ def _one(op, dtype, layout, redop, root, m, rank, n, device, salt):
         d, db, bh = placed(big, layout, device)
         out, ob, obh = placed(torch.zeros(m, dtype=dtype), layout, device)
         c = torch.zeros(m, dtype=dtype)
-        dist.reduce_scatter_tensor(out, d, op=redop)
+        _done(dist.reduce_scatter_tensor(out, d, op=redop, async_op=asynchronous))
         dist.reduce_scatter_tensor(c, big.clone(), op=redop)
         check("reduce_scatter_tensor", out, c)
         untouched("reduce_scatter_tensor input", db, bh)
@@ -348,6 +351,12 @@ def _one(op, dtype, layout, redop, root, m, rank, n, device, salt):
             problems.append(("wrong", f"{op}: reported source {src}, sent by {peer_from}"))
         untouched(f"{op} input", db, bh)
     return problems
+
+
+def _done(work) -> None:
+    """Wait for an async op's Work (a blocking call returns None)."""
+    if work is not None:
+        work.wait()
 
 
 def _indices(view: torch.Tensor, base: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import re
 import sys
+import threading
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -657,16 +658,23 @@ def test_cuda_mpi_stream_order_with_a_fake_op():
     plan = made.plan(table.Op("all_reduce", fake_plan, reducing=True, first="inout"), g, ([t], R.SUM))
     assert rec.names() == ["plan", "record"]  # nothing waits at issue: async ops return at once
     assert run_plan(plan) == [t]
-    # the caller's event waited for, the op's kernel done before MPI reads, the stream idle after
-    assert rec.names() == ["plan", "record", "wait", "kernel", "synchronize", "mpi", "synchronize"], rec.names()
-    assert rec.log[2] == ("wait", "event1") and rec.log[1] == ("record", "cuda:0", "event1")
+    # on the caller's thread: the op's kernel (and the caller's, on the same stream) done before MPI reads; the
+    # kernels after MPI are on the caller's stream, ahead of what it queues next: nothing more to wait for
+    assert rec.names() == ["plan", "record", "kernel", "synchronize", "mpi"], rec.names()
     assert seen["group"].device_type == "cuda" and seen["group"].where() == fake_group().where()
-
-    g.comm = OneCall(rec.log, fail=True)
-    rec.log.clear()
-    with pytest.raises(RuntimeError):
-        run_plan(made.plan(table.Op("all_reduce", fake_plan, reducing=True, first="inout"), g, ([t], R.SUM)))
-    assert rec.names() == ["plan", "record", "wait", "kernel", "synchronize", "mpi", "synchronize"]  # idle after a failure too
+    # on another thread (the comm thread, async_op=True): the caller's event waited for first, the thread's
+    # stream left idle after, whether the op succeeds or fails
+    for fail in (False, True):
+        g.comm = OneCall(rec.log, fail=fail)
+        rec.log.clear()
+        plan = made.plan(table.Op("all_reduce", fake_plan, reducing=True, first="inout"), g, ([t], R.SUM))
+        failed = []
+        worker = threading.Thread(target=lambda: failed.append(raised_by(lambda: run_plan(plan))))
+        worker.start()
+        worker.join()
+        assert isinstance(failed[0], RuntimeError) if fail else failed == [None], failed
+        assert rec.names() == ["plan", "record", "wait", "kernel", "synchronize", "mpi", "synchronize"], rec.names()
+        assert rec.log[2] == ("wait", rec.log[1][2])  # the event recorded at issue
 
 
 OPS_ON_SELF = [
@@ -682,15 +690,21 @@ OPS_ON_SELF = [
 def test_cuda_mpi_real_ops_on_self(self_group, name, op, args, _):
     """The op modules' plans run for real over MPI (one rank, MPI_COMM_SELF)
     on a fake device tensor: the buffers are handed to MPI after the running
-    thread's stream is waited for (the op's own kernels), between the
-    caller's event and the final synchronize."""
+    thread's stream is waited for (the op's own kernels); on another thread,
+    between the caller's event and a final synchronize."""
     rec = Recorder()
     made = cuda_mpi.CudaAwareMPI(CUDA0, "test", streams=rec)
     t = fake_cuda(torch.arange(4.0))
     out = run_plan(made.plan(op, self_group, args(t)))
     names = rec.names()
-    assert names[0] == "record" and names[1] == "wait" and names[-1] == "synchronize", names
-    assert "synchronize" in names[2:-1], names
+    assert names[0] == "record" and names[1] == "synchronize" and "wait" not in names, names
+    rec.log.clear()
+    plan = made.plan(op, self_group, args(fake_cuda(torch.arange(4.0))))
+    worker = threading.Thread(target=lambda: run_plan(plan))
+    worker.start()
+    worker.join()
+    names = rec.names()
+    assert names[:3] == ["record", "wait", "synchronize"] and names[-1] == "synchronize", names
     result = out[0] if isinstance(out, list) else out
     result = result[0] if isinstance(result, list) else result
     assert torch.equal(result.as_subclass(torch.Tensor), torch.arange(4.0)), result
@@ -758,7 +772,7 @@ def test_staged_copies_and_reuse_on_self(self_group):
         out = run_plan(made.plan(table.ALL_REDUCE, self_group, ([t], R.SUM)))
         assert out[0] is t  # the Work's future holds the user's tensor, not the host stand-in
     assert len(alloc.sizes) == 1, alloc.sizes  # reused, not reallocated per call
-    assert rec.names() == ["record", "wait", "copy", "copy", "synchronize"] * 3
+    assert rec.names() == ["record", "copy", "copy"] * 3  # on the caller's thread: its stream orders the copies
     assert torch.equal(t.as_subclass(torch.Tensor), torch.arange(6.0).reshape(2, 3))
     # an output-only argument is not copied in; a non-contiguous device output is written through its view
     rec.log.clear()

@@ -19,6 +19,7 @@ twice the bytes on the wire).  Said once in the log, at INFO.
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
@@ -110,11 +111,14 @@ class CudaAwareMPI:
         """``op``'s plan (hpccomm._ops.table) for device tensors ``args``: the op
         module's plan over a :class:`DeviceView` (its checks on the caller's
         thread; every MPI call it makes waits for the running thread's stream
-        first), an event marking the caller's stream, and steps that wait for
-        it before the op's first kernel or MPI call, and leave no kernel
-        pending when the op completes (hpccomm._gpu.streams).  A point-to-point
-        op is posted at once: the caller's stream is waited for then.  Device
-        plans keep the blocking form."""
+        first).  Run on the caller's thread, that is all it synchronises: the
+        caller's kernels and the op's own are on the stream each MPI call
+        waits for, and the kernels after MPI (AVG's division, write-backs) are
+        on the caller's stream, ahead of whatever it queues next.  Run on the
+        comm thread (``async_op=True``), it also waits for an event marking the
+        caller's stream at issue, and leaves no kernel pending on its own
+        stream when the op completes (hpccomm._gpu.streams).  A point-to-point
+        op is posted at once.  Device plans keep the blocking form."""
         pairs = []
         planner = op.composed if self.composed and op.composed is not None else op.plan
         if planner is op.plan and op.reducing and any(t.dtype in _HALF for t in tensors_in(args)):
@@ -126,9 +130,12 @@ class CudaAwareMPI:
         if op.p2p:  # posted now (its MPI call waits for the stream), completed by its Work
             return (call, cargs, icall, outputs, keep, before, after, nbytes)
         event = streams.record(device)
+        issuer = threading.get_ident()
 
         def ordered(*mpi_args):
-            streams.wait(event)  # the caller's kernels producing the inputs are done
+            elsewhere = threading.get_ident() != issuer  # (the comm thread, for async_op=True: another stream)
+            if elsewhere:
+                streams.wait(event)  # the caller's kernels producing the inputs are done
             try:
                 for x, w, copy_in, _ in pairs:
                     if copy_in:
@@ -138,6 +145,7 @@ class CudaAwareMPI:
                     if back:
                         x.copy_(w)
             finally:
-                streams.synchronize(device)  # no kernel of the op is pending when it completes or fails
+                if elsewhere:
+                    streams.synchronize(device)  # no kernel of the op is pending on this thread's stream
 
         return (ordered, cargs, None, outputs, (keep, pairs), None, None, nbytes)

@@ -22,6 +22,8 @@ Chosen where neither CUDA-aware MPI nor NCCL can serve, or when asked for
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from .._ops.plan import steps, with_steps
@@ -147,14 +149,20 @@ class Staged:
                 nbytes >= self.pipeline_bytes:
             return self._pipelined(op, group, args, pairs[0], outputs, keep, nbytes)
         event = self.streams.record(self.device)
+        issuer = threading.get_ident()
 
+        # On the caller's thread its stream orders the blocking copies after its kernels and before what it
+        # queues next; on the comm thread (async_op=True) the caller's event is waited for, and the op leaves
+        # nothing pending on the comm thread's stream.
         def staged_before():
-            self.streams.wait(event)  # the caller's kernels producing the inputs are done
+            if threading.get_ident() != issuer:
+                self.streams.wait(event)  # the caller's kernels producing the inputs are done
             self._copy_in(pairs)
 
         def staged_after():
             self._copy_back(pairs)
-            self.streams.synchronize(self.device)
+            if threading.get_ident() != issuer:
+                self.streams.synchronize(self.device)
 
         return with_steps(call, cargs, None, translate(outputs, {id(h): dev for dev, h, _, _ in pairs}),
                           (keep, pairs), staged_before, staged_after, nbytes)
