@@ -349,6 +349,19 @@ def test_bench_gpu_rows_run_the_transport_they_name(world):
             assert ran == r["transport"], r
     table = bench_gpu.render(rows)
     assert table.splitlines()[0].split()[:3] == ["asked", "ran", "op"] and "WRONG" not in table
+    with fake_gpus(mpi_cuda=True, reductions=False, movement=True):
+        rows = bench_gpu.measure(["composed"], list(bench_gpu.OPS), [64],
+                                 lambda count, value: DEVICE.tensor(torch.full((count,), value)), DEVICE.flush, 2, 1)
+    assert {r["op"] for r in rows} == {"all_reduce", "reduce_scatter"} and all(r["correct"] for r in rows), rows
+    assert {r["ran"] for r in rows} == {"composed"}, rows
+
+
+def test_bench_gpu_compare_table():
+    rows = [{"transport": t, "ran": t, "op": "all_reduce", "bytes": 1024, "time_us": us, "algbw_GBps": 1.0,
+             "busbw_GBps": 2.0, "correct": True} for t, us in (("nccl", 10.0), ("staged", 40.0), ("gloo", 20.0))]
+    lines = __import__("hpccomm.bench_gpu").bench_gpu.compare_table(rows).splitlines()
+    assert lines[0].split()[:4] == ["op", "bytes", "nccl", "us"], lines
+    assert lines[1].endswith("nccl 0.50, staged 2.00"), lines
 
 
 def test_an_event_brings_exactly_the_kernels_before_it_to_memory():
