@@ -1380,3 +1380,15 @@ def test_routing_through_torch_with_staged(world, monkeypatch):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_docs_hold_the_nccl_route_matrix():
+    """docs/gpu.md's matrix of NCCL routes is the one the code makes."""
+    from pathlib import Path
+
+    from hpccomm._gpu import nccl_wire
+
+    dtypes = [d for d in _mpi.DTYPES if "float8" not in str(d)] + [torch.float8_e4m3fn, torch.float8_e5m2]
+    table = nccl_wire.markdown_table(nccl_torch.ABILITY, dtypes)
+    page = (Path(__file__).resolve().parent.parent / "docs" / "gpu.md").read_text()
+    assert table in page, table

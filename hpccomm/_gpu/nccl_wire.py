@@ -316,3 +316,44 @@ def _converted(base: torch.Tensor, form: Form, reads: bool, written: bool, befor
 
 def _fill(c: torch.Tensor, base: torch.Tensor, convert) -> None:
     c.copy_(convert(base))
+
+
+#: Short names of the rewrites, for the table of docs/gpu.md (:func:`markdown_table`).
+_SHORT = (("scaled copy (complex", "scaled, real view"), ("scaled copy", "scaled"), ("native", "native"),
+          ("as its real view", "real view"), ("widened to int32", "widened"), ("sign bit flipped", "flipped"),
+          ("view", "signed view"), (" as ", "as {kind}"))
+
+
+def markdown_table(ability: Ability, dtypes=None, redops=None) -> str:
+    """The route of each dtype and ReduceOp on an NCCL of ``ability``, as a
+    markdown table (docs/gpu.md holds it; tests/test_docs.py checks it is
+    this): ``native``, the rewrite, ``+ avg`` when hpccomm divides after a
+    SUM, ``fallback`` where NCCL cannot take the call exactly, ``-`` where
+    hpccomm's CPU path refuses the pair too; and data movement (``bytes``: a
+    uint8 view).  Default: every dtype hpccomm moves, every ReduceOp."""
+    from .. import _mpi
+
+    dtypes = list(_mpi.DTYPES) if dtypes is None else dtypes
+    redops = [_R.SUM, _R.PRODUCT, _R.MIN, _R.MAX, _R.AVG, _R.PREMUL_SUM, _R.BAND, _R.BOR, _R.BXOR] \
+        if redops is None else redops
+    names = [str(k).split(".")[-1] for k in redops]
+    lines = ["| dtype | " + " | ".join(names) + " | data movement |",
+             "|---" * (len(names) + 2) + "|"]
+    for dtype in dtypes:
+        cells = []
+        for kind in redops:
+            if kind not in _mpi.ALLOWED_OPS[_mpi.DTYPES[dtype].kind]:
+                cells.append("-")
+                continue
+            form = reduction_form(ability, dtype, kind, 2.0 if kind == _R.PREMUL_SUM else None)
+            if form is None:
+                cells.append("fallback")
+                continue
+            short = next(s for key, s in _SHORT if key in form.name)
+            short = short.format(kind=form.kind.name if form.kind is not None else "")
+            if form.average:
+                short = ("SUM" if short == "native" else short) + " + avg"
+            cells.append(short)
+        cells.append("native" if dtype in ability.dtypes else "bytes")
+        lines.append(f"| {_name(dtype)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
