@@ -226,6 +226,27 @@ class Launch:
             return f"RANK {rank} PID {pid} RUNNING AT" in text and "KILLED BY SIGNAL: 9" in text
         return "BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES" in text and "Killed (signal 9)" in text
 
+    def after_hpccomm(self, output: str) -> list:
+        """The lines of a failed job's ``output`` after hpccomm's last line
+        (``hpccomm: ...``, or an ``hpccomm.errors...`` exception line), with
+        the launcher's own closing report left out: Open MPI's blocks between
+        dashed lines (``MPI_ABORT was invoked ...``, ``prterun has exited
+        ...``), Hydra's between lines of ``=``.  What is left came from torch,
+        MPI or Python after hpccomm said what happened (a stack trace, a
+        warning): a failed job should leave nothing there."""
+        lines = output.splitlines()
+        last = max((i for i, x in enumerate(lines) if x.startswith(("hpccomm: ", "hpccomm.errors."))), default=-1)
+        assert last >= 0, f"no line of hpccomm's in:\n{output}"
+        left, inside = [], False
+        for line in lines[last + 1:]:
+            rule = line.strip().strip("\x00").strip()  # (prterun ends its report with a NUL byte)
+            if rule and set(rule) <= {"-"} or rule and set(rule) <= {"="}:
+                inside = not inside
+                continue
+            if not inside and rule:
+                left.append(line)
+        return left
+
     def tagged(self, output: str) -> list:
         """``(rank, text)`` for every rank-tagged line of a launch's stdout or stderr."""
         pattern = _TAGS["hydra" if self.hydra else "openmpi"]

@@ -110,6 +110,19 @@ def _key(op: str, nbytes: int, args):
     return (op, nbytes)
 
 
+def compared(group, op: str, nbytes: int, args) -> bool:
+    """Whether a call of ``op`` (``nbytes`` of this rank's input, ``args``)
+    on ``group`` would be compared across ranks before it runs (debug mode,
+    or its signature is new to the group): :func:`hpccomm.explain` says it."""
+    if group.debug:
+        return True
+    agreed = group.agreed
+    if agreed is None or (op, nbytes) in agreed:
+        return False
+    key = _key(op, nbytes, args)
+    return key is not None and key not in agreed
+
+
 def check(group, op: str, nbytes: int, args, seq: int) -> None:
     """The first call of a signature (``op``, ``nbytes`` of this rank's
     input) on ``group``, op number ``seq``: compare it across the group's
