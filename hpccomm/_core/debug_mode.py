@@ -113,7 +113,7 @@ def check(group, op: str, args, seq: int, refused=None, asynchronous=None) -> No
     blocking one (the ranks would wait for each other forever)."""
     common, mine = describe(op, args, group.size)
     verdict = None if refused is None else (type(refused).__name__, str(refused))
-    everyone = group.checks.allgather((seq, common, mine, verdict, asynchronous))
+    everyone = group.checks.comm.allgather((seq, common, mine, verdict, asynchronous))
     refusals = [(r, v) for r, (_, _, _, v, _) in enumerate(everyone) if v is not None]
     if refusals:
         r, (kind, text) = next(((r, v) for r, v in refusals if r == group.rank), refusals[0])

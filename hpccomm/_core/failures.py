@@ -291,7 +291,7 @@ def revoke_all() -> None:
 
 
 def revoke(g) -> None:
-    for comm in (getattr(g, "comm", None), getattr(g, "p2p", None), getattr(g, "checks", None)):
+    for comm in (getattr(g, "comm", None), getattr(g, "p2p", None), getattr(getattr(g, "checks", None), "comm", None)):
         if comm is None:
             continue
         try:

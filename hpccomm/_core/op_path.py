@@ -203,9 +203,9 @@ def execute(g, op: str, plan, args, job=None, asynchronous: bool = False):
     seq = state.start(g, op)
     if job is not None:
         job.seq = seq
-    agreed = g.agreed
+    agreed = g.checks.agreed
     try:
-        if agreed is not None and (op, plan[NBYTES]) not in agreed:  # compared across ranks first (signatures)
+        if agreed is not None and plan[NBYTES] not in agreed[op]:  # compared across ranks first (signatures)
             signatures.check(g, op, plan[NBYTES], args, seq)
         plan[CALL](*plan[ARGS])
     except _mpi.mpi().Exception as exc:
@@ -229,7 +229,8 @@ def _instrumented(g, op: str, plan, args, job, asynchronous: bool):
             seq = state.start(g, op)
             if job is not None:
                 job.seq = seq
-            if g.agreed is not None and (op, plan[NBYTES]) not in g.agreed:
+            agreed = g.checks.agreed
+            if agreed is not None and plan[NBYTES] not in agreed[op]:
                 try:
                     signatures.check(g, op, plan[NBYTES], args, seq)
                 except _mpi.mpi().Exception as exc:

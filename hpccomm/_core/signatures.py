@@ -8,8 +8,8 @@ a broadcast returns wrong data everywhere without a word.  So, on by default
 (``HPCCOMM_MISMATCH_CHECK=first``):
 
 - a rank remembers, per group, the signatures ``(op, bytes)`` its ranks have
-  agreed on (a set: :attr:`Group.agreed`); a call whose signature is in it
-  runs at once: the op path pays a tuple and a set lookup
+  agreed on (:class:`Agreed`, in ``group.checks``); a call whose signature
+  is in it runs at once: the op path pays a dict subscript and a set lookup
   (:func:`hpccomm._core.op_path.execute`);
 - any other call is first compared (:func:`check`): the ranks allgather what
   each is about to do, on the group's ``checks`` communicator (a duplicate
@@ -79,22 +79,51 @@ def enabled() -> bool:
     return config.get("HPCCOMM_MISMATCH_CHECK") == "first"
 
 
+class Agreed(dict):
+    """The signatures a group's ranks agreed on: op name -> the byte counts
+    (a set) agreed on for it.  Looked up as ``nbytes in agreed[op]`` on every
+    call: a subscript and an int in a set, no tuple made."""
+
+    __slots__ = ("listed",)  # all_gather's keys (every rank's size)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.listed = set()
+
+    def __missing__(self, op):
+        known = self[op] = set()
+        return known
+
+
+class Checks:
+    """A group's checks (its one attribute ``checks``): ``comm``, a duplicate
+    of the group's communicator that only the cross-rank checks use (this
+    module's and debug mode's); ``agreed``, the signatures agreed on
+    (:class:`Agreed`; None: the first-call check is off); ``done``, the op
+    numbers this rank compared (the watchdog's test of a stuck check).  One
+    attribute, not three: past 30 attributes CPython 3.11 stops sharing an
+    instance's dict keys, and every attribute read of the group on the op path
+    gets slower (measured: 150 to 500 instructions per op)."""
+
+    __slots__ = ("comm", "agreed", "done", "count")
+
+    def __init__(self, comm, on: bool) -> None:
+        self.comm, self.agreed, self.done, self.count = comm, Agreed() if on else None, set(), 0
+
+
 def attach(group) -> None:
-    """Give a new group (every member, at creation) what checks need: the
-    ``checks`` communicator (a duplicate of ``comm``: the members dup it
-    together, here, so that no check ever runs on ``comm``), the set of
-    agreed signatures (None: the first-call check is off), and the op
-    numbers this rank checked (the watchdog's test of a stuck check)."""
-    group.checks = group.comm.Dup()
-    group.agreed = set() if enabled() else None
-    group.checked = set()
+    """Give a new group (every member, at creation) its :class:`Checks` (the
+    members dup the communicator together, here, so that no check ever runs
+    on ``comm``)."""
+    group.checks = Checks(group.comm.Dup(), enabled())
 
 
 def detach(group) -> None:
-    """Free the ``checks`` communicator (Group.free)."""
-    checks, group.checks = getattr(group, "checks", None), None
-    if checks is not None:
-        checks.Free()
+    """Free the checks' communicator (Group.free)."""
+    checks = getattr(group, "checks", None)
+    if checks is not None and checks.comm is not None:
+        comm, checks.comm = checks.comm, None
+        comm.Free()
 
 
 def _key(op: str, nbytes: int, args):
@@ -116,11 +145,11 @@ def compared(group, op: str, nbytes: int, args) -> bool:
     or its signature is new to the group): :func:`hpccomm.explain` says it."""
     if group.debug:
         return True
-    agreed = group.agreed
-    if agreed is None or (op, nbytes) in agreed:
+    agreed = group.checks.agreed
+    if agreed is None or nbytes in agreed[op]:
         return False
     key = _key(op, nbytes, args)
-    return key is not None and key not in agreed
+    return key is not None and key not in agreed.listed
 
 
 def check(group, op: str, nbytes: int, args, seq: int) -> None:
@@ -134,15 +163,16 @@ def check(group, op: str, nbytes: int, args, seq: int) -> None:
     :raises mpi4py.MPI.Exception: the exchange itself failed (the op path
         names the op).
     """
-    agreed = group.agreed
+    checks = group.checks
+    agreed = checks.agreed
     key = _key(op, nbytes, args)
-    if key is None or key in agreed:  # an unkeyed op, or a listed op seen before
+    if key is None or key in agreed.listed:  # an unkeyed op, or a listed op seen before
         return
     common, mine = debug_mode.describe(op, args, group.size)
     state.relabel(group, common + LABEL)
-    group.checked.add(seq)
+    checks.done.add(seq)
     try:
-        everyone = group.checks.allgather((seq, common, mine, key))
+        everyone = checks.comm.allgather((seq, common, mine, key))
     finally:
         state.relabel(group, op)
     problem = _compare(group, everyone)
@@ -150,11 +180,15 @@ def check(group, op: str, nbytes: int, args, seq: int) -> None:
         raise HpccommError(f"hpccomm {op} ({group.where(seq)}): the ranks called this collective differently: "
                            f"{problem}. Nothing was sent. {HINT}")
     if all(e[3] == key for e in everyone):
-        agreed.add(key)
-        if len(agreed) >= MAX_SIGNATURES:
-            group.agreed = None
+        if op in LISTED:
+            agreed.listed.add(key)
+        else:
+            agreed[op].add(nbytes)
+        checks.count += 1
+        if checks.count >= MAX_SIGNATURES:
+            checks.agreed = None
             log.warning("hpccomm: group '%s' has agreed on %d collective signatures: it compares no more "
-                        "first calls (HPCCOMM_DEBUG=DETAIL compares every call)", group.name, len(agreed))
+                        "first calls (HPCCOMM_DEBUG=DETAIL compares every call)", group.name, checks.count)
 
 
 def _compare(group, everyone) -> str:
@@ -189,9 +223,10 @@ def watch(op, noted: set) -> bool:
     for another rank's verdict; an op looks for a note of a check it did not
     take part in.  Prints and ends the job on a mismatch; True once reported."""
     g = op.group
-    if op.kind != "collective" or g.store is None or g.size == 1 or not hasattr(g, "checked"):
+    checks = getattr(g, "checks", None)
+    if op.kind != "collective" or g.store is None or g.size == 1 or checks is None:
         return False
-    if getattr(g, "agreed", None) is None and not g.checked:  # the check is off for this group
+    if checks.agreed is None and not checks.done:  # the check is off for this group
         return False
     store = g.store
     checking = op.name.endswith(LABEL)
@@ -214,7 +249,7 @@ def watch(op, noted: set) -> bool:
         return False
     rank, seq, what = store.get(key).decode(errors="replace").split("\t", 2)
     seq = int(seq)
-    if seq > op.seq or seq in g.checked:  # not there yet, or a check this rank took part in
+    if seq > op.seq or seq in checks.done:  # not there yet, or a check this rank took part in
         return False
     me, other = g.global_ranks[g.rank], g.global_ranks[int(rank)]
     mine = op.name if seq == op.seq else f"op #{seq}, then {op.name} (op #{op.seq})"
