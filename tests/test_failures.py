@@ -112,6 +112,10 @@ def test_uncaught_exception_ends_the_job_with_its_rank(tmp_path):
     assert no_orphans(tmp_path)
 
 
+#: torch's C++ log level as a user has it (the launches' environment sets ERROR: tests/mpilaunch.py).
+USER_LOGS = {"TORCH_CPP_LOG_LEVEL": "WARNING"}
+
+
 def test_timeout_of_rank_0_leaves_hpccomm_the_last_word(tmp_path):
     """Rank 0, which holds the key-value store, times out and aborts: the
     other rank's SIGTERM line (which asks the store, gone) is hpccomm's, with
@@ -121,7 +125,7 @@ def test_timeout_of_rank_0_leaves_hpccomm_the_last_word(tmp_path):
         if dist.get_rank() == 1:
             stuck()
         dist.all_reduce(torch.ones(4))
-    """, n=2)
+    """, n=2, env=USER_LOGS)
     assert proc.returncode != 0 and took < 40, (proc.returncode, took, proc.stderr)
     assert "hpccomm: rank 0: all_reduce(float32[4], SUM) (first-call signature check) (op #1 on group '0', " \
            "rank 0/2) did not complete within its timeout of 0:00:03: rank(s) [1] never arrived" in proc.stderr, \
@@ -146,7 +150,7 @@ def test_a_call_new_on_one_rank_only_is_named_on_both_within_seconds(tmp_path):
         hpccomm.init_process_group(timeout=timedelta(seconds=60))
         dist.all_reduce(torch.ones(4))
         dist.all_reduce(torch.ones(4 if dist.get_rank() == 0 else 6))
-    """, n=2)
+    """, n=2, env=USER_LOGS)
     assert proc.returncode != 0 and took < 30, (proc.returncode, took, proc.stderr)
     said = ("rank 1 called all_reduce(float32[6], SUM) (op #2), a call new to this group, while rank 0 called "
             "all_reduce with a signature the group had agreed on before. " + MISMATCH_HINT)
@@ -169,7 +173,7 @@ def test_an_mpi_error_in_a_collective_names_the_likely_cause_and_ends_the_job(tm
         dist.all_reduce(torch.ones(4 if dist.get_rank() == 0 else 8))
         dist.all_reduce(torch.ones(1))
         print(f"rank {dist.get_rank()} went on", flush=True)
-    """, n=2)
+    """, n=2, env=USER_LOGS)
     assert proc.returncode != 0 and took < 30, (proc.returncode, took, proc.stderr)
     assert "went on" not in proc.stdout, proc.stdout
     failed = [x for x in proc.stderr.splitlines() if "(op #3 on group '0', rank " in x and "MPI failed" in x]
