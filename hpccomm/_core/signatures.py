@@ -8,9 +8,9 @@ a broadcast returns wrong data everywhere without a word.  So, on by default
 (``HPCCOMM_MISMATCH_CHECK=first``):
 
 - a rank remembers, per group, the signatures ``(op, bytes)`` its ranks have
-  agreed on (:class:`Agreed`, in ``group.checks``); a call whose signature
-  is in it runs at once: the op path pays a dict subscript and a set lookup
-  (:func:`hpccomm._core.op_path.execute`);
+  agreed on (:class:`Checks`, ``group.checks``); a call whose signature is
+  among them runs at once: the op path pays a dict subscript and a set
+  lookup (:func:`hpccomm._core.op_path.execute`);
 - any other call is first compared (:func:`check`): the ranks allgather what
   each is about to do, on the group's ``checks`` communicator (a duplicate
   that only checks use, so a check never matches an op), and either raise
@@ -47,6 +47,7 @@ MPI_Abort.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import sys
 import time
@@ -79,36 +80,24 @@ def enabled() -> bool:
     return config.get("HPCCOMM_MISMATCH_CHECK") == "first"
 
 
-class Agreed(dict):
-    """The signatures a group's ranks agreed on: op name -> the byte counts
-    (a set) agreed on for it.  Looked up as ``nbytes in agreed[op]`` on every
-    call: a subscript and an int in a set, no tuple made."""
-
-    __slots__ = ("listed",)  # all_gather's keys (every rank's size)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.listed = set()
-
-    def __missing__(self, op):
-        known = self[op] = set()
-        return known
-
-
 class Checks:
     """A group's checks (its one attribute ``checks``): ``comm``, a duplicate
     of the group's communicator that only the cross-rank checks use (this
-    module's and debug mode's); ``agreed``, the signatures agreed on
-    (:class:`Agreed`; None: the first-call check is off); ``done``, the op
-    numbers this rank compared (the watchdog's test of a stuck check).  One
-    attribute, not three: past 30 attributes CPython 3.11 stops sharing an
-    instance's dict keys, and every attribute read of the group on the op path
-    gets slower (measured: 150 to 500 instructions per op)."""
+    module's and debug mode's); ``agreed``, the signatures agreed on: op name
+    -> the set of byte counts agreed on for it (None: the first-call check is
+    off), looked up as ``nbytes in agreed[op]`` on every call (a subscript
+    and an int in a set: no tuple is made); ``listed``, all_gather's keys
+    (every rank's size); ``done``, the op numbers this rank compared (the
+    watchdog's test of a stuck check); ``count``, the signatures agreed on.
+    One attribute of the group, not several: past 30 attributes CPython 3.11
+    stops sharing an instance's dict keys, and every attribute read of the
+    group on the op path gets slower (measured: 150 to 500 instructions per op)."""
 
-    __slots__ = ("comm", "agreed", "done", "count")
+    __slots__ = ("comm", "agreed", "listed", "done", "count")
 
     def __init__(self, comm, on: bool) -> None:
-        self.comm, self.agreed, self.done, self.count = comm, Agreed() if on else None, set(), 0
+        self.comm, self.agreed, self.listed = comm, collections.defaultdict(set) if on else None, set()
+        self.done, self.count = set(), 0
 
 
 def attach(group) -> None:
@@ -146,10 +135,11 @@ def compared(group, op: str, nbytes: int, args) -> bool:
     if group.debug:
         return True
     agreed = group.checks.agreed
+    checks = group.checks
     if agreed is None or nbytes in agreed[op]:
         return False
     key = _key(op, nbytes, args)
-    return key is not None and key not in agreed.listed
+    return key is not None and key not in checks.listed
 
 
 def check(group, op: str, nbytes: int, args, seq: int) -> None:
@@ -166,7 +156,7 @@ def check(group, op: str, nbytes: int, args, seq: int) -> None:
     checks = group.checks
     agreed = checks.agreed
     key = _key(op, nbytes, args)
-    if key is None or key in agreed.listed:  # an unkeyed op, or a listed op seen before
+    if key is None or key in checks.listed:  # an unkeyed op, or a listed op seen before
         return
     common, mine = debug_mode.describe(op, args, group.size)
     state.relabel(group, common + LABEL)
@@ -181,7 +171,7 @@ def check(group, op: str, nbytes: int, args, seq: int) -> None:
                            f"{problem}. Nothing was sent. {HINT}")
     if all(e[3] == key for e in everyone):
         if op in LISTED:
-            agreed.listed.add(key)
+            checks.listed.add(key)
         else:
             agreed[op].add(nbytes)
         checks.count += 1
