@@ -163,9 +163,11 @@ def test_a_call_new_on_one_rank_only_is_named_on_both_within_seconds(tmp_path):
 
 
 def test_an_mpi_error_in_a_collective_names_the_likely_cause_and_ends_the_job(tmp_path):
-    """Both sizes were agreed on before, so nobody compares: MPI fails on one
-    rank while another returns wrong data.  The failing rank says the likely
-    cause and how to see it, and the job ends: no rank goes on with the result."""
+    """Both sizes were agreed on before, so nobody compares: Open MPI fails on
+    one rank (MPI_ERR_TRUNCATE) while another returns wrong data.  The failing
+    rank says the likely cause and how to see it, and the job ends: no rank
+    goes on with the result.  MPICH and Intel MPI notice nothing (every rank
+    returns wrong data: docs/troubleshooting.md says so; debug mode catches it)."""
     proc, took = launch(tmp_path, """
         hpccomm.init_process_group(timeout=timedelta(seconds=60))
         dist.all_reduce(torch.ones(4))
@@ -174,6 +176,9 @@ def test_an_mpi_error_in_a_collective_names_the_likely_cause_and_ends_the_job(tm
         dist.all_reduce(torch.ones(1))
         print(f"rank {dist.get_rank()} went on", flush=True)
     """, n=2, env=USER_LOGS)
+    if require().family != "openmpi":  # the documented gap: MPI returns, nothing to report
+        assert proc.returncode == 0 and proc.stdout.count(" went on") == 2, (proc.returncode, proc.stdout)
+        return
     assert proc.returncode != 0 and took < 30, (proc.returncode, took, proc.stderr)
     assert "went on" not in proc.stdout, proc.stdout
     failed = [x for x in proc.stderr.splitlines() if "(op #3 on group '0', rank " in x and "MPI failed" in x]
