@@ -162,6 +162,29 @@ def test_a_call_new_on_one_rank_only_is_named_on_both_within_seconds(tmp_path):
     assert no_orphans(tmp_path)
 
 
+def test_a_late_rank_is_not_a_mismatch(tmp_path):
+    """A rank that comes late to calls (new signatures: the others wait in the
+    comparison, and their watchdog leaves notes; agreed ones: they wait in
+    the op and read the notes) is only late: the job ends normally, with the
+    right results."""
+    proc, took = launch(tmp_path, """
+        hpccomm.init_process_group(timeout=timedelta(seconds=60))
+        rank, size = dist.get_rank(), dist.get_world_size()
+        for n in (4, 4, 6, 4, 6):          # new, agreed, new, agreed, agreed
+            if rank == size - 1:
+                time.sleep(2.5)            # the others wait: in the comparison, or in the op
+            t = torch.ones(n)
+            dist.all_reduce(t)
+            assert torch.all(t == size), t
+        dist.barrier()
+        print(f"rank {rank} done", flush=True)
+        dist.destroy_process_group()
+    """, n=3)
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-3000:])
+    assert sorted(x for x in proc.stdout.splitlines() if x.endswith(" done")) == [f"rank {r} done" for r in range(3)]
+    assert "differently" not in proc.stderr, proc.stderr
+
+
 def test_an_mpi_error_in_a_collective_names_the_likely_cause_and_ends_the_job(tmp_path):
     """Both sizes were agreed on before, so nobody compares: Open MPI fails on
     one rank (MPI_ERR_TRUNCATE) while another returns wrong data.  The failing

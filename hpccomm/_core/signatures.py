@@ -29,7 +29,7 @@ their calls differ: the ranks really did call op #k differently.  The skipping
 rank is then in the op on the group's communicator and the checking one in
 the check on its own: neither can go on.  The watchdog resolves it within a
 few seconds (:func:`watch`): a check that has waited a second leaves a note
-in the group's store; a rank whose op has waited a second and that finds a
+in the group's store (deleted when the check ends); a rank whose op has waited a second and that finds a
 note of a check of an op it did not check prints that the ranks called that
 op differently, waits for the checking rank to say so too, and ends the job.
 A rank whose op completed without the others (a broadcast root) and that
@@ -88,16 +88,17 @@ class Checks:
     off), looked up as ``nbytes in agreed[op]`` on every call (a subscript
     and an int in a set: no tuple is made); ``listed``, all_gather's keys
     (every rank's size); ``done``, the op numbers this rank compared (the
-    watchdog's test of a stuck check); ``count``, the signatures agreed on.
+    watchdog's test of a stuck check); ``count``, the signatures agreed on;
+    ``noted``, the op number of the check the watchdog left a note of (0: none).
     One attribute of the group, not several: past 30 attributes CPython 3.11
     stops sharing an instance's dict keys, and every attribute read of the
     group on the op path gets slower (measured: 150 to 500 instructions per op)."""
 
-    __slots__ = ("comm", "agreed", "listed", "done", "count")
+    __slots__ = ("comm", "agreed", "listed", "done", "count", "noted")
 
     def __init__(self, comm, on: bool) -> None:
         self.comm, self.agreed, self.listed = comm, collections.defaultdict(set) if on else None, set()
-        self.done, self.count = set(), 0
+        self.done, self.count, self.noted = set(), 0, 0
 
 
 def attach(group) -> None:
@@ -165,6 +166,8 @@ def check(group, op: str, nbytes: int, args, seq: int) -> None:
         everyone = checks.comm.allgather((seq, common, mine, key))
     finally:
         state.relabel(group, op)
+        if checks.noted == seq:  # the watchdog left a note of this check, which is over
+            _unnote(group)
     problem = _compare(group, everyone)
     if problem:
         raise HpccommError(f"hpccomm {op} ({group.where(seq)}): the ranks called this collective differently: "
@@ -224,6 +227,11 @@ def watch(op, noted: set) -> bool:
         if (id(g), op.seq) not in noted:
             noted.add((id(g), op.seq))
             store.set(_note_key(g), f"{g.rank}\t{op.seq}\t{op.name[:-len(LABEL)]}")
+            checks.noted = op.seq
+            running = g.running
+            if running is None or running[1] != op.seq or not running[0].endswith(LABEL):
+                _unnote(g)  # the check ended meanwhile (and may not have seen checks.noted): no stale note
+                return False
         key = _verdict_key(g, op.seq)
         if not store.check([key]):
             return False
@@ -254,6 +262,15 @@ def watch(op, noted: set) -> bool:
         time.sleep(0.1)
     _end(f"called op #{seq} on group '{g.name}' differently from other ranks")
     return True
+
+
+def _unnote(g) -> None:
+    """Delete the note of this rank's check (it is over): a note left behind
+    would read, later, as a check that other ranks never joined."""
+    try:
+        g.store.delete_key(_note_key(g))
+    except Exception:  # noqa: BLE001 - the store may be gone as the job ends
+        pass
 
 
 def _say(line: str) -> None:
