@@ -52,7 +52,7 @@ import logging
 import sys
 import time
 
-from .. import config
+from .. import _mpi, config
 from ..errors import HpccommError
 from . import debug_mode, state
 
@@ -278,8 +278,6 @@ def _say(line: str) -> None:
 
 
 def _end(what: str) -> None:
-    from .. import _mpi
-
     state.record_failure(what)
     _mpi.abort(6)
 
@@ -291,9 +289,13 @@ def mpi_failed(what: str, exc) -> HpccommError:
     other ranks may have returned wrong data from the op, so the job ends
     here, the cause said.  With ``HPCCOMM_ABORT_ON_EXCEPTION=0`` (or one
     rank in the world) the error is returned for the caller to raise."""
-    text = (f"hpccomm {what}: MPI failed: {exc}. Likely cause: the ranks called this collective with different "
-            "sizes, dtypes, ReduceOps or roots, or called different collectives; HPCCOMM_DEBUG=DETAIL compares "
-            "every call across ranks and names both sides")
+    try:
+        truncated = exc.Get_error_class() == _mpi.mpi().ERR_TRUNCATE  # a receive larger than its buffer
+    except Exception:  # noqa: BLE001 - not an MPI exception
+        truncated = False
+    text = (f"hpccomm {what}: MPI failed: {exc}. {'Likely' if truncated else 'A possible'} cause: the ranks "
+            "called this collective with different sizes, dtypes, ReduceOps or roots, or called different "
+            "collectives; HPCCOMM_DEBUG=DETAIL compares every call across ranks and names both sides")
     if state.world.size > 1 and config.get("HPCCOMM_ABORT_ON_EXCEPTION"):
         _say(f"hpccomm: rank {state.world.rank}: {text[len('hpccomm '):]}. Other ranks may have returned wrong "
              "data from this op: aborting the job")
