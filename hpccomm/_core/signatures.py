@@ -58,7 +58,7 @@ from . import debug_mode, state
 
 log = logging.getLogger("hpccomm")
 
-#: The label a check runs under (the watchdog and timeout messages show it).
+#: What an MPI error in a check is said to come from.
 LABEL = " (first-call signature check)"
 #: Signatures remembered per group; past this many the group stops checking (the
 #: count is equal on every rank, so every rank stops at the same call), said once.
@@ -89,16 +89,19 @@ class Checks:
     and an int in a set: no tuple is made); ``listed``, all_gather's keys
     (every rank's size); ``done``, the op numbers this rank compared (the
     watchdog's test of a stuck check); ``count``, the signatures agreed on;
-    ``noted``, the op number of the check the watchdog left a note of (0: none).
+    ``noted``, the op number of the check the watchdog left a note of (0:
+    none); ``current``, ``(op number, the call described)`` while this rank
+    compares a call (None otherwise; the op runs under its own name
+    meanwhile, so that a timeout names the op as it always did).
     One attribute of the group, not several: past 30 attributes CPython 3.11
     stops sharing an instance's dict keys, and every attribute read of the
     group on the op path gets slower (measured: 150 to 500 instructions per op)."""
 
-    __slots__ = ("comm", "agreed", "listed", "done", "count", "noted")
+    __slots__ = ("comm", "agreed", "listed", "done", "count", "noted", "current")
 
     def __init__(self, comm, on: bool) -> None:
         self.comm, self.agreed, self.listed = comm, collections.defaultdict(set) if on else None, set()
-        self.done, self.count, self.noted = set(), 0, 0
+        self.done, self.count, self.noted, self.current = set(), 0, 0, None
 
 
 def attach(group) -> None:
@@ -160,12 +163,12 @@ def check(group, op: str, nbytes: int, args, seq: int) -> None:
     if key is None or key in checks.listed:  # an unkeyed op, or a listed op seen before
         return
     common, mine = debug_mode.describe(op, args, group.size)
-    state.relabel(group, common + LABEL)
     checks.done.add(seq)
+    checks.current = (seq, common)
     try:
         everyone = checks.comm.allgather((seq, common, mine, key))
     finally:
-        state.relabel(group, op)
+        checks.current = None
         if checks.noted == seq:  # the watchdog left a note of this check, which is over
             _unnote(group)
     problem = _compare(group, everyone)
@@ -222,14 +225,14 @@ def watch(op, noted: set) -> bool:
     if checks.agreed is None and not checks.done:  # the check is off for this group
         return False
     store = g.store
-    checking = op.name.endswith(LABEL)
-    if checking:
+    current = checks.current
+    if current is not None and current[0] == op.seq:  # this rank compares the call
+        call = current[1]
         if (id(g), op.seq) not in noted:
             noted.add((id(g), op.seq))
-            store.set(_note_key(g), f"{g.rank}\t{op.seq}\t{op.name[:-len(LABEL)]}")
+            store.set(_note_key(g), f"{g.rank}\t{op.seq}\t{call}")
             checks.noted = op.seq
-            running = g.running
-            if running is None or running[1] != op.seq or not running[0].endswith(LABEL):
+            if checks.current is not current:
                 _unnote(g)  # the check ended meanwhile (and may not have seen checks.noted): no stale note
                 return False
         key = _verdict_key(g, op.seq)
@@ -237,7 +240,7 @@ def watch(op, noted: set) -> bool:
             return False
         said = store.get(key).decode(errors="replace")
         me = g.global_ranks[g.rank]
-        _say(f"hpccomm: rank {me}: {op.name[:-len(LABEL)]} ({op.where()}) cannot run: the ranks called this "
+        _say(f"hpccomm: rank {me}: {call} ({op.where()}) cannot run: the ranks called this "
              f"collective differently: {said}. {HINT}; aborting the job")
         store.set(key + "/seen", "1")
         _end(f"called op #{op.seq} on group '{g.name}' differently from other ranks")
