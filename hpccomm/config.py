@@ -146,6 +146,15 @@ OPTIONS: dict[str, Option] = {
             ("OFF", "INFO", "DETAIL"),
         ),
         Option(
+            "HPCCOMM_MISMATCH_CHECK", _lower, "first",
+            "First (the default): the first call of each collective signature (op and byte count) on a "
+            "group is compared across its ranks, and a mismatch (different sizes, dtypes, ReduceOps or "
+            "roots) raises on every rank before any data moves; later calls with that signature run at "
+            "once (a set lookup). 'off': no comparison (an MPI error or wrong data, as MPI gives). Set "
+            "it alike on every rank. HPCCOMM_DEBUG=DETAIL compares every call.",
+            ("first", "off"),
+        ),
+        Option(
             "HPCCOMM_ASYNC_NONBLOCKING", _bool, False,
             "On: async_op=True all_reduce, all_gather_into_tensor, reduce_scatter_tensor and broadcast "
             "of up to 64 KiB are posted as nonblocking MPI collectives from the calling thread (no "

@@ -64,11 +64,13 @@ SETTINGS = {
 MPI_ERROR_TEXT = (r"MPI_ERR|PRTE has lost|MPI_ABORT|Fatal error in|error stack|BAD TERMINATION|"
                   r"application called MPI_Abort")
 
+#: MPICH's and Intel MPI's one line per rank that called MPI_Abort (the launcher's report, as Open MPI's block).
+_ABORT_NOTICE = re.compile(r"Abort\(\d+\) on node \d+ \(rank \d+ in comm \d+\): application called MPI_Abort")
 #: Named sets of test files (``HPCCOMM_TEST_SUITES="ops training"`` in tests/run.sh), for
 #: runs that need part of the suite; every test file is in exactly one.
 SUITES = {
     "ops": ["test_reduce.py", "test_gather.py", "test_scatter.py", "test_alltoall.py", "test_p2p.py",
-            "test_objects.py", "test_groups.py", "test_async.py", "test_errors.py", "test_debug.py",
+            "test_objects.py", "test_groups.py", "test_async.py", "test_errors.py", "test_debug.py", "test_mismatch.py",
             "test_properties.py", "test_large.py", "test_routes.py", "test_composed.py"],
     "training": ["test_ddp.py", "test_fsdp.py", "test_mesh.py"],
     "failures": ["test_failures.py"],
@@ -225,6 +227,28 @@ class Launch:
         if self.family == "intelmpi":
             return f"RANK {rank} PID {pid} RUNNING AT" in text and "KILLED BY SIGNAL: 9" in text
         return "BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES" in text and "Killed (signal 9)" in text
+
+    def after_hpccomm(self, output: str) -> list:
+        """The lines of a failed job's ``output`` after hpccomm's last line
+        (``hpccomm: ...``, or an ``hpccomm.errors...`` exception line), with
+        the launcher's own closing report left out: Open MPI's blocks between
+        dashed lines (``MPI_ABORT was invoked ...``, ``prterun has exited
+        ...``), Hydra's between lines of ``=`` and MPICH's and Intel MPI's
+        ``Abort(3) on node 0 ...: application called MPI_Abort ...``.  What is left came from torch,
+        MPI or Python after hpccomm said what happened (a stack trace, a
+        warning): a failed job should leave nothing there."""
+        lines = output.splitlines()
+        last = max((i for i, x in enumerate(lines) if x.startswith(("hpccomm: ", "hpccomm.errors."))), default=-1)
+        assert last >= 0, f"no line of hpccomm's in:\n{output}"
+        left, inside = [], False
+        for line in lines[last + 1:]:
+            rule = line.strip().strip("\x00").strip()  # (prterun ends its report with a NUL byte)
+            if rule and set(rule) <= {"-"} or rule and set(rule) <= {"="}:
+                inside = not inside
+                continue
+            if not inside and rule and not _ABORT_NOTICE.match(rule):
+                left.append(line)
+        return left
 
     def tagged(self, output: str) -> list:
         """``(rank, text)`` for every rank-tagged line of a launch's stdout or stderr."""

@@ -33,8 +33,8 @@ MAP = {
         "hpccomm._core", "hpccomm._core.state", "hpccomm._core.debug_mode", "hpccomm._core.trace",
         "hpccomm._core.gloo_exit"],
     "core services: the comm thread, timeouts, signals, lost ranks, groups": [
-        "hpccomm._core.comm_thread", "hpccomm._core.watchdog", "hpccomm._core.signals", "hpccomm._core.failures",
-        "hpccomm._core.group"],
+        "hpccomm._core.signatures", "hpccomm._core.comm_thread", "hpccomm._core.watchdog", "hpccomm._core.signals",
+        "hpccomm._core.failures", "hpccomm._core.group"],
     "op translation: one plan per op": [
         "hpccomm._ops", "hpccomm._ops.plan", "hpccomm._ops.checks", "hpccomm._ops.staging", "hpccomm._ops.gather",
         "hpccomm._ops.reduce", "hpccomm._ops.composed", "hpccomm._ops.scatter", "hpccomm._ops.alltoall", "hpccomm._ops.p2p",

@@ -282,7 +282,7 @@ def _translate(group, comm) -> list:
 
 def revoke_all() -> None:
     """Revoke every hpccomm communicator of this rank (each group's
-    collective and point-to-point ones): every survivor's pending and later
+    collective, point-to-point and checks ones): every survivor's pending and later
     ops on them fail with MPI_ERR_REVOKED."""
     with _lock:
         state.failures.revoked = True
@@ -291,7 +291,7 @@ def revoke_all() -> None:
 
 
 def revoke(g) -> None:
-    for comm in (getattr(g, "comm", None), getattr(g, "p2p", None)):
+    for comm in (getattr(g, "comm", None), getattr(g, "p2p", None), getattr(getattr(g, "checks", None), "comm", None)):
         if comm is None:
             continue
         try:

@@ -15,7 +15,7 @@ import threading
 from typing import Optional, Sequence
 
 from .. import _mpi, config
-from . import debug_mode, state
+from . import debug_mode, signatures, state
 
 _ids = itertools.count()
 _made: dict = {}  # global ranks -> groups of exactly those ranks this process made
@@ -27,7 +27,9 @@ class Group:
     ``global_ranks``: this group's members as ranks of the default (world)
     group, in group-rank order.  ``comm``: the communicator collectives run
     on; ``p2p``: a duplicate for user point-to-point traffic (never matches
-    hpccomm's own messages).
+    hpccomm's own messages); ``checks``: a duplicate that only the
+    cross-rank checks use (hpccomm._core.signatures, debug mode), in the
+    thread that runs the group's collectives.
     """
 
     #: The op modules see host tensors only (a GPU transport's view of the group says False:
@@ -38,6 +40,7 @@ class Group:
                  timeout=None, owns_comm: bool = True, tag_ub: Optional[int] = None) -> None:
         self.comm = comm
         self.p2p = comm.Dup()  # collective over comm's members only
+        signatures.attach(self)  # the checks communicator (also a Dup) and the first-call check's state
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.global_ranks = list(global_ranks)
@@ -98,6 +101,7 @@ class Group:
         if comm is None or MPI.Is_finalized():
             return
         p2p.Free()
+        signatures.detach(self)
         if self._owns_comm:
             comm.Free()
 

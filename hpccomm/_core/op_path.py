@@ -18,7 +18,8 @@ arguments and torch's options) and returns the op's Work (hpccomm._core.work):
    collectives with ``HPCCOMM_ASYNC_NONBLOCKING=1``), a pending Work
    completing it;
 3. :func:`execute` numbers the collective and records it as running
-   (hpccomm._core.state), compares it across ranks in debug mode, runs the plan
+   (hpccomm._core.state), compares it across ranks in debug mode, or when
+   its signature is new to the group (hpccomm._core.signatures), runs the plan
    under the tracer, and turns an MPI error into an
    :class:`hpccomm.errors.HpccommError` naming the op.
 """
@@ -32,7 +33,7 @@ from .._gpu import dispatch
 from .._ops.checks import NotOnCPU, check_root
 from .._ops.plan import ARGS, BEFORE, CALL, ICALL, NBYTES, OUTPUTS, with_steps
 from ..errors import HpccommError, OpError
-from . import comm_thread, debug_mode, failures, state, trace
+from . import comm_thread, debug_mode, failures, signatures, state, trace
 from .work import AllOf, Request, Work, done
 
 log = logging.getLogger("hpccomm")
@@ -205,7 +206,10 @@ def execute(g, op: str, plan, args, job=None, asynchronous: bool = False):
     seq = state.start(g, op)
     if job is not None:
         job.seq = seq
+    agreed = g.checks.agreed
     try:
+        if agreed is not None and plan[NBYTES] not in agreed[op]:  # compared across ranks first (signatures)
+            signatures.check(g, op, plan[NBYTES], args, seq)
         plan[CALL](*plan[ARGS])
     except _mpi.mpi().Exception as exc:
         raise mpi_error(op, g, seq, exc) from exc
@@ -228,6 +232,12 @@ def _instrumented(g, op: str, plan, args, job, asynchronous: bool):
             seq = state.start(g, op)
             if job is not None:
                 job.seq = seq
+            agreed = g.checks.agreed
+            if agreed is not None and plan[NBYTES] not in agreed[op]:
+                try:
+                    signatures.check(g, op, plan[NBYTES], args, seq)
+                except _mpi.mpi().Exception as exc:
+                    raise mpi_error(op + signatures.LABEL, g, seq, exc) from exc
         logged = log.isEnabledFor(logging.DEBUG)
         t0 = time.perf_counter() if logged else 0.0
         tracer = trace.active()
@@ -270,11 +280,12 @@ def _fingerprints(g, op: str, args, seq: int, job, asynchronous: bool) -> None:
 def mpi_error(op: str, g, seq: int, exc) -> HpccommError:
     """What MPI error ``exc`` in collective ``op`` (number ``seq`` of group
     ``g``) raises: :class:`hpccomm.RankFailure` when a rank died and fault
-    tolerance is on (hpccomm.fault_tolerance), else :class:`HpccommError` naming the op."""
+    tolerance is on (hpccomm.fault_tolerance); else the job ends, the likely
+    cause said (hpccomm._core.signatures.mpi_failed)."""
     failure = failures.failure(f"{op} ({g.where(seq)})", exc) if state.failures.tolerant else None
     if failure is not None:
         return failure
-    return HpccommError(f"hpccomm {op} ({g.where(seq)}): MPI failed: {exc}")
+    return signatures.mpi_failed(f"{op} ({g.where(seq)})", exc)
 
 
 def refused(g, op, args, exc: OpError) -> None:

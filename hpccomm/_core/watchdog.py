@@ -33,7 +33,7 @@ import time
 from typing import Optional
 
 from .. import config
-from . import state
+from . import signatures, state
 
 _GRACE = 3.0  # seconds to wait for the other ranks' reports
 _TICK = 1.0
@@ -87,6 +87,7 @@ class Watchdog:
 
     def _loop(self) -> None:
         reported: dict = {}  # (group id, kind, seq, start) -> Op: already reported (timed out or refused)
+        noted: set = set()  # (group id, seq) of this rank's first-call checks noted in the store
         while not self._stopping.wait(_TICK):
             now = time.monotonic()
             running = state.running()
@@ -112,7 +113,7 @@ class Watchdog:
                 if self._stopping.is_set():
                     break
                 try:
-                    if self._peer_refused(op):
+                    if self._peer_refused(op) or signatures.watch(op, noted):  # (a check stuck against an op)
                         reported[(id(op.group), op.kind, op.seq, op.start)] = op
                 except Exception:  # noqa: BLE001 - the store may be gone (rank 0 dead): the timeout still holds
                     pass
