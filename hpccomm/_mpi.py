@@ -484,38 +484,27 @@ def free_user_ops() -> None:
 
 def buffer(t: torch.Tensor, offset: int = 0, count: int | None = None):
     """A zero-copy MPI buffer spec ``[memory, count, datatype]`` over a
-    contiguous CPU tensor's storage, ``count`` elements from element ``offset``.
+    contiguous tensor's storage, ``count`` elements from element ``offset``
+    (default: all of ``t``).  Host memory, or device memory for a CUDA-aware
+    MPI (hpccomm._gpu.cuda_mpi orders MPI after the stream's kernels).
 
     The caller keeps ``t`` alive until MPI is done with the memory.
-    """
-    size = t.element_size()
-    if count is None:
-        count = t.numel() - offset
-    dtype = t.dtype
-    mtype = _types.get(dtype)
-    if mtype is None:
-        mtype = _types[dtype] = getattr(mpi(), DTYPES[dtype].move)
-    return [_MPI.buffer.fromaddress(t.data_ptr() + offset * size, count * size), count, mtype]
-
-
-_types: dict = {}  # torch dtype -> MPI datatype, filled on first use
-#: torch dtype -> (MPI datatype, bytes per element), filled as :func:`host_buffer` meets each dtype.
-host_types: dict = {}
-
-
-def host_buffer(t: torch.Tensor):
-    """:func:`buffer` of all of contiguous ``t`` in host memory (the CPU path,
-    whose checks placed the tensor on the CPU: no device synchronisation).
 
     Example::
 
-        comm.Allreduce(_mpi.IN_PLACE, _mpi.host_buffer(t))
+        comm.Allreduce(_mpi.IN_PLACE, _mpi.buffer(t))
     """
-    kind = host_types.get(t.dtype)
+    kind = _kinds.get(t.dtype)
     if kind is None:
-        kind = host_types[t.dtype] = (getattr(mpi(), DTYPES[t.dtype].move), t.element_size())
-    count = t.numel()
-    return [_MPI.buffer.fromaddress(t.data_ptr(), count * kind[1]), count, kind[0]]
+        kind = _kinds[t.dtype] = (getattr(mpi(), DTYPES[t.dtype].move), t.element_size())
+    size = kind[1]
+    if count is None:
+        count = t.numel() - offset
+    return [_MPI.buffer.fromaddress(t.data_ptr() + offset * size, count * size), count, kind[0]]
+
+
+#: torch dtype -> (MPI datatype, bytes per element), filled as :func:`buffer` meets each dtype.
+_kinds: dict = {}
 
 
 def in_place():

@@ -30,10 +30,6 @@ class Group:
     hpccomm's own messages).
     """
 
-    #: The op modules see host tensors only (a GPU transport's view of the group says False:
-    #: hpccomm._gpu.cuda_mpi.DeviceView), so they hand MPI host memory without asking each tensor.
-    host = True
-
     def __init__(self, comm, global_ranks: Sequence[int], name: str = "", store=None,
                  timeout=None, owns_comm: bool = True, tag_ub: Optional[int] = None) -> None:
         self.comm = comm

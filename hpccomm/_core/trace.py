@@ -14,7 +14,6 @@ per rank at exit instead (merge them with ``python -m hpccomm.trace FILE``).
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from typing import Optional

@@ -43,8 +43,6 @@ class DeviceView:
     """A group as the op modules see it on the device path: the same group,
     but its checks accept tensors of ``device_type``."""
 
-    host = False  # device memory: MPI buffers made with hpccomm._mpi.buffer
-
     def __init__(self, group, device_type: str) -> None:
         self._group = group
         self.device_type = device_type

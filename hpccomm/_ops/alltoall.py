@@ -18,18 +18,25 @@ def _layout(counts):
     return list(counts), [0, *itertools.accumulate(counts)][:-1]
 
 
+def _unit(counts, displs, limit: int) -> int:
+    """The block of elements (1: one element) in which ``counts`` and their
+    offsets ``displs`` are described to MPI within ``limit``: past MPI's int
+    counts, the gcd of them all; 0 when none brings them under it."""
+    top = max([*counts, *displs, 0])
+    if top <= limit:
+        return 1
+    g = math.gcd(*counts, *displs)
+    return g if g and top // g <= limit else 0
+
+
 def _fits(counts, limit: int) -> str:
     """Why ``counts`` (laid end to end) cannot be described to MPI within
     ``limit`` (empty: they can)."""
     counts, displs = _layout(counts)
-    top = max([*counts, *displs, 0])
-    if top <= limit:
+    if _unit(counts, displs, limit):
         return ""
-    g = math.gcd(*counts, *displs)
-    if g and top // g <= limit:
-        return ""
-    return (f"a count or offset of {top} elements is past the MPI count limit {limit}, and the counts and "
-            "offsets (in elements) share no common block size that brings them under it")
+    return (f"a count or offset of {max([*counts, *displs, 0])} elements is past the MPI count limit {limit}, "
+            "and the counts and offsets (in elements) share no common block size that brings them under it")
 
 
 def _check_counts(group, op: str, scounts, rcounts) -> None:
@@ -44,32 +51,28 @@ def _check_counts(group, op: str, scounts, rcounts) -> None:
                                         "Use split sizes with a common factor, such as a row length"))
 
 
-def _spec(t: torch.Tensor, counts, displs, limit: int, group, op: str):
+def _spec(t: torch.Tensor, counts, displs, limit: int):
     """``[memory, (counts, displs), datatype]``; past MPI's int counts the unit
-    becomes a contiguous block of g elements (g = gcd of counts and displs).
-    Each rank picks its own unit: MPI matches type signatures, not datatypes."""
-    MPI = _mpi.mpi()
-    mem = _mpi.buffer(t)[0]
-    base = _mpi.mpi_type(t.dtype)
-    top = max([*counts, *displs, 0])
-    if top <= limit:
-        return [mem, (counts, displs), base], None
-    g = math.gcd(*counts, *displs)
-    if g == 0 or top // g > limit:
-        raise checks.OpValueError(op, group.where(), f"a count or offset of {top} elements is past the MPI count "
-                             f"limit {limit}, and the counts and offsets (in elements) share no common block "
-                             "size that brings them under it", "Use split sizes with a common factor, such as "
-                             "a row length")
-    unit = base.Create_contiguous(g).Commit()
-    return [mem, ([k // g for k in counts], [d // g for d in displs]), unit], unit
+    becomes a contiguous block of g elements (g = gcd of counts and displs;
+    :func:`_check_counts` refused counts that have none).  Each rank picks its
+    own unit: MPI matches type signatures, not datatypes.  Also the committed
+    block datatype to free afterwards, or None."""
+    spec = _mpi.buffer(t)
+    g = _unit(counts, displs, limit)
+    if g == 1:
+        spec[1] = (counts, displs)
+        return spec, None
+    unit = spec[2] = spec[2].Create_contiguous(g).Commit()
+    spec[1] = ([k // g for k in counts], [d // g for d in displs])
+    return spec, unit
 
 
-def _alltoallv(group, send, scounts, recv, rcounts, op):
+def _alltoallv(group, send, scounts, recv, rcounts):
     units = []  # committed block datatypes, freed even when the receive side is refused
     try:
-        sspec, unit = _spec(send, *_layout(scounts), group.max_count, group, op)
+        sspec, unit = _spec(send, *_layout(scounts), group.max_count)
         units.append(unit)
-        rspec, unit = _spec(recv, *_layout(rcounts), group.max_count, group, op)
+        rspec, unit = _spec(recv, *_layout(rcounts), group.max_count)
         units.append(unit)
         group.comm.Alltoallv(sspec, rspec)
     finally:
@@ -102,13 +105,11 @@ def all_to_all_single(group, output, input, output_splits, input_splits, op: str
     rcounts = _splits(group, op, output, output_splits, "output")
     _check_counts(group, op, scounts, rcounts)
 
-    send, before = staging.staged_input(input)
     out, after = staging.staged_output(output)
-    if before is None and staging.overlaps(send, out):
-        send, before = staging.copy_apart(input)  # MPI forbids aliased send and receive buffers
+    send, before = staging.apart(input, out)
 
     def run():
-        _alltoallv(group, send, scounts, out, rcounts, op)
+        _alltoallv(group, send, scounts, out, rcounts)
 
     return with_steps(run, (), None, [output], (input, output, send, out), before, after,
                         input.numel() * input.element_size())
@@ -126,24 +127,11 @@ def alltoall(group, outputs, inputs, op: str = "all_to_all"):
 
     scounts = [t.numel() for t in inputs]
     rcounts = [t.numel() for t in outputs]
-    send = staging.flat_view(inputs)
-    before = after = None
-    if send is None:
-        send = torch.empty(sum(scounts), dtype=dtype, device=inputs[0].device)
-
-        def before():
-            torch.cat([t.reshape(-1) for t in inputs], out=send)
-
-    recv = staging.flat_view(outputs)
-    if recv is None or staging.overlaps(send, recv):
-        recv = torch.empty(sum(rcounts), dtype=dtype, device=send.device)
-
-        def after():
-            for t, part in zip(outputs, torch.split(recv, rcounts)):
-                t.copy_(part.view(t.shape))
+    send, before = staging.joined(inputs, sum(scounts), inputs[0])
+    recv, after = staging.split(outputs, rcounts, inputs[0], send)
 
     def run():
-        _alltoallv(group, send, scounts, recv, rcounts, op)
+        _alltoallv(group, send, scounts, recv, rcounts)
 
     return with_steps(run, (), None, outputs, (inputs, outputs, send, recv), before, after,
                         sum(scounts) * send.element_size())

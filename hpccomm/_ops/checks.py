@@ -227,7 +227,7 @@ def reduction(group, op: str, dtype: torch.dtype, redop) -> Reduction:
     Example::
 
         r = reduction(group, "all_reduce", t.dtype, dist.ReduceOp.AVG)
-        comm.Allreduce(_mpi.IN_PLACE, _mpi.host_buffer(t), op=r.mop)
+        comm.Allreduce(_mpi.IN_PLACE, _mpi.buffer(t), op=r.mop)
     """
     try:  # the key is the enum's value: hashing torch's pybind enums costs more than a small op's checks
         code = redop.value if redop.__class__ is _R else redop.op.value

@@ -18,32 +18,45 @@ def _displs(counts):
     return [0, *itertools.accumulate(counts)][:-1]
 
 
-def allgatherv(group, send: torch.Tensor, recv: torch.Tensor, counts):
-    """``(call, args)`` of the Allgather(v) of contiguous ``send`` into
-    contiguous ``recv`` (any shape) laid out by ``counts``: ``send`` is the
-    rank's own slot of ``recv`` (in place) or apart from it.  Past the count
-    limit ``call`` is a function in which every rank broadcasts its part,
-    chunked (``args`` empty)."""
+def own_part(input: torch.Tensor, recv: torch.Tensor, offset: int):
+    """``(send, before)``: where MPI reads this rank's part of an all_gather
+    into contiguous ``recv``, whose slot for this rank starts ``offset``
+    bytes in.  ``send`` None: ``input`` is that slot (MPI_IN_PLACE: FSDP's
+    layout); else ``input`` itself when contiguous and apart from ``recv``,
+    or a copy that ``before`` makes (strided, or aliased elsewhere in
+    ``recv``: MPI forbids aliased buffers)."""
+    if input.is_contiguous() and input.nbytes and input.data_ptr() == recv.data_ptr() + offset:
+        return None, None
+    return staging.apart(input, recv)
+
+
+def allgatherv(group, send, recv: torch.Tensor, counts):
+    """``(call, args, icall)`` of the Allgather(v) of ``send`` (a contiguous
+    tensor apart from ``recv``, or None: this rank's part is already in its
+    slot) into contiguous ``recv`` (any shape) laid out by ``counts``;
+    ``icall`` its nonblocking form (equal counts only, else None).  Past the
+    count limit ``call`` is a function in which every rank broadcasts its
+    part, chunked (``args`` empty, no nonblocking form)."""
     comm = group.comm
-    in_place = send.numel() > 0 and send.data_ptr() == recv.data_ptr() + sum(counts[:group.rank]) * recv.element_size()
-    if max(counts, default=0) > group.max_count or sum(counts) > group.max_count:
+    if sum(counts) > group.max_count:
         displs = _displs(counts)
         flat = recv.view(-1)
 
         def run():
-            if not in_place:
+            if send is not None:
                 flat[displs[group.rank]:displs[group.rank] + counts[group.rank]].copy_(send.view(-1))
             for r in range(group.size):
                 for off, n in staging.chunks(counts[r], group.max_count):
                     comm.Bcast(_mpi.buffer(flat, displs[r] + off, n), root=r)
 
-        return run, ()
-    sendbuf = _mpi.IN_PLACE if in_place else _mpi.buffer(send)
-    dtype = _mpi.mpi_type(recv.dtype)
-    mem = _mpi.buffer(recv)[0]
+        return run, (), None
+    sendbuf = _mpi.IN_PLACE if send is None else _mpi.buffer(send)
+    recvbuf = _mpi.buffer(recv)
     if len(set(counts)) <= 1:
-        return comm.Allgather, (sendbuf, [mem, counts[0] if counts else 0, dtype])
-    return comm.Allgatherv, (sendbuf, [mem, (counts, _displs(counts)), dtype])
+        recvbuf[1] = counts[0] if counts else 0  # mpi4py counts the receive side per rank
+        return comm.Allgather, (sendbuf, recvbuf), comm.Iallgather
+    recvbuf[1] = (counts, _displs(counts))
+    return comm.Allgatherv, (sendbuf, recvbuf), None
 
 
 def all_gather_into_tensor(group, output, input, op: str = "all_gather_into_tensor"):
@@ -53,35 +66,11 @@ def all_gather_into_tensor(group, output, input, op: str = "all_gather_into_tens
     overlaps the output elsewhere (MPI forbids aliased buffers) or is strided."""
     checks.check_pair(group, op, output, input, "output")
     n = input.numel()
-    comm = group.comm
-    if group.host and output.is_contiguous() and input.is_contiguous():  # the common case: on the user's memory
-        send, recv = _mpi.host_buffer(input), _mpi.host_buffer(output)
-        if recv[1] <= group.max_count:
-            before, keep = None, (input, output)
-            mem = send[0]
-            nbytes = mem.nbytes
-            if n and mem.address == recv[0].address + group.rank * nbytes:
-                send = _mpi.IN_PLACE  # this rank's slot of the output
-            elif not staging.disjoint(mem, recv[0]):
-                copy, before = staging.copy_apart(input)  # aliased elsewhere than this rank's slot
-                send = _mpi.host_buffer(copy)
-                keep = (input, output, copy)
-            recv[1] = n  # mpi4py counts the receive side per rank
-            return with_steps(comm.Allgather, (send, recv), comm.Iallgather, [output], keep, before, None, nbytes)
     out, after = staging.staged_output(output)
-    src, before = staging.staged_input(input)
-    own = n and before is None and src.data_ptr() == out.data_ptr() + group.rank * n * out.element_size()
-    if not own and before is None and staging.overlaps(src, out):
-        src, before = staging.copy_apart(input)  # aliased elsewhere than this rank's slot: MPI forbids it
-    keep = (input, output, src, out)
-    nbytes = n * input.element_size()
-    if output.numel() > group.max_count:
-        call, args = allgatherv(group, src, out, [n] * group.size)
-        return with_steps(call, args, None, [output], keep, before, after, nbytes)
-    recv = _mpi.buffer(out)
-    recv[1] = n  # mpi4py counts the receive side per rank
-    return with_steps(comm.Allgather, (_mpi.IN_PLACE if own else _mpi.buffer(src), recv), comm.Iallgather,
-                        [output], keep, before, after, nbytes)
+    send, before = own_part(input, out, group.rank * input.nbytes)
+    call, args, icall = allgatherv(group, send, out, [n] * group.size)
+    return with_steps(call, args, icall, [output], (input, output, send, out), before, after,
+                      n * input.element_size())
 
 
 def all_gather(group, output_lists, inputs, op: str = "all_gather"):
@@ -94,21 +83,11 @@ def all_gather(group, output_lists, inputs, op: str = "all_gather"):
         raise checks.OpValueError(op, group.where(), f"tensor_list[{group.rank}] (this rank's slot) has "
                              f"{outputs[group.rank].numel()} elements but the input has {input.numel()}")
     counts = [t.numel() for t in outputs]
-    send, before = staging.staged_input(input)
-    flat = staging.flat_view(outputs)
-    if flat is not None and not (before is None and staging.overlaps(send, flat)
-                                 and send.data_ptr() != outputs[group.rank].data_ptr()):
-        recv, after = flat, None  # the outputs are one buffer: zero-copy
-    else:
-        recv = torch.empty(sum(counts), dtype=input.dtype, device=input.device)
-
-        def after():
-            for t, part in zip(outputs, torch.split(recv, counts)):
-                t.copy_(part.view(t.shape))
-
-    call, args = allgatherv(group, send, recv, counts)
+    recv, after = staging.split(outputs, counts, input)
+    send, before = own_part(input, recv, sum(counts[:group.rank]) * input.element_size())
+    call, args, _ = allgatherv(group, send, recv, counts)  # (all_gather has no nonblocking form: hpccomm._ops.table)
     return with_steps(call, args, None, output_lists, (input, outputs, send, recv), before, after,
-                        input.numel() * input.element_size())
+                      input.numel() * input.element_size())
 
 
 def all_gather_coalesced(group, output_lists, inputs, op: str = "all_gather_coalesced"):
@@ -176,9 +155,7 @@ def _gather_recv(group, input, root, outputs, result, write_back=None):
     comm, limit = group.comm, group.max_count
     send, before = staging.staged_input(input)
     counts = [t.numel() for t in outputs]
-    flat = staging.flat_view(outputs)
-    direct = flat is not None and not staging.overlaps(send, flat)
-    recv = flat if direct else torch.empty(sum(counts), dtype=input.dtype, device=input.device)
+    recv, copy_out = staging.split(outputs, counts, input, send)
     displs = _displs(counts)
 
     def run():
@@ -189,12 +166,9 @@ def _gather_recv(group, input, root, outputs, result, write_back=None):
                     for off, k in staging.chunks(counts[r], limit):
                         comm.Recv(_mpi.buffer(recv, displs[r] + off, k), source=r, tag=0)
         else:
-            mem = _mpi.buffer(recv)[0]
-            comm.Gatherv(_mpi.buffer(send), [mem, (counts, displs), _mpi.mpi_type(recv.dtype)], root=root)
+            spec = _mpi.buffer(recv)
+            spec[1] = (counts, displs)
+            comm.Gatherv(_mpi.buffer(send), spec, root=root)
 
-    def after():
-        for t, part in zip(outputs, torch.split(recv, counts)):
-            t.copy_(part.view(t.shape))
-
-    return with_steps(run, (), None, result, (input, outputs, send, recv), before,
-                        steps(None if direct else after, write_back), input.numel() * input.element_size())
+    return with_steps(run, (), None, result, (input, outputs, send, recv), before, steps(copy_out, write_back),
+                      input.numel() * input.element_size())

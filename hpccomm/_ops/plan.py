@@ -5,7 +5,7 @@ function (``reduce.all_reduce(group, tensors, redop)`` ...) after every check
 passed, and executed by :mod:`hpccomm._core.op_path` in whichever form the call
 takes: blocking in the calling thread, on the comm thread (``async_op=True``),
 posted as a nonblocking MPI call, or through a GPU transport, which wraps it
-(:mod:`hpccomm.gpu`).  A plan function never communicates: every refusal is
+(:mod:`hpccomm._gpu`).  A plan function never communicates: every refusal is
 raised before anything is sent.  A plan is a tuple (one is made per call, and
 a tuple costs a fraction of an object's constructor), its fields in the order
 of :data:`FIELDS` (indexes :data:`CALL` ... :data:`NBYTES`):

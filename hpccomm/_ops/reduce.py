@@ -19,6 +19,7 @@ from .. import _mpi
 from .._torch.compat import RedOpType, reduce_op_type
 from ..errors import HpccommError
 from . import checks, staging
+from .gather import allgatherv
 from .plan import ARGS, CALL, KEEP, NBYTES, blocking, sequence, steps, with_steps
 
 _R = RedOpType
@@ -59,27 +60,28 @@ def all_reduce(group, tensors, redop, op: str = "all_reduce"):
             return all_reduce_sparse(group, tensors, redop, op)
         raise
     r = checks.reduction(group, op, t.dtype, redop)
-    comm = group.comm
-    if r.factor is None and group.host and t.is_contiguous():  # the common case: in place on the user's memory
-        buf = _mpi.host_buffer(t)
-        nbytes = buf[0].nbytes
-        if buf[1] <= group.max_count and nbytes <= _ALLREDUCE_PIECE_BYTES:
-            plan = (comm.Allreduce, (_mpi.IN_PLACE, buf, r.mop), comm.Iallreduce if r.nonblocking else None, tensors, t,
-                    None, None, nbytes)
-            return with_steps(*plan[:6], partial(staging.finish_average, t, group.size), nbytes) if r.average else plan
-    work, write_back = staging.staged_output(t)  # a strided tensor: MPI reduces a contiguous copy
-    before = None if work is t else partial(work.copy_, t)
+    work, before, write_back = staging.staged(t)  # t itself when contiguous: MPI reduces in place on its memory
     send = None
     if r.factor is not None:  # PREMUL_SUM reduces a scaled copy: should MPI fail, the tensor is as it was
         send, before = staging.scaled(t, r.factor)
-    after = steps(partial(staging.finish_average, work, group.size) if r.average else None, write_back)
-    nbytes = t.numel() * t.element_size()
+    after = _after(r, work, group, write_back)
+    recv = _mpi.buffer(work)
+    nbytes = recv[0].nbytes
     keep = (t, work, send)
-    if t.numel() > group.max_count or nbytes > _ALLREDUCE_PIECE_BYTES:
+    if recv[1] > group.max_count or nbytes > _ALLREDUCE_PIECE_BYTES:
         return with_steps(_pieces(group, work, r, send), (), None, tensors, keep, before, after, nbytes)
-    sendbuf = _mpi.IN_PLACE if send is None else _mpi.buffer(send)
-    return with_steps(comm.Allreduce, (sendbuf, _mpi.buffer(work), r.mop),
-                        comm.Iallreduce if r.nonblocking else None, tensors, keep, before, after, nbytes)
+    comm = group.comm
+    return with_steps(comm.Allreduce, (_mpi.IN_PLACE if send is None else _mpi.buffer(send), recv, r.mop),
+                      comm.Iallreduce if r.nonblocking else None, tensors, keep, before, after, nbytes)
+
+
+def _after(r, out: torch.Tensor, group, then):
+    """The step after reduction ``r`` into ``out``: AVG's division by the
+    group size (for AVG), then ``then`` (a staged output's copy back, or
+    None)."""
+    if not r.average:
+        return then
+    return steps(partial(staging.finish_average, out, group.size), then)
 
 
 def all_reduce_coalesced(group, tensors, redop, op: str = "all_reduce_coalesced"):
@@ -123,12 +125,11 @@ def reduce(group, tensors, root: int, redop, op: str = "reduce"):
     r = checks.reduction(group, op, t.dtype, redop)
     comm, limit = group.comm, group.max_count
     if group.rank == root:
-        work, write_back = staging.staged_output(t)
-        before = None if work is t else partial(work.copy_, t)
+        work, before, write_back = staging.staged(t)
         send = None
         if r.factor is not None:
             send, before = staging.scaled(t, r.factor)
-        after = steps(partial(staging.finish_average, work, group.size) if r.average else None, write_back)
+        after = _after(r, work, group, write_back)
 
         def run():
             for off, n in staging.chunks(work.numel(), limit):
@@ -169,12 +170,12 @@ def _reduce_scatter_plan(group, send, out, r, before, after, outputs, keep):
     nbytes = send.numel() * send.element_size()
     if n > group.max_count:
         return with_steps(_reduce_scatter_blocks(group, send, out, r), (), None, outputs, keep, before, after,
-                            nbytes)
+                          nbytes)
     sendspec = _mpi.buffer(send)
     sendspec[1] = n  # mpi4py counts the send side per block
     comm = group.comm
     return with_steps(comm.Reduce_scatter_block, (sendspec, _mpi.buffer(out), r.mop),
-                        comm.Ireduce_scatter_block if r.nonblocking else None, outputs, keep, before, after, nbytes)
+                      comm.Ireduce_scatter_block if r.nonblocking else None, outputs, keep, before, after, nbytes)
 
 
 def reduce_scatter_tensor(group, output, input, redop, op: str = "reduce_scatter_tensor"):
@@ -182,24 +183,13 @@ def reduce_scatter_tensor(group, output, input, redop, op: str = "reduce_scatter
     in place when both are contiguous and apart; else through copies."""
     checks.check_pair(group, op, output, input, "input")
     r = checks.reduction(group, op, input.dtype, redop)
-    if r.factor is None and group.host and input.is_contiguous() and output.is_contiguous():
-        send, recv = _mpi.host_buffer(input), _mpi.host_buffer(output)
-        n = recv[1]
-        if n <= group.max_count and staging.disjoint(send[0], recv[0]):  # the common case: on the user's memory
-            send[1] = n  # mpi4py counts the send side per block
-            comm = group.comm
-            plan = (comm.Reduce_scatter_block, (send, recv, r.mop), comm.Ireduce_scatter_block if r.nonblocking else None,
-                    [output], (input, output), None, None, send[0].nbytes)
-            return with_steps(*plan[:6], partial(staging.finish_average, output, group.size), plan[7]) if r.average else plan
+    out, write_back = staging.staged_output(output)
     if r.factor is not None:
         send, before = staging.scaled(input, r.factor)
     else:
-        send, before = staging.staged_input(input)
-        if before is None and staging.overlaps(send, output):
-            send, before = staging.copy_apart(input)  # MPI forbids aliased send and receive buffers
-    out, write_back = staging.staged_output(output)
-    after = steps(partial(staging.finish_average, out, group.size) if r.average else None, write_back)
-    return _reduce_scatter_plan(group, send, out, r, before, after, [output], (input, output, send, out))
+        send, before = staging.apart(input, out)
+    return _reduce_scatter_plan(group, send, out, r, before, _after(r, out, group, write_back), [output],
+                                (input, output, send, out))
 
 
 def reduce_scatter(group, outputs, input_lists, redop, op: str = "reduce_scatter"):
@@ -209,20 +199,10 @@ def reduce_scatter(group, outputs, input_lists, redop, op: str = "reduce_scatter
     inputs = checks.per_rank(group, op, input_lists, "input_tensor_lists", "input_list", output, "output",
                              "Every input must have the output's size")
     r = checks.reduction(group, op, output.dtype, redop)
-    factor = r.factor
-    send = staging.flat_view(inputs)
-    before = None
-    if send is None or factor is not None or staging.overlaps(send, output):
-        send = torch.empty(output.numel() * group.size, dtype=output.dtype, device=output.device)
-
-        def before(send=send):
-            torch.cat([t.reshape(-1) for t in inputs], out=send)
-            if factor is not None:
-                staging.premultiplied(send, factor, inplace=True)
-
     out, write_back = staging.staged_output(output)
-    after = steps(partial(staging.finish_average, out, group.size) if r.average else None, write_back)
-    return _reduce_scatter_plan(group, send, out, r, before, after, outputs, (inputs, output, send, out))
+    send, before = staging.joined(inputs, output.numel() * group.size, output, out, r.factor)
+    return _reduce_scatter_plan(group, send, out, r, before, _after(r, out, group, write_back), outputs,
+                                (inputs, output, send, out))
 
 
 def reduce_scatter_tensor_coalesced(group, outputs, inputs, redop, op: str = "reduce_scatter_tensor_coalesced"):
@@ -254,8 +234,6 @@ def all_reduce_sparse(group, tensors, redop, op: str = "all_reduce"):
                             f"not {str(kind).split('.')[-1]}", "Call .to_dense() first for other ReduceOps")
 
     def run():
-        from .gather import allgatherv
-
         local = t.coalesce()
         indices = local.indices().contiguous()  # int64 [sparse_dim, nnz]
         values = local.values().contiguous()  # [nnz, *dense sizes]
@@ -272,7 +250,7 @@ def all_reduce_sparse(group, tensors, redop, op: str = "all_reduce"):
         gathered_idx = torch.empty(sum(nnzs), indices.shape[0], dtype=torch.int64)
         for send, recv, counts in ((indices.t().contiguous(), gathered_idx, [n * indices.shape[0] for n in nnzs]),
                                    (values, all_values, [n * row for n in nnzs])):
-            call, args = allgatherv(group, send, recv, counts)
+            call, args, _ = allgatherv(group, send, recv, counts)
             call(*args)
         all_indices.copy_(gathered_idx.t())
         total = torch.sparse_coo_tensor(all_indices, all_values, t.shape, dtype=t.dtype).coalesce()

@@ -4,8 +4,6 @@ Each function here is one op's plan function (see :mod:`hpccomm._ops.plan`).
 """
 from __future__ import annotations
 
-import torch
-
 from .. import _mpi
 from . import checks, staging
 from .plan import with_steps
@@ -18,12 +16,8 @@ def broadcast(group, tensors, root: int, op: str = "broadcast"):
     t = checks.single(group, op, tensors)
     checks.check_root(group, op, root, "src")
     comm = group.comm
-    if group.host and t.is_contiguous():  # the common case: one call on the user's memory
-        buf = _mpi.host_buffer(t)
-        if buf[1] <= group.max_count:
-            return (comm.Bcast, (buf, root), comm.Ibcast, tensors, t, None, None, buf[0].nbytes)
     before = after = None
-    if group.rank == root:
+    if group.rank == root:  # (a contiguous tensor: MPI reads or writes its own memory, no steps)
         buf, before = staging.staged_input(t)
     else:
         buf, after = staging.staged_output(t)
@@ -69,13 +63,7 @@ def _scatter_send(group, output, inputs, root, outputs):
     to end in one storage, else concatenated."""
     comm, n = group.comm, output.numel()
     out, after = staging.staged_output(output)
-    send = staging.flat_view(inputs)
-    before = None
-    if send is None or staging.overlaps(send, out):
-        send = torch.empty(n * group.size, dtype=output.dtype, device=output.device)
-        if inputs:
-            def before():
-                torch.cat([t.reshape(-1) for t in inputs], out=send)
+    send, before = staging.joined(inputs, n * group.size, output, out)
 
     def run():
         if _big(group, n):

@@ -16,14 +16,12 @@ import torch
 _UNSIGNED_WIDE = (torch.uint16, torch.uint32, torch.uint64)
 
 
-def premultiplied(t: torch.Tensor, factor, inplace: bool) -> torch.Tensor:
-    """``t * factor`` for PREMUL_SUM, in ``t`` when allowed, else in a new tensor."""
-    if isinstance(factor, torch.Tensor):  # NCCL's form is a 1-element tensor: make it a scalar
-        factor = factor.to(device=t.device, dtype=t.dtype).reshape(())
-    if inplace:
-        return t.mul_(factor)
-    # contiguous, whatever t's strides, on t's own memory kind
-    return torch.mul(t, factor, out=torch.empty_like(t, memory_format=torch.contiguous_format))
+def _factor(t: torch.Tensor, factor):
+    """PREMUL_SUM's factor as ``t`` can be multiplied by it (NCCL's form is a
+    1-element tensor: made a scalar of ``t``'s dtype and device)."""
+    if isinstance(factor, torch.Tensor):
+        return factor.to(device=t.device, dtype=t.dtype).reshape(())
+    return factor
 
 
 def finish_average(t: torch.Tensor, n: int) -> None:
@@ -45,24 +43,12 @@ def contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def out_buffer(t: torch.Tensor) -> torch.Tensor:
-    """Where MPI writes a result for ``t``: ``t`` itself, or a fresh contiguous
-    tensor whose data :func:`write_back` copies into ``t`` afterwards."""
-    return t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
-
-
-def write_back(user: torch.Tensor, staged: torch.Tensor) -> None:
-    if staged is not user:
-        user.copy_(staged)
-
-
 def staged_input(t: torch.Tensor):
     """``(buffer, before)``: where MPI reads ``t`` from, and the plan step
     that fills it when the op runs (None: ``t`` itself, contiguous)."""
     if t.is_contiguous():
         return t, None
-    buf = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-    return buf, partial(buf.copy_, t)
+    return copy_apart(t)
 
 
 def staged_output(t: torch.Tensor):
@@ -74,6 +60,16 @@ def staged_output(t: torch.Tensor):
     return buf, partial(t.copy_, buf)
 
 
+def staged(t: torch.Tensor):
+    """``(buffer, before, after)`` for a tensor MPI reads and writes in place:
+    ``t`` itself when contiguous (no steps), else a contiguous copy that
+    ``before`` fills and ``after`` copies back."""
+    if t.is_contiguous():
+        return t, None, None
+    buf = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    return buf, partial(buf.copy_, t), partial(t.copy_, buf)
+
+
 def copy_apart(t: torch.Tensor):
     """``(buffer, before)``: a contiguous buffer of ``t``'s size and the plan
     step copying ``t`` into it when the op runs (MPI forbids aliased buffers)."""
@@ -81,14 +77,59 @@ def copy_apart(t: torch.Tensor):
     return buf, partial(buf.copy_, t)
 
 
+def apart(t: torch.Tensor, other: torch.Tensor):
+    """``(buffer, before)``: where MPI reads ``t`` from when it writes
+    ``other`` in the same call: ``t`` itself when contiguous and apart from
+    ``other``, else a copy (MPI forbids aliased send and receive buffers)."""
+    if t.is_contiguous() and not overlaps(t, other):
+        return t, None
+    return copy_apart(t)
+
+
+def joined(ts: Sequence[torch.Tensor], total: int, like: torch.Tensor, avoid=None, factor=None):
+    """``(buffer, before)``: where MPI reads the list ``ts`` from as one
+    buffer of ``total`` elements: their own storage when they are laid end to
+    end (:func:`flat_view`) apart from ``avoid`` (what the same call writes),
+    else a new buffer that ``before`` fills.  ``factor``: PREMUL_SUM's, which
+    the new buffer is multiplied by (the user's tensors are left as they are)."""
+    flat = flat_view(ts) if factor is None else None
+    if flat is not None and (avoid is None or not overlaps(flat, avoid)):
+        return flat, None
+    buf = torch.empty(total, dtype=like.dtype, device=like.device)
+    if not ts:
+        return buf, None
+
+    def before():
+        torch.cat([t.reshape(-1) for t in ts], out=buf)
+        if factor is not None:
+            buf.mul_(_factor(buf, factor))
+
+    return buf, before
+
+
+def split(ts: Sequence[torch.Tensor], counts, like: torch.Tensor, avoid=None):
+    """``(buffer, after)``: where MPI writes the list ``ts`` (``counts``
+    elements each) as one buffer: their own storage when laid end to end
+    apart from ``avoid`` (what the same call reads), else a new buffer that
+    ``after`` copies out into them."""
+    flat = flat_view(ts)
+    if flat is not None and (avoid is None or not overlaps(avoid, flat)):
+        return flat, None
+    buf = torch.empty(sum(counts), dtype=like.dtype, device=like.device)
+
+    def after():
+        for t, part in zip(ts, torch.split(buf, counts)):
+            t.copy_(part.view(t.shape))
+
+    return buf, after
+
+
 def scaled(t: torch.Tensor, factor):
     """``(buffer, before)``: PREMUL_SUM's ``t * factor`` in a new contiguous
     buffer, computed when the op runs (the user's tensor is left as it is
     should MPI fail)."""
-    if isinstance(factor, torch.Tensor):  # NCCL's form is a 1-element tensor: make it a scalar
-        factor = factor.to(device=t.device, dtype=t.dtype).reshape(())
     buf = torch.empty_like(t, memory_format=torch.contiguous_format)
-    return buf, partial(torch.mul, t, factor, out=buf)
+    return buf, partial(torch.mul, t, _factor(t, factor), out=buf)
 
 
 def flat_view(ts: Sequence[torch.Tensor]):
@@ -113,21 +154,10 @@ def flat_view(ts: Sequence[torch.Tensor]):
 
 
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the memory of ``a`` and ``b`` intersects."""
-    if a.numel() == 0 or b.numel() == 0:
-        return False
+    """Whether the memory of contiguous ``a`` and ``b`` intersects."""
     a0, b0 = a.data_ptr(), b.data_ptr()
-    a1 = a0 + a.numel() * a.element_size()
-    b1 = b0 + b.numel() * b.element_size()
-    return a0 < b1 and b0 < a1
-
-
-def disjoint(a, b) -> bool:
-    """Whether MPI buffers (``mpi4py.MPI.buffer``) ``a`` and ``b`` share no
-    byte (:func:`overlaps` for the buffers of :func:`hpccomm._mpi.host_buffer`,
-    without asking the tensors again)."""
-    a0, b0 = a.address, b.address
-    return a0 + a.nbytes <= b0 or b0 + b.nbytes <= a0 or not a.nbytes or not b.nbytes
+    a1, b1 = a0 + a.nbytes, b0 + b.nbytes
+    return a0 < b1 and b0 < a1 and a0 < a1 and b0 < b1  # (an empty tensor overlaps nothing)
 
 
 def chunks(count: int, limit: int):
