@@ -58,7 +58,7 @@ from ._core import state
 from ._core.failures import (_NAME_WAIT, FailedRank, RankFailure, _describe, _failed_in, _live_groups, _lock,
                              _translate, is_failure, rank_failure, revoke_all)
 from ._start import creator
-from ._torch import compat
+from . import _compat as compat
 from .backend import BackendHpccomm
 from .errors import HpccommError
 
@@ -121,10 +121,10 @@ def _settle(groups) -> None:
     """Before the old groups go: their queued async ops run (and fail at
     once, their communicators being revoked), and point-to-point ops still
     pending on them stop being watched (their Works fail when waited on)."""
-    from ._core.comm_thread import engine
+    from ._core import comm_thread
 
     for g in groups:
-        engine.flush(g)
+        comm_thread.flush(g)
     for record in state.records():  # a posted point-to-point op is its own record
         if getattr(record, "kind", None) == "p2p":
             state.end(record.token)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from ._torch import BACKEND_NAME, compat, methods
-from ._torch.compat import ProcessGroupBase
+from . import _compat as compat
+from . import _methods as methods
+from . import BACKEND_NAME
+from ._compat import ProcessGroupBase
 from .backend import BackendHpccomm
 from .barrier import monitored_barrier
 

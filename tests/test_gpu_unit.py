@@ -29,14 +29,14 @@ import torch.distributed as dist
 import hpccomm
 import helpers
 from hpccomm import _mpi, config
-from hpccomm._torch import compat
+from hpccomm import _compat as compat
 from hpccomm._core import group as _group
-from hpccomm._core import op_path
+from hpccomm._ops import op_path
 from hpccomm._gpu import cuda_mpi, dispatch, nccl_cupy, nccl_torch, probe, select, staged
 from hpccomm._gpu.probe import Finding
 from hpccomm._gpu.select import Capabilities, NoTransport
 from hpccomm._ops import reduce, table
-from hpccomm._ops.plan import ARGS, CALL, OUTPUTS
+from hpccomm._core.plan import ARGS, OUTPUTS, run
 from helpers import hgroup, FakeCudaTensor, Problems, raised_by
 
 R = dist.ReduceOp
@@ -60,8 +60,9 @@ CUDA0 = torch.device("cuda", 0)
 
 
 def run_plan(plan):
-    """Run a plan blocking, as the op path does (hpccomm._ops.plan: ``call(*args)``); its outputs."""
-    plan[CALL](*plan[ARGS])
+    """Run a plan blocking, as the op path does (hpccomm._core.plan.run: its steps around ``call(*args)``); its
+    outputs."""
+    run(plan)
     return plan[OUTPUTS]
 
 
@@ -501,7 +502,7 @@ def test_cuda_mpi_stream_order_with_a_fake_op():
         return (lambda: rec.log.append(("mpi",)), (), None, tensors, tensors, None, None, 0)
 
     t = fake_cuda(torch.ones(3))
-    plan = made.plan(table.Op("all_reduce", fake_plan, reducing=True, first="inout"), fake_group(), ([t], R.SUM))
+    plan = made.plan(table.OpSpec("all_reduce", fake_plan, reducing=True, first="inout"), fake_group(), ([t], R.SUM))
     assert rec.names() == ["plan", "record"]  # nothing waits at issue: async ops return at once
     assert run_plan(plan) == [t]
     # the caller's event waited for, the op's own kernels done before MPI reads, the stream idle after
@@ -516,7 +517,7 @@ def test_cuda_mpi_stream_order_with_a_fake_op():
 
     rec.log.clear()
     with pytest.raises(RuntimeError):
-        run_plan(made.plan(table.Op("all_reduce", failing, reducing=True, first="inout"), fake_group(), ([t], R.SUM)))
+        run_plan(made.plan(table.OpSpec("all_reduce", failing, reducing=True, first="inout"), fake_group(), ([t], R.SUM)))
     assert rec.names() == ["record", "wait", "synchronize", "synchronize"]  # the stream idle after a failure too
 
 
@@ -700,7 +701,7 @@ NCCL_CASES = [
 
 
 def test_nccl_calls_cover_every_op_with_tensors():
-    from hpccomm._torch import methods
+    from hpccomm import _methods as methods
 
     src = open(methods.__file__).read()
     used = set(re.findall(r'op_path\.run\(self\._g, table\.([A-Z_]+)\b', src))  # the table entries the adapter runs
@@ -887,9 +888,9 @@ def test_future_devices():
     it, and then orders the waiter's stream after the completing thread's)."""
     assert dispatch.future_devices(CUDA0, FakeCudaModule(2)) == [CUDA0]
     assert dispatch.future_devices(CUDA0, FakeCudaModule(0)) is None
-    from hpccomm._core import work as core_work
+    from hpccomm._core.work import Work
 
-    w = core_work.done([torch.ones(1)], None)
+    w = Work.finished([torch.ones(1)], None)
     assert w.get_future().done() and torch.equal(w.get_future().value()[0], torch.ones(1))
 
 
@@ -948,7 +949,7 @@ rank, size = dist.get_rank(), dist.get_world_size()
 t = torch.full((4,), float(rank + 1))
 dist.all_reduce(t)
 pg = dist.group.WORLD
-group_of = hpccomm._torch.compat.group_of
+group_of = hpccomm._compat.group_of
 report(result=t.tolist(), backend=str(dist.get_backend()), is_hpccomm="hpccomm" in str(dist.get_backend(pg)),
        mapped=dispatch._maps.get(group_of(pg)))
 sub = dist.new_group([0])

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import hpccomm
 import helpers
 from hpccomm import _mpi, config, errors
-from hpccomm._torch import compat
+from hpccomm import _compat as compat
 from hpccomm._core import group as _group
 from hpccomm._start import bootstrap
 from hpccomm._ops import checks, staging
@@ -636,6 +636,7 @@ def test_dead_local_peers_finds_gone_and_zombie_processes():
 def test_report_line_names_the_running_op_and_the_recorded_failure(monkeypatch):
     from hpccomm._core import signals
     from hpccomm._core import state
+    from hpccomm._core.record import OpRecord
 
     class Group:
         name, timeout = "WORLD", 60
@@ -660,31 +661,40 @@ def test_report_line_names_the_running_op_and_the_recorded_failure(monkeypatch):
     assert signals.report_line() == (
         "hpccomm: rank 1 of 4 ended by SIGTERM (the launcher ends the job) outside any hpccomm op; no failed "
         "rank known here (one on another node, or the job was cancelled: the launcher's message names it)")
-    state.begin(Group(), "all_gather", 7, 60)
+    state.watch(OpRecord.noted(Group(), "all_gather", 7, time.monotonic(), 60))
     state.record_failure("raised an uncaught KeyError (last op: barrier (op #6 on group 'WORLD'))")
     line = signals.report_line()
     assert line.startswith("hpccomm: rank 1 of 4 ended by SIGTERM (the launcher ends the job) while in all_gather "
                            "(op #7 on group 'WORLD', for 0.0 s); rank 1 raised an uncaught KeyError"), line
 
 
-def test_wait_returns_only_after_the_future_completed():
-    """A waiter that sees the Work done while another thread is between
+def test_wait_returns_only_after_the_future_completed(monkeypatch):
+    """A waiter that sees the op done while another thread is between
     marking it done and completing its future waits for the future:
     get_future().value() then never finds it incomplete (a race seen once as
-    a torch INTERNAL ASSERT in a test)."""
+    a torch INTERNAL ASSERT in a test).  The completing thread is the comm
+    thread, running a queued op (hpccomm._core.record)."""
+    import itertools
     import threading
 
-    from hpccomm._core import work as core_work
+    from hpccomm._core import record as core_record
+    from hpccomm._core import state
+    from hpccomm._core.work import Work
 
-    class Pending:
-        engine_completes = True
+    class Group:  # what running a queued op reads of its group (no MPI: its plan calls no MPI)
+        name, rank, size, seq, queued, instrumented = "test", 0, 1, 0, 0, False
+        _seqs = itertools.count(1)
 
-        def finish(self):
-            return None
+        def where(self, seq=None):
+            return f"op #{seq} on group 'test'"
 
+    monkeypatch.setattr(state, "last_group", [None])
     out = [torch.ones(2)]
-    work = core_work.Work(out, Pending(), "all_reduce (test)")
-    in_set_result, release = threading.Event(), threading.Event()
+    go, in_set_result, release = threading.Event(), threading.Event(), threading.Event()
+    plan = (lambda: go.wait(10), (), None, out, out, None, None, 0)  # blocks the comm thread until go
+    record = core_record.OpRecord(Group(), "all_reduce", plan)
+    work = Work.of(record, out)
+    record.queue((), True)
 
     class HeldFuture:  # holds the completing thread just before it completes the future
         def __init__(self, raw):
@@ -695,12 +705,11 @@ def test_wait_returns_only_after_the_future_completed():
             release.wait(10)
             self.raw.set_result(value)
 
-    work.get_future()  # the futures exist: completing the Work completes them
-    work._rawf = HeldFuture(work._rawf)
-    completer = threading.Thread(target=work._ran_on_engine)
-    completer.start()
+    work.get_future()  # the futures exist: completing the op completes them
+    record.raw = HeldFuture(record.raw)
+    go.set()
     assert in_set_result.wait(10)
-    assert work._done and not work.is_completed()  # marked done, future not yet complete
+    assert record.state == core_record.DONE and not work.is_completed()  # marked done, future not yet complete
     waited = threading.Event()
     waiter = threading.Thread(target=lambda: (work.wait(), waited.set()))
     waiter.start()
@@ -708,5 +717,4 @@ def test_wait_returns_only_after_the_future_completed():
     release.set()
     assert waited.wait(10)
     assert work.get_future().value() is out and work.is_completed()
-    completer.join()
     waiter.join()

@@ -28,7 +28,7 @@ import time
 from typing import NamedTuple, Optional
 
 from .. import _mpi
-from .._torch.compat import DistBackendError
+from .._compat import DistBackendError
 from ..errors import HpccommError
 from . import state
 
@@ -217,10 +217,12 @@ def rank_failure(exc: Optional[BaseException] = None) -> Optional[RankFailure]:
         return state.failures.first
 
 
-def from_pending(what: str, pending, error):
-    """For hpccomm._core.work: the error a point-to-point op completed with, as
+def from_pending(what: str, record, error):
+    """For hpccomm._core.record: the error an op in flight completed with, as
     :class:`RankFailure` when its MPI error says a process failed."""
-    exc = getattr(pending, "error", None)
+    if isinstance(error, RankFailure):
+        return error
+    exc = getattr(record, "mpi_error", None)
     if exc is None:
         exc = getattr(error, "__cause__", None)
     found = failure(what, exc) if exc is not None else None

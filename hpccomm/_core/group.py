@@ -58,7 +58,7 @@ class Group:
         # tracing or per-op debug logging (the settings, read when the group is made)
         self._observed = bool(config.get("HPCCOMM_TRACE")) or config.get("HPCCOMM_LOG") == "DEBUG"
         self.debug = debug_mode.enabled()  # compare every collective across ranks first
-        # async ops of up to 64 KiB posted as nonblocking MPI collectives (hpccomm._core.op_path.form)
+        # async ops of up to 64 KiB posted as nonblocking MPI collectives (hpccomm._ops.op_path.form)
         self.nonblocking = config.get("HPCCOMM_ASYNC_NONBLOCKING")
         self.max_count = config.get("HPCCOMM_MAX_MPI_COUNT")
         self.tag_ub = _mpi.tag_ub() if tag_ub is None else tag_ub  # the largest tag MPI takes
@@ -85,10 +85,10 @@ class Group:
 
     def free(self, flush: bool = True) -> None:
         """Free the communicators, after this group's queued ops ran (``flush``)."""
-        from .comm_thread import engine
+        from . import comm_thread
 
         if self.comm is not None and flush:
-            engine.flush(self)
+            comm_thread.flush(self)
         comm, p2p, self.comm, self.p2p = self.comm, self.p2p, None, None
         MPI = _mpi.mpi()
         if comm is None or MPI.Is_finalized():
@@ -106,7 +106,7 @@ class Group:
     def debug(self, on: bool) -> None:
         self._debug = on
         #: Debug mode, tracing or per-op debug logging: the op path takes its instrumented branch
-        #: (hpccomm._core.op_path.execute); one attribute test on the latency-bound path.
+        #: (hpccomm._core.execute); one attribute test on the latency-bound path.
         self.instrumented = bool(on) or self._observed
 
     @property

@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from .. import config
-from . import state
+from . import record, state
 
 _installed = False
 _lock = threading.Lock()
@@ -103,7 +103,7 @@ def _report_and_exit() -> None:
 
 
 def report_line() -> str:
-    running = state.current()
+    running = record.current()
     if running is not None:
         label = "p2p op" if running.kind == "p2p" else "op"
         where = (f"while in {running.name} ({label} #{running.seq} on group '{running.group.name}', "

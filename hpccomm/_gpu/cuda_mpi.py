@@ -22,7 +22,6 @@ import logging
 
 import torch
 
-from .._ops.plan import Stepped
 from .streams import CudaStreams
 
 log = logging.getLogger("hpccomm")
@@ -110,9 +109,7 @@ class CudaAwareMPI:
         if op.p2p:  # posted now, after the kernels this thread queued on the tensor
             streams.synchronize(device)
             return (call, cargs, icall, outputs, keep, before, after, nbytes)
-        event = streams.record(device)
-        if isinstance(call, Stepped):  # its steps run in ordered(), around the MPI call
-            call = call.call
+        event = streams.record(device)  # (the op's steps run in ordered(), around its MPI call)
 
         def ordered(*mpi_args):
             streams.wait(event)  # the caller's kernels producing the inputs are done

@@ -1,6 +1,6 @@
 """Routing CUDA tensors to a GPU transport, per group and device.
 
-The op path (hpccomm._core.op_path) asks :func:`cuda_device` for every op that
+The op path (hpccomm._ops.op_path) asks :func:`cuda_device` for every op that
 meets a device tensor: None (no CUDA tensor: hpccomm's CPU path), the one CUDA device
 of the call, or an :class:`~hpccomm.errors.OpValueError` for a call that
 mixes devices, raised before any communication.  :func:`transport` then
@@ -18,8 +18,8 @@ import weakref
 import torch
 
 from .. import config
-from .._core.work import done
-from .._torch import compat
+from .._core.work import Work
+from .. import _compat as compat
 from ..errors import OpTypeError, OpValueError
 from . import probe, select
 from .cuda_mpi import CudaAwareMPI, DeviceView, tensors_in
@@ -97,10 +97,10 @@ def note_backend_map(group, device_backends) -> None:
 
 def _agree(group, mine):
     """Every member's ``(transport or None, error or None)``, over the group's communicator."""
-    from .._core.comm_thread import engine
+    from .._core import comm_thread
 
-    if not engine.on_comm_thread():  # (on it, nothing else uses the communicator now)
-        engine.flush(group)  # the comm thread must not be in MPI on this communicator meanwhile
+    if not comm_thread.on_it():  # (on it, nothing else uses the communicator now)
+        comm_thread.flush(group)  # the comm thread must not be in MPI on this communicator meanwhile
     return group.comm.allgather(mine)
 
 
@@ -210,7 +210,7 @@ def delegated(made, group, op: str, args, opts):
     if isinstance(out, compat.WorkBase):
         return out
     # enqueued on the caller's stream: done from the host's view, as NCCL's own
-    return done(out, future_devices(made.device))
+    return Work.finished(out, future_devices(made.device))
 
 
 def _close(group, made) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from .._torch import compat
+from .. import _compat as compat
 from ..errors import OpValueError
 
 log = logging.getLogger("hpccomm")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .._ops.plan import steps, with_steps
+from .._core.plan import steps
 from .streams import CudaStreams
 
 
@@ -124,7 +124,7 @@ class Staged:
             return (call, cargs, icall, outputs, (keep, pairs), before, steps(after, lambda: self._copy_back(pairs)),
                     nbytes)
         host_args, pairs = self._stand_ins(op, args, self.buffers)
-        call, cargs, _, outputs, keep, _, _, nbytes = op.plan(group, *host_args)  # (call: its steps included)
+        call, cargs, _, outputs, keep, before, after, nbytes = op.plan(group, *host_args)
         event = self.streams.record(self.device)
 
         def staged_before():
@@ -135,8 +135,8 @@ class Staged:
             self._copy_back(pairs)
             self.streams.synchronize(self.device)
 
-        return with_steps(call, cargs, None, _translate(outputs, {id(h): dev for dev, h, _, _ in pairs}),
-                          (keep, pairs), staged_before, staged_after, nbytes)
+        return (call, cargs, None, _translate(outputs, {id(h): dev for dev, h, _, _ in pairs}), (keep, pairs),
+                steps(staged_before, before), steps(after, staged_after), nbytes)
 
 
 def _translate(result, to_device):

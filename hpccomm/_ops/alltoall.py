@@ -11,7 +11,6 @@ import torch
 
 from .. import _mpi
 from . import checks, staging
-from .plan import with_steps
 
 
 def _layout(counts):
@@ -111,8 +110,8 @@ def all_to_all_single(group, output, input, output_splits, input_splits, op: str
     def run():
         _alltoallv(group, send, scounts, out, rcounts)
 
-    return with_steps(run, (), None, [output], (input, output, send, out), before, after,
-                        input.numel() * input.element_size())
+    return (run, (), None, [output], (input, output, send, out), before, after,
+              input.numel() * input.element_size())
 
 
 def alltoall(group, outputs, inputs, op: str = "all_to_all"):
@@ -133,5 +132,5 @@ def alltoall(group, outputs, inputs, op: str = "all_to_all"):
     def run():
         _alltoallv(group, send, scounts, recv, rcounts)
 
-    return with_steps(run, (), None, outputs, (inputs, outputs, send, recv), before, after,
-                        sum(scounts) * send.element_size())
+    return (run, (), None, outputs, (inputs, outputs, send, recv), before, after,
+              sum(scounts) * send.element_size())

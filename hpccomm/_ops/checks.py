@@ -12,7 +12,7 @@ import torch
 
 from .. import _mpi
 from .._core import state
-from .._torch.compat import RedOpType, premul_sum_factor, reduce_op_type
+from .._compat import RedOpType, premul_sum_factor, reduce_op_type
 from ..errors import OpError, OpTypeError, OpValueError  # noqa: F401 - OpError for the op modules
 
 

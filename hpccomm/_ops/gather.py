@@ -11,7 +11,7 @@ import torch
 
 from .. import _mpi
 from . import checks, staging
-from .plan import sequence, steps, with_steps
+from .._core.plan import sequence, steps
 
 
 def _displs(counts):
@@ -69,8 +69,8 @@ def all_gather_into_tensor(group, output, input, op: str = "all_gather_into_tens
     out, after = staging.staged_output(output)
     send, before = own_part(input, out, group.rank * input.nbytes)
     call, args, icall = allgatherv(group, send, out, [n] * group.size)
-    return with_steps(call, args, icall, [output], (input, output, send, out), before, after,
-                      n * input.element_size())
+    return (call, args, icall, [output], (input, output, send, out), before, after,
+            n * input.element_size())
 
 
 def all_gather(group, output_lists, inputs, op: str = "all_gather"):
@@ -86,8 +86,8 @@ def all_gather(group, output_lists, inputs, op: str = "all_gather"):
     recv, after = staging.split(outputs, counts, input)
     send, before = own_part(input, recv, sum(counts[:group.rank]) * input.element_size())
     call, args, _ = allgatherv(group, send, recv, counts)  # (all_gather has no nonblocking form: hpccomm._ops.table)
-    return with_steps(call, args, None, output_lists, (input, outputs, send, recv), before, after,
-                      input.numel() * input.element_size())
+    return (call, args, None, output_lists, (input, outputs, send, recv), before, after,
+            input.numel() * input.element_size())
 
 
 def all_gather_coalesced(group, output_lists, inputs, op: str = "all_gather_coalesced"):
@@ -147,7 +147,7 @@ def _gather_send(group, input, root, outputs):
         else:
             comm.Gatherv(_mpi.buffer(send), None, root=root)
 
-    return with_steps(run, (), None, outputs, (input, send), before, None, n * input.element_size())
+    return (run, (), None, outputs, (input, send), before, None, n * input.element_size())
 
 
 def _gather_recv(group, input, root, outputs, result, write_back=None):
@@ -170,5 +170,5 @@ def _gather_recv(group, input, root, outputs, result, write_back=None):
             spec[1] = (counts, displs)
             comm.Gatherv(_mpi.buffer(send), spec, root=root)
 
-    return with_steps(run, (), None, result, (input, outputs, send, recv), before, steps(copy_out, write_back),
-                      input.numel() * input.element_size())
+    return (run, (), None, result, (input, outputs, send, recv), before, steps(copy_out, write_back),
+            input.numel() * input.element_size())

@@ -16,11 +16,11 @@ from functools import partial
 import torch
 
 from .. import _mpi
-from .._torch.compat import RedOpType, reduce_op_type
+from .._compat import RedOpType, reduce_op_type
 from ..errors import HpccommError
 from . import checks, staging
 from .gather import allgatherv
-from .plan import ARGS, CALL, KEEP, NBYTES, blocking, sequence, steps, with_steps
+from .._core.plan import NBYTES, blocking, sequence, steps
 
 _R = RedOpType
 _FLATTEN_BYTES = 1 << 18  # coalesced ops below this total go as one message
@@ -69,10 +69,10 @@ def all_reduce(group, tensors, redop, op: str = "all_reduce"):
     nbytes = recv[0].nbytes
     keep = (t, work, send)
     if recv[1] > group.max_count or nbytes > _ALLREDUCE_PIECE_BYTES:
-        return with_steps(_pieces(group, work, r, send), (), None, tensors, keep, before, after, nbytes)
+        return (_pieces(group, work, r, send), (), None, tensors, keep, before, after, nbytes)
     comm = group.comm
-    return with_steps(comm.Allreduce, (_mpi.IN_PLACE if send is None else _mpi.buffer(send), recv, r.mop),
-                      comm.Iallreduce if r.nonblocking else None, tensors, keep, before, after, nbytes)
+    return (comm.Allreduce, (_mpi.IN_PLACE if send is None else _mpi.buffer(send), recv, r.mop),
+            comm.Iallreduce if r.nonblocking else None, tensors, keep, before, after, nbytes)
 
 
 def _after(r, out: torch.Tensor, group, then):
@@ -110,8 +110,7 @@ def all_reduce_coalesced(group, tensors, redop, op: str = "all_reduce_coalesced"
                     t.copy_(flat[off:off + t.numel()].view(t.shape))
                     off += t.numel()
 
-            plans.append(with_steps(inner[CALL], inner[ARGS], None, tensors, (inner[KEEP], ts), gather_in,
-                                      scatter_out, inner[NBYTES]))
+            plans.append(sequence([inner], tensors, gather_in, scatter_out, inner[NBYTES]))
         else:
             plans.extend(all_reduce(group, [t], redop, op) for t in ts)
     return sequence(plans, tensors)
@@ -136,7 +135,7 @@ def reduce(group, tensors, root: int, redop, op: str = "reduce"):
                 sendbuf = _mpi.IN_PLACE if send is None else _mpi.buffer(send, off, n)
                 comm.Reduce(sendbuf, _mpi.buffer(work, off, n), op=r.mop, root=root)
 
-        return with_steps(run, (), None, tensors, (t, work, send), before, after, t.numel() * t.element_size())
+        return (run, (), None, tensors, (t, work, send), before, after, t.numel() * t.element_size())
     if r.factor is not None:
         send, before = staging.scaled(t, r.factor)
     else:
@@ -146,7 +145,7 @@ def reduce(group, tensors, root: int, redop, op: str = "reduce"):
         for off, n in staging.chunks(send.numel(), limit):
             comm.Reduce(_mpi.buffer(send, off, n), None, op=r.mop, root=root)
 
-    return with_steps(run, (), None, tensors, (t, send), before, None, t.numel() * t.element_size())
+    return (run, (), None, tensors, (t, send), before, None, t.numel() * t.element_size())
 
 
 def _reduce_scatter_blocks(group, send: torch.Tensor, out: torch.Tensor, r):
@@ -169,13 +168,13 @@ def _reduce_scatter_plan(group, send, out, r, before, after, outputs, keep):
     n = out.numel()
     nbytes = send.numel() * send.element_size()
     if n > group.max_count:
-        return with_steps(_reduce_scatter_blocks(group, send, out, r), (), None, outputs, keep, before, after,
-                          nbytes)
+        return (_reduce_scatter_blocks(group, send, out, r), (), None, outputs, keep, before, after,
+                nbytes)
     sendspec = _mpi.buffer(send)
     sendspec[1] = n  # mpi4py counts the send side per block
     comm = group.comm
-    return with_steps(comm.Reduce_scatter_block, (sendspec, _mpi.buffer(out), r.mop),
-                      comm.Ireduce_scatter_block if r.nonblocking else None, outputs, keep, before, after, nbytes)
+    return (comm.Reduce_scatter_block, (sendspec, _mpi.buffer(out), r.mop),
+            comm.Ireduce_scatter_block if r.nonblocking else None, outputs, keep, before, after, nbytes)
 
 
 def reduce_scatter_tensor(group, output, input, redop, op: str = "reduce_scatter_tensor"):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from .. import _mpi
 from . import checks, staging
-from .plan import with_steps
 
 
 def broadcast(group, tensors, root: int, op: str = "broadcast"):
@@ -27,8 +26,8 @@ def broadcast(group, tensors, root: int, op: str = "broadcast"):
             for off, n in staging.chunks(buf.numel(), group.max_count):
                 comm.Bcast(_mpi.buffer(buf, off, n), root=root)
 
-        return with_steps(run, (), None, tensors, (t, buf), before, after, nbytes)
-    return with_steps(comm.Bcast, (_mpi.buffer(buf), root), comm.Ibcast, tensors, (t, buf), before, after, nbytes)
+        return (run, (), None, tensors, (t, buf), before, after, nbytes)
+    return (comm.Bcast, (_mpi.buffer(buf), root), comm.Ibcast, tensors, (t, buf), before, after, nbytes)
 
 
 def scatter(group, outputs, input_lists, root: int, op: str = "scatter"):
@@ -55,7 +54,7 @@ def _scatter_recv(group, output, root, outputs):
         else:
             comm.Scatter(None, _mpi.buffer(out), root=root)
 
-    return with_steps(run, (), None, outputs, (output, out), None, after, n * output.element_size())
+    return (run, (), None, outputs, (output, out), None, after, n * output.element_size())
 
 
 def _scatter_send(group, output, inputs, root, outputs):
@@ -79,4 +78,4 @@ def _scatter_send(group, output, inputs, root, outputs):
             sendbuf[1] = n  # mpi4py reads an explicit count as the count per rank, not the total
             comm.Scatter(sendbuf, _mpi.buffer(out), root=root)
 
-    return with_steps(run, (), None, outputs, (inputs, output, send, out), before, after, n * output.element_size())
+    return (run, (), None, outputs, (inputs, output, send, out), before, after, n * output.element_size())

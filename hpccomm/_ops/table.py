@@ -19,7 +19,9 @@ from . import alltoall, gather, p2p, reduce, scatter
 
 
 @dataclass(frozen=True, slots=True)
-class Op:
+class OpSpec:
+    """One op's entry (see the module docstring): what the op path and the transports know of it."""
+
     name: str
     plan: Callable
     p2p: bool = False
@@ -28,27 +30,27 @@ class Op:
     nonblocking: bool = False
 
 
-ALL_REDUCE = Op("all_reduce", reduce.all_reduce, reducing=True, first="inout", nonblocking=True)
-ALL_REDUCE_SPARSE = Op("all_reduce", reduce.all_reduce_sparse, reducing=True, first="inout")
-ALL_REDUCE_COALESCED = Op("all_reduce_coalesced", reduce.all_reduce_coalesced, reducing=True, first="inout")
-REDUCE = Op("reduce", reduce.reduce, reducing=True, first="inout")
-REDUCE_SCATTER = Op("reduce_scatter", reduce.reduce_scatter, reducing=True)
-REDUCE_SCATTER_TENSOR = Op("reduce_scatter_tensor", reduce.reduce_scatter_tensor, reducing=True, nonblocking=True)
-REDUCE_SCATTER_TENSOR_COALESCED = Op("reduce_scatter_tensor_coalesced", reduce.reduce_scatter_tensor_coalesced,
-                                     reducing=True)
-BROADCAST = Op("broadcast", scatter.broadcast, first="inout", nonblocking=True)
-SCATTER = Op("scatter", scatter.scatter)
-ALL_GATHER = Op("all_gather", gather.all_gather)
-ALL_GATHER_INTO_TENSOR = Op("all_gather_into_tensor", gather.all_gather_into_tensor, nonblocking=True)
-ALL_GATHER_COALESCED = Op("all_gather_coalesced", gather.all_gather_coalesced)
-ALL_GATHER_INTO_TENSOR_COALESCED = Op("all_gather_into_tensor_coalesced", gather.all_gather_into_tensor_coalesced)
-GATHER = Op("gather", gather.gather)
-GATHER_SINGLE = Op("gather_single", gather.gather_single)
-ALL_TO_ALL_SINGLE = Op("all_to_all_single", alltoall.all_to_all_single)
-ALL_TO_ALL = Op("all_to_all", alltoall.alltoall)
-BARRIER = Op("barrier", p2p.barrier)
-SEND = Op("send", p2p.send, p2p=True, first="in", nonblocking=True)
-RECV = Op("recv", p2p.recv, p2p=True, nonblocking=True)
+ALL_REDUCE = OpSpec("all_reduce", reduce.all_reduce, reducing=True, first="inout", nonblocking=True)
+ALL_REDUCE_SPARSE = OpSpec("all_reduce", reduce.all_reduce_sparse, reducing=True, first="inout")
+ALL_REDUCE_COALESCED = OpSpec("all_reduce_coalesced", reduce.all_reduce_coalesced, reducing=True, first="inout")
+REDUCE = OpSpec("reduce", reduce.reduce, reducing=True, first="inout")
+REDUCE_SCATTER = OpSpec("reduce_scatter", reduce.reduce_scatter, reducing=True)
+REDUCE_SCATTER_TENSOR = OpSpec("reduce_scatter_tensor", reduce.reduce_scatter_tensor, reducing=True, nonblocking=True)
+REDUCE_SCATTER_TENSOR_COALESCED = OpSpec("reduce_scatter_tensor_coalesced", reduce.reduce_scatter_tensor_coalesced,
+                                         reducing=True)
+BROADCAST = OpSpec("broadcast", scatter.broadcast, first="inout", nonblocking=True)
+SCATTER = OpSpec("scatter", scatter.scatter)
+ALL_GATHER = OpSpec("all_gather", gather.all_gather)
+ALL_GATHER_INTO_TENSOR = OpSpec("all_gather_into_tensor", gather.all_gather_into_tensor, nonblocking=True)
+ALL_GATHER_COALESCED = OpSpec("all_gather_coalesced", gather.all_gather_coalesced)
+ALL_GATHER_INTO_TENSOR_COALESCED = OpSpec("all_gather_into_tensor_coalesced", gather.all_gather_into_tensor_coalesced)
+GATHER = OpSpec("gather", gather.gather)
+GATHER_SINGLE = OpSpec("gather_single", gather.gather_single)
+ALL_TO_ALL_SINGLE = OpSpec("all_to_all_single", alltoall.all_to_all_single)
+ALL_TO_ALL = OpSpec("all_to_all", alltoall.alltoall)
+BARRIER = OpSpec("barrier", p2p.barrier)
+SEND = OpSpec("send", p2p.send, p2p=True, first="in", nonblocking=True)
+RECV = OpSpec("recv", p2p.recv, p2p=True, nonblocking=True)
 
 #: Every op, by name (ALL_REDUCE_SPARSE shares its name with ALL_REDUCE).
 OPS = {op.name: op for op in (ALL_REDUCE_SPARSE, ALL_REDUCE, ALL_REDUCE_COALESCED, REDUCE, REDUCE_SCATTER,
