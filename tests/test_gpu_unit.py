@@ -639,8 +639,8 @@ def test_staged_p2p_on_self(self_group):
     made = staged.Staged(CUDA0, "test", streams=rec, alloc=alloc, copy=rec.copy)
     src = fake_cuda(torch.arange(5.0))
     dst = fake_cuda(torch.zeros(5))
-    r = op_path.start(self_group, table.RECV, made.plan(table.RECV, self_group, ([dst], 0, 7)), ([dst], 0, 7))
-    s = op_path.start(self_group, table.SEND, made.plan(table.SEND, self_group, ([src], 0, 7)), ([src], 0, 7))
+    r = op_path.run(self_group, table.RECV, ([dst], 0, 7), None, made.plan(table.RECV, self_group, ([dst], 0, 7)))
+    s = op_path.run(self_group, table.SEND, ([src], 0, 7), None, made.plan(table.SEND, self_group, ([src], 0, 7)))
     assert s.wait() and r.wait()
     assert s._source_rank() == -1 and r._source_rank() == 0
     assert torch.equal(dst.as_subclass(torch.Tensor), torch.arange(5.0))
@@ -888,9 +888,9 @@ def test_future_devices():
     it, and then orders the waiter's stream after the completing thread's)."""
     assert dispatch.future_devices(CUDA0, FakeCudaModule(2)) == [CUDA0]
     assert dispatch.future_devices(CUDA0, FakeCudaModule(0)) is None
-    from hpccomm._core.work import Work
+    from hpccomm._core import work
 
-    w = Work.finished([torch.ones(1)], None)
+    w = work.finished([torch.ones(1)], None)
     assert w.get_future().done() and torch.equal(w.get_future().value()[0], torch.ones(1))
 
 
@@ -1103,8 +1103,8 @@ def test_staged_p2p_ring(world):
     src = fake_cuda(torch.full((4,), float(rank)))
     dst = fake_cuda(torch.zeros(4))
     recv_args, send_args = ([dst], (rank - 1) % n, 3), ([src], (rank + 1) % n, 3)
-    r = op_path.start(g, table.RECV, made.plan(table.RECV, g, recv_args), recv_args)
-    s = op_path.start(g, table.SEND, made.plan(table.SEND, g, send_args), send_args)
+    r = op_path.run(g, table.RECV, recv_args, None, made.plan(table.RECV, g, recv_args))
+    s = op_path.run(g, table.SEND, send_args, None, made.plan(table.SEND, g, send_args))
     s.wait(), r.wait()
     assert r._source_rank() == (rank - 1) % n
     assert torch.equal(_plain(dst), torch.full((4,), float((rank - 1) % n)))

@@ -679,7 +679,7 @@ def test_wait_returns_only_after_the_future_completed(monkeypatch):
 
     from hpccomm._core import record as core_record
     from hpccomm._core import state
-    from hpccomm._core.work import Work
+    from hpccomm._core import work as core_work
 
     class Group:  # what running a queued op reads of its group (no MPI: its plan calls no MPI)
         name, rank, size, seq, queued, instrumented = "test", 0, 1, 0, 0, False
@@ -693,7 +693,7 @@ def test_wait_returns_only_after_the_future_completed(monkeypatch):
     go, in_set_result, release = threading.Event(), threading.Event(), threading.Event()
     plan = (lambda: go.wait(10), (), None, out, out, None, None, 0)  # blocks the comm thread until go
     record = core_record.OpRecord(Group(), "all_reduce", plan)
-    work = Work.of(record, out)
+    work = core_work.pending(record, out)
     record.queue((), True)
 
     class HeldFuture:  # holds the completing thread just before it completes the future

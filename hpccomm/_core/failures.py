@@ -217,14 +217,12 @@ def rank_failure(exc: Optional[BaseException] = None) -> Optional[RankFailure]:
         return state.failures.first
 
 
-def from_pending(what: str, record, error):
+def from_pending(what: str, error):
     """For hpccomm._core.record: the error an op in flight completed with, as
-    :class:`RankFailure` when its MPI error says a process failed."""
+    :class:`RankFailure` when the MPI error behind it says a process failed."""
     if isinstance(error, RankFailure):
         return error
-    exc = getattr(record, "mpi_error", None)
-    if exc is None:
-        exc = getattr(error, "__cause__", None)
+    exc = getattr(error, "__cause__", None)
     found = failure(what, exc) if exc is not None else None
     return error if found is None else found
 

@@ -21,19 +21,34 @@ _ids = itertools.count()
 _made: dict = {}  # global ranks -> groups of exactly those ranks this process made
 
 
+class MPICalls:
+    """The MPI calls plans hand over, bound once per group: ``calls.Allreduce``
+    is ``comm.Allreduce`` (binding a method makes an object, on every op
+    otherwise); ``Isend`` and ``Irecv`` are the point-to-point communicator's."""
+
+    __slots__ = ("Allreduce", "Iallreduce", "Bcast", "Ibcast", "Allgather", "Iallgather", "Allgatherv",
+                 "Reduce_scatter_block", "Ireduce_scatter_block", "Barrier", "Isend", "Irecv")
+
+    def __init__(self, comm, p2p) -> None:
+        for name in self.__slots__[:-2]:
+            setattr(self, name, getattr(comm, name))
+        self.Isend, self.Irecv = p2p.Isend, p2p.Irecv
+
+
 class Group:
     """An MPI communicator owned by hpccomm, with what error messages need.
 
     ``global_ranks``: this group's members as ranks of the default (world)
     group, in group-rank order.  ``comm``: the communicator collectives run
     on; ``p2p``: a duplicate for user point-to-point traffic (never matches
-    hpccomm's own messages).
+    hpccomm's own messages); ``calls``: the calls plans make on them (:class:`MPICalls`).
     """
 
     def __init__(self, comm, global_ranks: Sequence[int], name: str = "", store=None,
                  timeout=None, owns_comm: bool = True, tag_ub: Optional[int] = None) -> None:
         self.comm = comm
         self.p2p = comm.Dup()  # collective over comm's members only
+        self.calls = MPICalls(comm, self.p2p)
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.global_ranks = list(global_ranks)
@@ -89,7 +104,7 @@ class Group:
 
         if self.comm is not None and flush:
             comm_thread.flush(self)
-        comm, p2p, self.comm, self.p2p = self.comm, self.p2p, None, None
+        comm, p2p, self.comm, self.p2p, self.calls = self.comm, self.p2p, None, None, None
         MPI = _mpi.mpi()
         if comm is None or MPI.Is_finalized():
             return

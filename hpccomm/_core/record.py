@@ -54,25 +54,41 @@ class OpRecord:
     (``peer``: its other rank, None for any source) or ``"batch"`` (torch's
     coalesced point-to-point ops: ``parts`` are their records); ``devices``:
     the CUDA devices its future names (torch orders the waiter's stream after
-    the completing thread's)."""
+    the completing thread's).  ``seq``, ``start``, ``deadline``, ``token``:
+    its number and watch, given by hpccomm._core.state when it is numbered."""
 
-    # Slots for what every record sets; what few set (an error, a future, a latch) is read from the
-    # class until then (an instance dict only when set).
     __slots__ = ("group", "name", "plan", "kind", "peer", "devices", "state", "lock", "by_comm_thread", "seq",
-                 "args", "asynchronous", "start", "deadline", "token", "req", "status", "__dict__")
-    error = None  # its error, once FAILED
-    source = -1  # a receive's source rank, once known
-    timed_out = False  # the watchdog's mark (TIMED_OUT)
-    parts = ()  # a batch's records
-    traced = 0  # the tracer's start time (ns), for a posted collective it draws
-    mpi_error = None  # the MPI error its request completed with
-    latch = None  # made by the first waiter of a queued op that has to sleep; opened once it completed
-    fut = raw = None  # its future (chained on the raw one that completion sets): made when asked for
+                 "start", "deadline", "token", "args", "asynchronous", "req", "status", "error", "source",
+                 "timed_out", "parts", "traced", "latch", "fut", "raw")
 
     def __init__(self, group, name: str, plan, kind: str = "collective", peer=None, devices=None) -> None:
-        self.group, self.name, self.plan, self.kind, self.peer, self.devices = group, name, plan, kind, peer, devices
+        self.group = group
+        self.name = name
+        self.plan = plan
+        self.kind = kind
+        self.peer = peer
+        self.devices = devices
         self.state = SUBMITTED
         self.lock = _allocate_lock()
+        self.by_comm_thread = self.timed_out = False
+        self.seq = self.start = self.deadline = self.token = self.req = self.status = self.error = None
+        self.source = -1
+        self.parts = ()
+        self.traced = 0
+        self.latch = self.fut = self.raw = None  # (a queued op's waiters' latch, its futures: made when needed)
+
+    @classmethod
+    def noted(cls, group, name: str, seq: int, start: float, seconds=None, kind: str = "collective",
+              peer=None) -> "OpRecord":
+        """A RUNNING record, for the watchdog, of what runs without one of its
+        own: a blocking collective's note (hpccomm._core.state), group
+        creation, a shrink; started at ``start`` (monotonic), ``seconds`` its
+        time limit (None: its group's)."""
+        record = cls(group, name, None, kind, peer)
+        seconds = getattr(group, "timeout_s", None) if seconds is None else seconds
+        record.seq, record.start, record.state = seq, start, RUNNING
+        record.deadline = start + seconds if seconds else None
+        return record
 
     # -- two ways to start it (the op path) ---------------------------------
     def queue(self, args, asynchronous: bool) -> None:
@@ -80,17 +96,16 @@ class OpRecord:
         form (hpccomm._core.execute) after the group's earlier queued ops;
         ``args``, ``asynchronous``: torch's arguments and ``async_op`` (debug
         mode compares them across ranks)."""
-        self.args, self.asynchronous, self.seq, self.req = args, asynchronous, None, None
-        self.by_comm_thread = True
+        self.args, self.asynchronous, self.by_comm_thread = args, asynchronous, True
         comm_thread.submit(self)
 
     def post(self) -> None:
         """Post it here: numbered and watched (this record is the watchdog's),
-        its plan's ``before`` step, then its nonblocking MPI call.  An MPI
-        error raises naming the op (nothing is left watched)."""
+        its plan's ``before`` step, then its nonblocking MPI call.  An error
+        raises (an MPI one naming the op), and nothing is left watched."""
         g, plan = self.group, self.plan
-        self.req, self.by_comm_thread = None, False
-        self.status = _mpi.status() if self.name == "recv" else None
+        if self.name == "recv":
+            self.status = _mpi.status()
         state.start(g, self.name, self)
         if g.instrumented and self.kind == "collective" and trace.active():
             self.traced = trace.now_ns()
@@ -106,26 +121,14 @@ class OpRecord:
             failure = failures.failure(self.describe(), exc) if state.failures.tolerant else None
             raise (failure or HpccommError(f"hpccomm {self.describe()}: MPI failed: {exc}")) from exc
         self.state = RUNNING
-        if self.kind == "p2p" and g.coalescing is not None:  # torch's coalescing window collects it
+        if g.coalescing is not None and self.kind == "p2p":  # torch's coalescing window collects it
             g.coalescing.append(self)
 
     @classmethod
     def batch(cls, group, parts, description: str) -> "OpRecord":
         """The record of a batch (torch's coalesced point-to-point ops): complete when every part is."""
         record = cls(group, description, None, "batch")
-        record.parts, record.req, record.by_comm_thread, record.state = list(parts), None, False, RUNNING
-        return record
-
-    @classmethod
-    def noted(cls, group, name: str, seq: int, start: float, seconds=None, kind: str = "collective",
-              peer=None) -> "OpRecord":
-        """The record of what runs without one of its own, for the watchdog: a
-        blocking collective's note (hpccomm._core.state), group creation, a
-        debug check; started at ``start`` (monotonic), ``seconds`` its time
-        limit (None: the group's)."""
-        record = cls(group, name, None, kind, peer)
-        seconds = group.timeout_s if seconds is None else seconds
-        record.seq, record.start, record.deadline, record.state = seq, start, start + seconds if seconds else None, RUNNING
+        record.parts, record.state = tuple(parts), RUNNING
         return record
 
     # -- what the comm thread calls (hpccomm._core.comm_thread) ---------------
@@ -138,14 +141,14 @@ class OpRecord:
         error = None
         try:
             if self.req is not None:
-                self._wait_request(None)
+                self.req.Wait(self.status)
             else:
                 execute(self.group, self.name, self.plan, self.args, self, self.asynchronous)
         except BaseException as exc:  # noqa: BLE001 - handed to its waiters
             error = exc
         with self.lock:
             if self.state < DONE:
-                self._complete(error, release=False)
+                self._complete(error, False)
 
     def running(self, seq: int) -> None:
         """(hpccomm._core.execute) A queued op was numbered ``seq`` and runs now."""
@@ -166,12 +169,10 @@ class OpRecord:
         try:
             if self.state < DONE:
                 try:
-                    finished = all(p.test() for p in self.parts) if self.parts else self._test_request()
-                except Exception as exc:  # noqa: BLE001 - the op failed; its waiter learns why
-                    self._complete(exc)
-                else:
-                    if finished:
+                    if all(p.test() for p in self.parts) if self.parts else self.req.Test(self.status):
                         self._complete()
+                except Exception as exc:  # noqa: BLE001 - it completed with an error
+                    self._complete(exc)
             return self.state >= DONE
         finally:
             self.lock.release()
@@ -202,8 +203,14 @@ class OpRecord:
                 with self.lock:
                     if self.state < DONE and not self.by_comm_thread:
                         try:
-                            finished = self._wait_parts(seconds) if self.parts else self._wait_request(seconds)
-                        except Exception as exc:  # noqa: BLE001 - the op failed
+                            if self.parts:
+                                finished = self._wait_parts(seconds)
+                            elif seconds is None:
+                                self.req.Wait(self.status)
+                                finished = True
+                            else:
+                                finished = self._poll(seconds)
+                        except Exception as exc:  # noqa: BLE001 - it completed with an error
                             self._complete(exc)
                         else:
                             if not finished:
@@ -238,7 +245,8 @@ class OpRecord:
             if self.kind == "collective" and comm_thread.usable():
                 with self.lock:  # not while a waiter or the comm thread is in the request
                     handed = self.state < DONE and not self.by_comm_thread
-                    self.by_comm_thread = self.by_comm_thread or handed
+                    if handed:
+                        self.by_comm_thread = True
                 if handed:
                     comm_thread.submit(self)
             elif comm_thread.on_it() or not comm_thread.usable():
@@ -271,22 +279,10 @@ class OpRecord:
                 raise TimeoutError(f"hpccomm {self.describe()}: not complete after {seconds:g} s")
             latch.release()  # open for any other waiter
 
-    def _test_request(self) -> bool:
-        try:
-            return self.req.Test(self.status)
-        except _mpi.mpi().Exception as exc:  # completed with an error: _finish() reports it
-            self.mpi_error = exc
-            return True
-
-    def _wait_request(self, seconds) -> bool:
-        if seconds is None:
-            try:
-                self.req.Wait(self.status)
-            except _mpi.mpi().Exception as exc:
-                self.mpi_error = exc
-            return True
+    def _poll(self, seconds) -> bool:
+        """Test its request until it completes (True) or ``seconds`` passed (False)."""
         deadline, idle = time.monotonic() + seconds, 1e-6
-        while not self._test_request():
+        while not self.req.Test(self.status):
             if time.monotonic() > deadline:
                 return False
             time.sleep(idle)
@@ -309,19 +305,20 @@ class OpRecord:
 
     def _complete(self, error=None, release: bool = True) -> None:
         """Complete it (lock held; its op completed, or failed with
-        ``error``): a posted op's last step, the error wrapped naming the op,
+        ``error``): a posted op's last step, the error named after the op,
         the future and its callbacks; ``release``: open a queued op's latch
         now (the comm thread opens it itself, a moment later)."""
-        if error is None:
-            try:
-                self._finish()
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-                error = exc
+        try:
+            self._finish(error)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+            error = exc
+        else:
+            error = None
         if error is None:  # the success path tests this one thing
             self.state = DONE
         else:
             if state.failures.tolerant:  # a rank died (fault-tolerance mode): hpccomm.RankFailure
-                error = failures.from_pending(self.describe(), self, error)
+                error = failures.from_pending(self.describe(), error)
             if isinstance(error, Exception) and not isinstance(error, HpccommError):
                 wrapped = HpccommError(f"hpccomm {self.describe()}: {type(error).__name__}: {error}")
                 wrapped.__cause__ = error
@@ -332,23 +329,25 @@ class OpRecord:
         if release and self.latch is not None:
             self.latch.release()  # after the callbacks: ops they issued come before the waiter's next op
 
-    def _finish(self) -> None:
-        """A posted op's last step, once its request completed: the watchdog
-        stops watching it; an MPI error raises naming the op; a receive's
-        source is noted and its count checked against its tensor; then the
-        plan's ``after`` step.  A batch raises its parts' first error."""
+    def _finish(self, error) -> None:
+        """Raise ``error`` (the op's, or None), made an MPI error's message;
+        for a posted op, first stop watching it (and draw it in the trace),
+        and once it succeeded: a receive's source noted and its count checked
+        against its tensor, then the plan's ``after`` step.  A batch raises
+        its parts' first error."""
         if self.req is None:
-            for p in self.parts:
-                if p.error is not None:
-                    raise p.error
+            if error is None:
+                error = next((p.error for p in self.parts if p.error is not None), None)
+            if error is not None:
+                raise error
             return
         state.end(self.token)
         if self.traced:  # posted here, completed here or on another thread: drawn from post to completion
             tracer = trace.active()
             if tracer:
                 tracer.record(self.name, self.group.name, self.seq, self.plan[NBYTES], self.traced, trace.now_ns())
-        if self.mpi_error is not None:
-            raise self._failure()
+        if error is not None:
+            raise self._failure(error) if isinstance(error, _mpi.mpi().Exception) else error
         if self.status is not None:
             self.source = self.peer if self.peer is not None else self.status.Get_source()
             message = self.plan[ARGS][0]
@@ -366,9 +365,8 @@ class OpRecord:
         if after is not None:
             after()
 
-    def _failure(self) -> HpccommError:
-        """The error of a request that completed with MPI error ``mpi_error``."""
-        exc = self.mpi_error
+    def _failure(self, exc) -> HpccommError:
+        """The error of a request that completed with MPI error ``exc``."""
         if state.failures.tolerant:
             failure = failures.failure(self.describe(), exc)
             if failure is not None:

@@ -1,8 +1,8 @@
 """The Work hpccomm hands to torch for every op.
 
-A Work is made here only: :meth:`Work.finished` for an op that completed
-inside its call (a blocking collective run in the calling thread), or
-:meth:`Work.of` for an op in flight, which waits on the op's record
+A Work is made here only: :func:`finished` for an op that completed inside
+its call (a blocking collective run in the calling thread), or
+:func:`pending` for an op in flight, which waits on the op's record
 (hpccomm._core.record) and asks it everything.  torch's C++ callers (DDP's
 reducer, functional collectives) wait on ``get_future()`` and never call
 ``wait()``, so every Work's future completes by itself; its value is the
@@ -26,22 +26,8 @@ class Work(WorkBase):
     ``_outputs`` the future's value (it keeps the tensors alive), ``_devices``
     the CUDA devices a future of them must name."""
 
-    # (torch's Work is constructed without arguments; the fields are set by the two makers below)
+    # (torch's Work is constructed without arguments: the fields are set by this module's two makers)
     __slots__ = ("_op", "_outputs", "_devices", "_future")
-
-    @classmethod
-    def finished(cls, outputs, devices=None) -> "Work":
-        """The Work of an op that already completed: no lock, no future until asked for."""
-        work = cls()
-        work._op, work._outputs, work._devices, work._future = None, outputs, devices, None
-        return work
-
-    @classmethod
-    def of(cls, record, outputs=None) -> "Work":
-        """The Work of the op in flight ``record``; ``outputs`` its future's value."""
-        work = cls()
-        work._op, work._outputs = record, outputs
-        return work
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         op = self._op
@@ -77,6 +63,24 @@ class Work(WorkBase):
 
     def _source_rank(self) -> int:
         return self.source_rank()
+
+
+def finished(outputs, devices=None) -> Work:
+    """The Work of an op that already completed: no lock, no future until asked for."""
+    work = Work()
+    work._op = None
+    work._outputs = outputs
+    work._devices = devices
+    work._future = None
+    return work
+
+
+def pending(record, outputs=None) -> Work:
+    """The Work of the op in flight ``record``; ``outputs`` its future's value."""
+    work = Work()
+    work._op = record
+    work._outputs = outputs
+    return work
 
 
 # What torch's C++ layer calls on a Work: kept out of torch.compile.

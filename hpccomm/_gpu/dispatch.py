@@ -18,7 +18,7 @@ import weakref
 import torch
 
 from .. import config
-from .._core.work import Work
+from .._core import work
 from .. import _compat as compat
 from ..errors import OpTypeError, OpValueError
 from . import probe, select
@@ -210,7 +210,7 @@ def delegated(made, group, op: str, args, opts):
     if isinstance(out, compat.WorkBase):
         return out
     # enqueued on the caller's stream: done from the host's view, as NCCL's own
-    return Work.finished(out, future_devices(made.device))
+    return work.finished(out, future_devices(made.device))
 
 
 def _close(group, made) -> None:

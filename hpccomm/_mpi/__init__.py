@@ -343,10 +343,10 @@ def buffer(t: torch.Tensor, offset: int = 0, count: int | None = None):
     kind = _kinds.get(t.dtype)
     if kind is None:
         kind = _kinds[t.dtype] = (getattr(mpi(), DTYPES[t.dtype].move), t.element_size())
-    size = kind[1]
     if count is None:
         count = t.numel() - offset
-    return [_MPI.buffer.fromaddress(t.data_ptr() + offset * size, count * size), count, kind[0]]
+    address = t.data_ptr() + offset * kind[1] if offset else t.data_ptr()
+    return [fromaddress(address, count * kind[1]), count, kind[0]]
 
 
 #: torch dtype -> (MPI datatype, bytes per element), filled as :func:`buffer` meets each dtype.

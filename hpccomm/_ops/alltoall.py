@@ -1,6 +1,6 @@
 """All-to-all: all_to_all_single (even and uneven splits) and all_to_all (lists).
 
-Each function here is one op's plan function (see :mod:`hpccomm._ops.plan`).
+Each function here is one op's plan function (see :mod:`hpccomm._core.plan`).
 """
 from __future__ import annotations
 
@@ -104,8 +104,14 @@ def all_to_all_single(group, output, input, output_splits, input_splits, op: str
     rcounts = _splits(group, op, output, output_splits, "output")
     _check_counts(group, op, scounts, rcounts)
 
-    out, after = staging.staged_output(output)
-    send, before = staging.apart(input, out)
+    if output.is_contiguous():
+        out, after = output, None
+    else:
+        out, after = staging.copy_out(output)
+    if input.is_contiguous() and not staging.overlaps(input, out):
+        send, before = input, None
+    else:  # strided, or aliased with the output: MPI forbids aliased buffers
+        send, before = staging.copy_in(input)
 
     def run():
         _alltoallv(group, send, scounts, out, rcounts)

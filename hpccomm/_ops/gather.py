@@ -1,7 +1,7 @@
 """Gathers: all_gather (lists, equal or different sizes), all_gather_into_tensor,
 gather, gather_single, and the coalesced forms.
 
-Each function here is one op's plan function (see :mod:`hpccomm._ops.plan`).
+Each function here is one op's plan function (see :mod:`hpccomm._core.plan`).
 """
 from __future__ import annotations
 
@@ -10,84 +10,91 @@ import itertools
 import torch
 
 from .. import _mpi
-from . import checks, staging
 from .._core.plan import sequence, steps
+from . import checks, staging
 
 
 def _displs(counts):
     return [0, *itertools.accumulate(counts)][:-1]
 
 
-def own_part(input: torch.Tensor, recv: torch.Tensor, offset: int):
-    """``(send, before)``: where MPI reads this rank's part of an all_gather
-    into contiguous ``recv``, whose slot for this rank starts ``offset``
-    bytes in.  ``send`` None: ``input`` is that slot (MPI_IN_PLACE: FSDP's
-    layout); else ``input`` itself when contiguous and apart from ``recv``,
-    or a copy that ``before`` makes (strided, or aliased elsewhere in
-    ``recv``: MPI forbids aliased buffers)."""
-    if input.is_contiguous() and input.nbytes and input.data_ptr() == recv.data_ptr() + offset:
-        return None, None
-    return staging.apart(input, recv)
+def allgather(group, input: torch.Tensor, out: torch.Tensor, recv, offset: int, counts, outputs, after):
+    """The plan of the Allgather(v) of this rank's ``input`` into contiguous
+    ``out`` (``recv``: its MPI buffer), where this rank's slot starts
+    ``offset`` bytes in; ``counts``: every rank's part (elements, laid end to
+    end), None for equal parts; ``outputs``, ``after``: the plan's.
+
+    This rank's part is read where it is: MPI_IN_PLACE when ``input`` is its
+    slot of ``out`` (FSDP's layout), ``input`` itself when contiguous and
+    apart from ``out``, else a copy made by the plan's ``before`` step
+    (strided, or aliased elsewhere in ``out``: MPI forbids aliased buffers).
+    The nonblocking form is there for equal parts only.  Past the count
+    limit every rank broadcasts its part, chunked (no nonblocking form)."""
+    mem = recv[0]
+    sendbuf = send = before = None
+    if input.is_contiguous():
+        part = _mpi.buffer(input)
+        here = part[0].address
+        if part[1] and here == mem.address + offset:
+            sendbuf = _mpi.IN_PLACE
+        elif not staging.overlap(here, part[0].nbytes, mem.address, mem.nbytes):
+            sendbuf, send = part, input
+    if sendbuf is None:
+        send, before = staging.copy_in(input)
+        part = sendbuf = _mpi.buffer(send)
+    keep, nbytes, total, size = (input, out, send), part[0].nbytes, recv[1], group.size
+    if total > group.max_count:
+        run = _bcasts(group, send, out, counts or [total // size] * size)
+        return (run, (), None, outputs, keep, before, after, nbytes)
+    calls = group.calls
+    if counts is None or counts.count(counts[0]) == size:
+        recv[1] = total // size  # mpi4py counts the receive side per rank
+        return (calls.Allgather, (sendbuf, recv), calls.Iallgather, outputs, keep, before, after, nbytes)
+    recv[1] = (counts, _displs(counts))
+    return (calls.Allgatherv, (sendbuf, recv), None, outputs, keep, before, after, nbytes)
 
 
-def allgatherv(group, send, recv: torch.Tensor, counts):
-    """``(call, args, icall)`` of the Allgather(v) of ``send`` (a contiguous
-    tensor apart from ``recv``, or None: this rank's part is already in its
-    slot) into contiguous ``recv`` (any shape) laid out by ``counts``;
-    ``icall`` its nonblocking form (equal counts only, else None).  Past the
-    count limit ``call`` is a function in which every rank broadcasts its
-    part, chunked (``args`` empty, no nonblocking form)."""
-    comm = group.comm
-    if sum(counts) > group.max_count:
-        displs = _displs(counts)
-        flat = recv.view(-1)
+def _bcasts(group, send, out: torch.Tensor, counts):
+    """The blocking form of an all_gather past the count limit: this rank's
+    part into its slot (unless ``send`` is None: it is there), then every
+    rank broadcasts its part, chunked."""
+    comm, displs, flat = group.comm, _displs(counts), out.view(-1)
 
-        def run():
-            if send is not None:
-                flat[displs[group.rank]:displs[group.rank] + counts[group.rank]].copy_(send.view(-1))
-            for r in range(group.size):
-                for off, n in staging.chunks(counts[r], group.max_count):
-                    comm.Bcast(_mpi.buffer(flat, displs[r] + off, n), root=r)
+    def run():
+        if send is not None:
+            flat[displs[group.rank]:displs[group.rank] + counts[group.rank]].copy_(send.view(-1))
+        for r in range(group.size):
+            for off, n in staging.chunks(counts[r], group.max_count):
+                comm.Bcast(_mpi.buffer(flat, displs[r] + off, n), root=r)
 
-        return run, (), None
-    sendbuf = _mpi.IN_PLACE if send is None else _mpi.buffer(send)
-    recvbuf = _mpi.buffer(recv)
-    if len(set(counts)) <= 1:
-        recvbuf[1] = counts[0] if counts else 0  # mpi4py counts the receive side per rank
-        return comm.Allgather, (sendbuf, recvbuf), comm.Iallgather
-    recvbuf[1] = (counts, _displs(counts))
-    return comm.Allgatherv, (sendbuf, recvbuf), None
+    return run
 
 
 def all_gather_into_tensor(group, output, input, op: str = "all_gather_into_tensor"):
-    """all_gather_into_tensor's plan: MPI writes the output in place; the
-    input is read in place too when it is this rank's slot of the output
-    (MPI_IN_PLACE: FSDP's layout) or apart from it, and through a copy when it
-    overlaps the output elsewhere (MPI forbids aliased buffers) or is strided."""
+    """all_gather_into_tensor's plan: MPI writes the output in place, and
+    reads the input where it is when it can (:func:`allgather`)."""
     checks.check_pair(group, op, output, input, "output")
-    n = input.numel()
-    out, after = staging.staged_output(output)
-    send, before = own_part(input, out, group.rank * input.nbytes)
-    call, args, icall = allgatherv(group, send, out, [n] * group.size)
-    return (call, args, icall, [output], (input, output, send, out), before, after,
-            n * input.element_size())
+    if output.is_contiguous():
+        out, after = output, None
+    else:
+        out, after = staging.copy_out(output)
+    recv = _mpi.buffer(out)
+    return allgather(group, input, out, recv, group.rank * (recv[0].nbytes // group.size), None, [output], after)
 
 
 def all_gather(group, output_lists, inputs, op: str = "all_gather"):
     """all_gather's plan (a list of outputs, one per rank, sizes may differ):
     received in place when the outputs are laid end to end in one storage,
-    else into one buffer then copied out."""
+    else into one buffer then copied out; no nonblocking form (hpccomm._ops.table)."""
     input = checks.single(group, op, inputs, "input_tensors", "input")
     outputs = checks.per_rank(group, op, output_lists, "output_tensor_lists", "tensor_list", input)
     if outputs[group.rank].numel() != input.numel():
         raise checks.OpValueError(op, group.where(), f"tensor_list[{group.rank}] (this rank's slot) has "
-                             f"{outputs[group.rank].numel()} elements but the input has {input.numel()}")
+                                  f"{outputs[group.rank].numel()} elements but the input has {input.numel()}")
     counts = [t.numel() for t in outputs]
     recv, after = staging.split(outputs, counts, input)
-    send, before = own_part(input, recv, sum(counts[:group.rank]) * input.element_size())
-    call, args, _ = allgatherv(group, send, recv, counts)  # (all_gather has no nonblocking form: hpccomm._ops.table)
-    return (call, args, None, output_lists, (input, outputs, send, recv), before, after,
-            input.numel() * input.element_size())
+    offset = sum(counts[:group.rank]) * input.element_size()
+    return allgather(group, input, recv, _mpi.buffer(recv), offset, counts, output_lists, after)
 
 
 def all_gather_coalesced(group, output_lists, inputs, op: str = "all_gather_coalesced"):
@@ -128,7 +135,10 @@ def gather_single(group, output, input, root: int, op: str = "gather_single"):
     if group.rank != root:
         return _gather_send(group, input, root, [output])
     checks.check_pair(group, op, output, input, "output")
-    out, write_back = staging.staged_output(output)
+    if output.is_contiguous():
+        out, write_back = output, None
+    else:
+        out, write_back = staging.copy_out(output)
     flat, n = out.view(-1), input.numel()
     parts = [flat[r * n:(r + 1) * n] for r in range(group.size)]  # views laid end to end: received in place
     return _gather_recv(group, input, root, parts, [output], write_back)
@@ -137,7 +147,10 @@ def gather_single(group, output, input, root: int, op: str = "gather_single"):
 def _gather_send(group, input, root, outputs):
     """A non-root's part of gather: its input to ``root``."""
     comm, limit = group.comm, group.max_count
-    send, before = staging.staged_input(input)
+    if input.is_contiguous():
+        send, before = input, None
+    else:
+        send, before = staging.copy_in(input)
     n = input.numel()
 
     def run():
@@ -153,7 +166,10 @@ def _gather_send(group, input, root, outputs):
 def _gather_recv(group, input, root, outputs, result, write_back=None):
     """The root's part of gather: every rank's input into ``outputs`` (then ``write_back``)."""
     comm, limit = group.comm, group.max_count
-    send, before = staging.staged_input(input)
+    if input.is_contiguous():
+        send, before = input, None
+    else:
+        send, before = staging.copy_in(input)
     counts = [t.numel() for t in outputs]
     recv, copy_out = staging.split(outputs, counts, input, send)
     displs = _displs(counts)

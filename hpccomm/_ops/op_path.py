@@ -21,7 +21,7 @@ from .._core import comm_thread, debug_mode, state
 from .._core.execute import execute
 from .._core.plan import ARGS, ICALL, NBYTES, OUTPUTS
 from .._core.record import OpRecord
-from .._core.work import Work
+from .._core import work
 from .._gpu import dispatch
 from ..errors import HpccommError, OpError
 from .checks import NotOnCPU, check_root
@@ -41,26 +41,45 @@ HERE, POSTED, QUEUED = "here", "posted", "queued"
 _BLOCKING_HERE, _POSTED = (HERE, False), (POSTED, True)
 
 
-def run(g, op, args, opts=None):
+def run(g, op, args, opts=None, plan=None, devices=None):
     """Check and run ``op`` (an entry of hpccomm._ops.table) of group ``g``,
     called with ``args`` (torch's arguments after the group) and torch's
-    options ``opts``; returns its Work (see the module docstring)."""
-    if g.comm is None:
-        raise HpccommError(f"hpccomm {op.name} (group '{g.name}'): the process group was destroyed")
-    try:
-        plan = op.plan(g, *args)  # raises OpError before any communication
-    except NotOnCPU as exc:  # a device tensor (the CPU path pays only for this except clause)
-        return _on_device(g, op, args, opts, exc)
-    except OpError as exc:
-        refused(g, op, args, exc)  # the other ranks must not wait for this op
-        raise
-    return start(g, op, plan, args, opts is not None and getattr(opts, "asyncOp", False))
+    options ``opts``; returns its Work (see the module docstring).
+    ``plan``: the plan a GPU transport made of the call (checked), with
+    ``devices`` the CUDA devices its Work's future names; else the op's plan
+    function makes it here."""
+    if plan is None:
+        if g.comm is None:
+            raise HpccommError(f"hpccomm {op.name} (group '{g.name}'): the process group was destroyed")
+        try:
+            plan = op.plan(g, *args)  # raises OpError before any communication
+        except NotOnCPU as exc:  # a device tensor (the CPU path pays only for this except clause)
+            return _on_device(g, op, args, opts, exc)
+        except OpError as exc:
+            refused(g, op, args, exc)  # the other ranks must not wait for this op
+            raise
+    asynchronous = opts is not None and getattr(opts, "asyncOp", False)
+    where, nonblocking = form(g, op, plan, asynchronous)
+    if where is POSTED:
+        record = OpRecord(g, op.name, plan, "p2p" if op.p2p else "collective", args[1] if op.p2p else None, devices)
+        record.post()
+        return work.pending(record, plan[OUTPUTS])
+    if nonblocking:
+        plan = _waited(plan)
+    if where is HERE:  # the latency-bound case: blocking, here
+        return work.finished(execute(g, op.name, plan, args, None, asynchronous), devices)
+    record = OpRecord(g, op.name, plan, "collective", None, devices)
+    record.queue(args, asynchronous)
+    queued = work.pending(record, plan[OUTPUTS])
+    if not asynchronous:  # queued only to keep this group's issue order
+        queued.wait()
+    return queued
 
 
 def _on_device(g, op, args, opts, exc: NotOnCPU):
     """:func:`run` for a call with CUDA tensors: its group's GPU transport for
     that device (chosen once, hpccomm._gpu.dispatch) takes the whole op
-    (NCCL), or wraps its plan (CUDA-aware MPI, staged)."""
+    (NCCL), or wraps its plan (CUDA-aware MPI, staged), which runs as any."""
     try:
         device = dispatch.cuda_device(g, op.name, args)  # OpValueError when the call mixes devices
         if device is None:
@@ -73,8 +92,7 @@ def _on_device(g, op, args, opts, exc: NotOnCPU):
     except OpError as refusal:
         refused(g, op, args, refusal)
         raise
-    return start(g, op, plan, args, opts is not None and getattr(opts, "asyncOp", False),
-                 dispatch.future_devices(device))
+    return run(g, op, args, opts, plan, dispatch.future_devices(device))
 
 
 def form(g, op, plan, asynchronous: bool):
@@ -106,27 +124,6 @@ def form(g, op, plan, asynchronous: bool):
     if nonblocking and not g.queued:
         return _POSTED
     return QUEUED, nonblocking
-
-
-def start(g, op, plan, args, asynchronous: bool = False, devices=None):
-    """Run ``plan`` (op ``op`` of group ``g``, checked) in its :func:`form`;
-    its Work.  ``devices``: the CUDA devices of its tensors (the Work's
-    future names them)."""
-    where, nonblocking = form(g, op, plan, asynchronous)
-    if where is POSTED:
-        record = OpRecord(g, op.name, plan, "p2p" if op.p2p else "collective", args[1] if op.p2p else None, devices)
-        record.post()
-        return Work.of(record, plan[OUTPUTS])
-    if nonblocking:
-        plan = _waited(plan)
-    if where is HERE:  # the latency-bound case: blocking, here
-        return Work.finished(execute(g, op.name, plan, args, None, asynchronous), devices)
-    record = OpRecord(g, op.name, plan, "collective", None, devices)
-    record.queue(args, asynchronous)
-    work = Work.of(record, plan[OUTPUTS])
-    if not asynchronous:  # queued only to keep this group's issue order
-        work.wait()
-    return work
 
 
 def _waited(plan):
@@ -185,4 +182,4 @@ def start_coalescing(g) -> None:
 def end_coalescing(g):
     """The Work completing when every op posted since :func:`start_coalescing` has."""
     records, g.coalescing = g.coalescing or [], None
-    return Work.of(OpRecord.batch(g, records, f"batch of {len(records)} point-to-point op(s) ({g.where_p2p()})"))
+    return work.pending(OpRecord.batch(g, records, f"batch of {len(records)} point-to-point op(s) ({g.where_p2p()})"))

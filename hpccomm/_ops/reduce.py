@@ -1,26 +1,27 @@
 """Reductions: all_reduce, reduce, reduce_scatter and their coalesced forms.
 
-Each function here is one op's plan function (see :mod:`hpccomm._ops.plan`):
-it checks every argument and returns the op's plan; hpccomm._core.op_path runs it.
+Each function here is one op's plan function (see :mod:`hpccomm._core.plan`):
+it checks every argument and returns the op's plan; hpccomm._ops.op_path runs it.
 
-AVG and PREMUL_SUM reduce with SUM plus a local step (divide after, multiply
-before), as NCCL does; float16/bfloat16 reduce through a user-defined MPI op
-that computes in that dtype (see ``_mpi.DTYPES``), which has no nonblocking
-form.
+AVG and PREMUL_SUM reduce with SUM plus a local step (divide after,
+:func:`hpccomm._ops.staging.averaged`; multiply before,
+:func:`hpccomm._ops.staging.scaled`), as NCCL does; float16/bfloat16 reduce
+through a user-defined MPI op that computes in that dtype (see
+``_mpi.DTYPES``), which has no nonblocking form.
 """
 from __future__ import annotations
 
 import math
-from functools import partial
 
 import torch
 
 from .. import _mpi
 from .._compat import RedOpType, reduce_op_type
+from .._core.plan import NBYTES, blocking, sequence
+from .._core.plan import run as run_plan
 from ..errors import HpccommError
 from . import checks, staging
-from .gather import allgatherv
-from .._core.plan import NBYTES, blocking, sequence, steps
+from .gather import allgather
 
 _R = RedOpType
 _FLATTEN_BYTES = 1 << 18  # coalesced ops below this total go as one message
@@ -60,28 +61,24 @@ def all_reduce(group, tensors, redop, op: str = "all_reduce"):
             return all_reduce_sparse(group, tensors, redop, op)
         raise
     r = checks.reduction(group, op, t.dtype, redop)
-    work, before, write_back = staging.staged(t)  # t itself when contiguous: MPI reduces in place on its memory
+    # in place on the tensor's memory when it is contiguous, else on a contiguous copy
+    if t.is_contiguous():
+        work, before, after = t, None, None
+    else:
+        work, before, after = staging.copy_inout(t)
     send = None
     if r.factor is not None:  # PREMUL_SUM reduces a scaled copy: should MPI fail, the tensor is as it was
         send, before = staging.scaled(t, r.factor)
-    after = _after(r, work, group, write_back)
+    if r.average:
+        after = staging.averaged(work, group.size, after)
     recv = _mpi.buffer(work)
     nbytes = recv[0].nbytes
-    keep = (t, work, send)
+    keep = t if work is t and send is None else (t, work, send)
     if recv[1] > group.max_count or nbytes > _ALLREDUCE_PIECE_BYTES:
         return (_pieces(group, work, r, send), (), None, tensors, keep, before, after, nbytes)
-    comm = group.comm
-    return (comm.Allreduce, (_mpi.IN_PLACE if send is None else _mpi.buffer(send), recv, r.mop),
-            comm.Iallreduce if r.nonblocking else None, tensors, keep, before, after, nbytes)
-
-
-def _after(r, out: torch.Tensor, group, then):
-    """The step after reduction ``r`` into ``out``: AVG's division by the
-    group size (for AVG), then ``then`` (a staged output's copy back, or
-    None)."""
-    if not r.average:
-        return then
-    return steps(partial(staging.finish_average, out, group.size), then)
+    calls = group.calls
+    return (calls.Allreduce, (_mpi.IN_PLACE if send is None else _mpi.buffer(send), recv, r.mop),
+            calls.Iallreduce if r.nonblocking else None, tensors, keep, before, after, nbytes)
 
 
 def all_reduce_coalesced(group, tensors, redop, op: str = "all_reduce_coalesced"):
@@ -123,12 +120,16 @@ def reduce(group, tensors, root: int, redop, op: str = "reduce"):
     checks.check_root(group, op, root, "dst")
     r = checks.reduction(group, op, t.dtype, redop)
     comm, limit = group.comm, group.max_count
-    if group.rank == root:
-        work, before, write_back = staging.staged(t)
+    if group.rank == root:  # (in place as all_reduce)
+        if t.is_contiguous():
+            work, before, after = t, None, None
+        else:
+            work, before, after = staging.copy_inout(t)
         send = None
         if r.factor is not None:
             send, before = staging.scaled(t, r.factor)
-        after = _after(r, work, group, write_back)
+        if r.average:
+            after = staging.averaged(work, group.size, after)
 
         def run():
             for off, n in staging.chunks(work.numel(), limit):
@@ -139,7 +140,10 @@ def reduce(group, tensors, root: int, redop, op: str = "reduce"):
     if r.factor is not None:
         send, before = staging.scaled(t, r.factor)
     else:
-        send, before = staging.staged_input(t)
+        if t.is_contiguous():
+            send, before = t, None
+        else:
+            send, before = staging.copy_in(t)
 
     def run():
         for off, n in staging.chunks(send.numel(), limit):
@@ -162,19 +166,19 @@ def _reduce_scatter_blocks(group, send: torch.Tensor, out: torch.Tensor, r):
     return run
 
 
-def _reduce_scatter_plan(group, send, out, r, before, after, outputs, keep):
-    """The plan of MPI_Reduce_scatter_block of contiguous ``send`` (size × n)
-    into contiguous ``out`` (n)."""
-    n = out.numel()
-    nbytes = send.numel() * send.element_size()
+def _reduce_scatter_plan(group, send, spec, out, recv, r, before, after, outputs, keep):
+    """The plan of MPI_Reduce_scatter_block of contiguous ``send`` (``spec``:
+    its MPI buffer; size × n elements) into contiguous ``out`` (``recv``: its
+    MPI buffer; n elements), with AVG's step after it."""
+    n = recv[1]
+    if r.average:
+        after = staging.averaged(out, group.size, after)
     if n > group.max_count:
-        return (_reduce_scatter_blocks(group, send, out, r), (), None, outputs, keep, before, after,
-                nbytes)
-    sendspec = _mpi.buffer(send)
-    sendspec[1] = n  # mpi4py counts the send side per block
-    comm = group.comm
-    return (comm.Reduce_scatter_block, (sendspec, _mpi.buffer(out), r.mop),
-            comm.Ireduce_scatter_block if r.nonblocking else None, outputs, keep, before, after, nbytes)
+        return (_reduce_scatter_blocks(group, send, out, r), (), None, outputs, keep, before, after, spec[0].nbytes)
+    spec[1] = n  # mpi4py counts the send side per block
+    calls = group.calls
+    return (calls.Reduce_scatter_block, (spec, recv, r.mop), calls.Ireduce_scatter_block if r.nonblocking else None,
+            outputs, keep, before, after, spec[0].nbytes)
 
 
 def reduce_scatter_tensor(group, output, input, redop, op: str = "reduce_scatter_tensor"):
@@ -182,13 +186,23 @@ def reduce_scatter_tensor(group, output, input, redop, op: str = "reduce_scatter
     in place when both are contiguous and apart; else through copies."""
     checks.check_pair(group, op, output, input, "input")
     r = checks.reduction(group, op, input.dtype, redop)
-    out, write_back = staging.staged_output(output)
-    if r.factor is not None:
-        send, before = staging.scaled(input, r.factor)
+    if output.is_contiguous():
+        out, after = output, None
     else:
-        send, before = staging.apart(input, out)
-    return _reduce_scatter_plan(group, send, out, r, before, _after(r, out, group, write_back), [output],
-                                (input, output, send, out))
+        out, after = staging.copy_out(output)
+    recv = _mpi.buffer(out)
+    send, before, spec = input, None, None
+    if r.factor is not None:  # PREMUL_SUM reduces a scaled copy
+        send, before = staging.scaled(input, r.factor)
+    elif input.is_contiguous():
+        spec = _mpi.buffer(input)
+        if staging.overlap(spec[0].address, spec[0].nbytes, recv[0].address, recv[0].nbytes):
+            spec = None  # aliased with the output: MPI forbids aliased buffers
+    if spec is None:
+        if before is None:  # (strided, or aliased)
+            send, before = staging.copy_in(input)
+        spec = _mpi.buffer(send)
+    return _reduce_scatter_plan(group, send, spec, out, recv, r, before, after, [output], (input, output, send, out))
 
 
 def reduce_scatter(group, outputs, input_lists, redop, op: str = "reduce_scatter"):
@@ -198,9 +212,12 @@ def reduce_scatter(group, outputs, input_lists, redop, op: str = "reduce_scatter
     inputs = checks.per_rank(group, op, input_lists, "input_tensor_lists", "input_list", output, "output",
                              "Every input must have the output's size")
     r = checks.reduction(group, op, output.dtype, redop)
-    out, write_back = staging.staged_output(output)
+    if output.is_contiguous():
+        out, after = output, None
+    else:
+        out, after = staging.copy_out(output)
     send, before = staging.joined(inputs, output.numel() * group.size, output, out, r.factor)
-    return _reduce_scatter_plan(group, send, out, r, before, _after(r, out, group, write_back), outputs,
+    return _reduce_scatter_plan(group, send, _mpi.buffer(send), out, _mpi.buffer(out), r, before, after, outputs,
                                 (inputs, output, send, out))
 
 
@@ -249,8 +266,8 @@ def all_reduce_sparse(group, tensors, redop, op: str = "all_reduce"):
         gathered_idx = torch.empty(sum(nnzs), indices.shape[0], dtype=torch.int64)
         for send, recv, counts in ((indices.t().contiguous(), gathered_idx, [n * indices.shape[0] for n in nnzs]),
                                    (values, all_values, [n * row for n in nnzs])):
-            call, args, _ = allgatherv(group, send, recv, counts)
-            call(*args)
+            offset = sum(counts[:group.rank]) * send.element_size()
+            run_plan(allgather(group, send, recv, _mpi.buffer(recv), offset, counts, None, None))
         all_indices.copy_(gathered_idx.t())
         total = torch.sparse_coo_tensor(all_indices, all_values, t.shape, dtype=t.dtype).coalesce()
         t.copy_(total)

@@ -1,9 +1,11 @@
 """Staging: where MPI reads and writes when it cannot use a tensor's own memory.
 
-A contiguous CPU tensor goes to MPI zero-copy; these helpers make the copies
-the torch API's shape forces (a strided tensor, an aliased input, a list laid
+A contiguous CPU tensor goes to MPI zero-copy: each plan function takes the
+tensor itself when it is contiguous (and apart from what the same call
+writes), the one place it decides so.  These helpers make the copies the torch
+API's shape forces otherwise (a strided tensor, an aliased input, a list laid
 out apart, PREMUL_SUM's scaled input) and the plan steps that fill them when
-the op runs and copy results back (hpccomm._ops.plan).
+the op runs and copy results back (hpccomm._core.plan).
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from functools import partial
 from typing import Sequence
 
 import torch
+
+from .._core.plan import steps
 
 
 _UNSIGNED_WIDE = (torch.uint16, torch.uint32, torch.uint64)
@@ -38,52 +42,35 @@ def finish_average(t: torch.Tensor, n: int) -> None:
         t.copy_(torch.div(t, n, rounding_mode="trunc"))
 
 
-def contiguous(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when MPI can use its memory, else a contiguous copy (made now)."""
-    return t if t.is_contiguous() else t.contiguous()
-
-
-def staged_input(t: torch.Tensor):
-    """``(buffer, before)``: where MPI reads ``t`` from, and the plan step
-    that fills it when the op runs (None: ``t`` itself, contiguous)."""
-    if t.is_contiguous():
-        return t, None
-    return copy_apart(t)
-
-
-def staged_output(t: torch.Tensor):
-    """``(buffer, after)``: where MPI writes ``t``'s result, and the plan step
-    that copies it into ``t`` once it is there (None: ``t`` itself)."""
-    if t.is_contiguous():
-        return t, None
-    buf = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-    return buf, partial(t.copy_, buf)
-
-
-def staged(t: torch.Tensor):
-    """``(buffer, before, after)`` for a tensor MPI reads and writes in place:
-    ``t`` itself when contiguous (no steps), else a contiguous copy that
-    ``before`` fills and ``after`` copies back."""
-    if t.is_contiguous():
-        return t, None, None
-    buf = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-    return buf, partial(buf.copy_, t), partial(t.copy_, buf)
-
-
-def copy_apart(t: torch.Tensor):
-    """``(buffer, before)``: a contiguous buffer of ``t``'s size and the plan
-    step copying ``t`` into it when the op runs (MPI forbids aliased buffers)."""
+def copy_in(t: torch.Tensor):
+    """``(buffer, before)``: a contiguous buffer of ``t``'s size that MPI reads,
+    and the plan step filling it from ``t`` when the op runs: for a strided
+    ``t``, or one aliased with what the same call writes (MPI forbids
+    aliased buffers).  A plan function takes ``t`` itself when it is
+    contiguous (and apart): zero copy."""
     buf = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     return buf, partial(buf.copy_, t)
 
 
-def apart(t: torch.Tensor, other: torch.Tensor):
-    """``(buffer, before)``: where MPI reads ``t`` from when it writes
-    ``other`` in the same call: ``t`` itself when contiguous and apart from
-    ``other``, else a copy (MPI forbids aliased send and receive buffers)."""
-    if t.is_contiguous() and not overlaps(t, other):
-        return t, None
-    return copy_apart(t)
+def copy_out(t: torch.Tensor):
+    """``(buffer, after)``: a contiguous buffer that MPI writes ``t``'s result
+    into, and the plan step copying it into strided ``t`` once it is there."""
+    buf = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    return buf, partial(t.copy_, buf)
+
+
+def copy_inout(t: torch.Tensor):
+    """``(buffer, before, after)``: a contiguous copy of strided ``t`` that MPI
+    reads and writes in place, the step filling it and the step copying it back."""
+    buf = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    return buf, partial(buf.copy_, t), partial(t.copy_, buf)
+
+
+def averaged(out: torch.Tensor, n: int, then=None):
+    """The step after an AVG reduction into ``out``: the SUM divided by the
+    group size ``n`` (:func:`finish_average`), then ``then`` (a staged
+    output's copy back, or None)."""
+    return steps(partial(finish_average, out, n), then)
 
 
 def joined(ts: Sequence[torch.Tensor], total: int, like: torch.Tensor, avoid=None, factor=None):
@@ -153,11 +140,15 @@ def flat_view(ts: Sequence[torch.Tensor]):
     return base
 
 
+def overlap(a: int, a_bytes: int, b: int, b_bytes: int) -> bool:
+    """Whether ``a_bytes`` bytes from address ``a`` and ``b_bytes`` from ``b`` intersect
+    (the addresses of MPI buffers, ``buf.address``, or tensors, ``t.data_ptr()``)."""
+    return a < b + b_bytes and b < a + a_bytes and a_bytes > 0 and b_bytes > 0  # (empty memory overlaps nothing)
+
+
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the memory of contiguous ``a`` and ``b`` intersects."""
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    a1, b1 = a0 + a.nbytes, b0 + b.nbytes
-    return a0 < b1 and b0 < a1 and a0 < a1 and b0 < b1  # (an empty tensor overlaps nothing)
+    """Whether the memory of contiguous tensors ``a`` and ``b`` intersects."""
+    return overlap(a.data_ptr(), a.nbytes, b.data_ptr(), b.nbytes)
 
 
 def chunks(count: int, limit: int):
