@@ -38,8 +38,8 @@ MAP = {
     "the op core: plans, the comm thread, the op record, the Work": [
         "hpccomm._core.plan", "hpccomm._core.comm_thread", "hpccomm._core.failures", "hpccomm._core.execute",
         "hpccomm._core.record", "hpccomm._core.work"],
-    "core services: timeouts, signals, groups": [
-        "hpccomm._core.watchdog", "hpccomm._core.signals", "hpccomm._core.group"],
+    "core services: timeouts, signals, the exit, groups": [
+        "hpccomm._core.watchdog", "hpccomm._core.signals", "hpccomm._core.shutdown", "hpccomm._core.group"],
     "GPU transports": [
         "hpccomm._gpu", "hpccomm._gpu.streams", "hpccomm._gpu.probe", "hpccomm._gpu.select", "hpccomm._gpu.cuda_mpi",
         "hpccomm._gpu.staged", "hpccomm._gpu.nccl_torch", "hpccomm._gpu.nccl_cupy", "hpccomm._gpu.dispatch"],

@@ -10,36 +10,17 @@ THE THREAD RULE.  Every thread hpccomm starts, and whether it may call MPI:
 | ``hpccomm-signals`` (hpccomm._core.signals) | only MPI_Abort | one line when the launcher ends the rank with SIGTERM |
 | ``hpccomm-init-watch`` (hpccomm._mpi, while MPI_Init runs) | no | ends the process with a message if MPI_Init has not returned within the timeout |
 
-Why one communicator is never used by two threads at once: a group with
-queued ops is used by the comm thread only (a blocking op queues behind
-them and its caller waits; building a sub-communicator or freeing a
-communicator first drains the group's queue: :func:`flush`); a waiter that
-runs its own queued op in the comm thread's place (:func:`steal`) counts as
-the comm thread meanwhile; an MPI request (a posted op) is touched by one
-thread at a time, under its record's lock.  Whether an op is posted or runs
-in the blocking form is decided from what is equal on every rank (op,
-``async_op``, dtype, ReduceOp, counts), never from which thread runs it: MPI
-never matches a nonblocking collective with a blocking one.
-
-Below MPI_THREAD_MULTIPLE only the calling thread calls MPI: queued ops run
-in the caller and complete before returning, a posted op's future is
-completed by waiting in the caller when asked for, and the comm thread is
-never started; logged once, shown by ``hpccomm info``.  Fault tolerance's
-revocation (hpccomm.fault_tolerance) is the one exception to the one-owner rule:
-MPI_Comm_revoke exists to interrupt a communicator another thread is blocked
-in.  At exit (hpccomm._mpi, before MPI_Finalize) the queued ops run, the comm
-thread is stopped and joined, posted requests are settled (hpccomm._core.record),
-and then the watchdog is stopped and joined.
-
-The queue holds op records (hpccomm._core.record), and the thread talks to
-them through their protocol only: ``run()`` (run it here and complete it,
-callbacks included), ``release()`` (let its waiters go, once the group counts
-as idle), ``test()`` (progress a posted op whose future was asked for; True
-once complete) and ``group``.  The thread tests those posted ops between
-queued ones, with a back-off of up to 1 ms while nothing is queued; a submit
-wakes it at once.  One thread, not two: a request tested between queued ops
-completes as soon as one tested in a thread of its own would, but for one
-queued op's duration.
+No communicator is used by two threads at once: a group with queued ops is
+the comm thread's alone (a blocking op queues behind them; a new
+sub-communicator or a free drains them first: ``flush``), a waiter running its
+queued op in the thread's place counts as the thread (``steal``), and a request
+is touched under its record's lock.  Below MPI_THREAD_MULTIPLE queued ops run
+in the caller and this thread never starts (logged once; ``hpccomm info``).
+Fault tolerance's revocation is the one exception: MPI_Comm_revoke exists to
+interrupt a communicator another thread is in.  The queue holds op records
+(hpccomm._core.record), used through their protocol only: ``run()``,
+``release()``, ``test()`` (watched posted ops, tested between queued ones with
+a back-off up to 1 ms) and ``group``.
 """
 from __future__ import annotations
 
@@ -60,49 +41,40 @@ _IDLE_MIN, _IDLE_MAX = 1e-5, 1e-3  # the back-off between tests of watched recor
 
 
 def latch():
-    """A closed latch: a plain lock, taken; ``release()`` opens it, and a
-    waiter ``acquire()``s then ``release()``s it (so every waiter passes).
-    Far cheaper than a ``threading.Event`` (a Python Condition per Event)."""
+    """A closed latch: a taken lock; ``release()`` opens it, a waiter
+    ``acquire()``s then ``release()``s it.  Far cheaper than a ``threading.Event``."""
     lock = _allocate_lock()
     lock.acquire()
     return lock
 
 
 class _Mark:
-    """A queue entry that runs nothing: :func:`flush` waits until it has run."""
+    """A queue entry that runs nothing: :meth:`CommThread.flush` waits until it has run."""
 
-    __slots__ = ("group", "latch")
+    __slots__ = ("group", "latch", "release")
 
     def __init__(self, group) -> None:
         self.group, self.latch = group, latch()
+        self.release = self.latch.release
 
     def run(self) -> None:
-        return None
-
-    def release(self) -> None:
-        self.latch.release()
+        pass
 
 
 class CommThread:
-    """One FIFO queue of op records and the thread that runs it (see the module docstring).
-
-    The queue, the thread's sleep, the watched records and every group's
-    ``queued`` count are guarded by one plain lock; the thread sleeps on
-    another (released by the submitter that finds it asleep), so a submit
-    costs two lock operations, not a Python Condition.
-    """
+    """One FIFO queue of op records and its thread.  One plain lock guards the
+    queue, the thread's sleep, the watched records and every group's
+    ``queued``; the thread sleeps on another, released by a submitter that
+    finds it asleep (two lock operations, not a Python Condition)."""
 
     def __init__(self) -> None:
         self._queue: collections.deque = collections.deque()
         self._mutex = _allocate_lock()
         self._wake = latch()  # opened to wake the thread when it sleeps
-        self._sleeping = False
-        self._busy = False  # an op is running (on the thread, or taken by its waiter: steal)
+        self._sleeping = self._busy = self._stopping = False  # busy: an op runs (here, or in its waiter)
         self._thread: Optional[threading.Thread] = None
-        self._ident = None  # the thread's id while it runs
-        self._stealer = None  # the id of a waiter running its own op in the thread's place
+        self._ident = self._stealer = None  # the thread's id; a waiter's running its own op in its place
         self._usable: Optional[bool] = None
-        self._stopping = False
         self._watched: list = []  # posted ops whose future was asked for: tested until they complete
 
     def usable(self) -> bool:
@@ -116,8 +88,7 @@ class CommThread:
         return self._usable
 
     def on_it(self) -> bool:
-        """Whether the caller is the comm thread (a callback it runs), or a
-        waiter standing in for it (:meth:`steal`)."""
+        """Whether the caller is the comm thread (a callback it runs), or a waiter in its place."""
         ident = _get_ident()
         return ident == self._ident or ident == self._stealer
 
@@ -131,37 +102,26 @@ class CommThread:
                 self._wake_locked(True)
 
     def steal(self, record) -> bool:
-        """Run queued ``record`` in the calling thread, its waiter, in the comm
-        thread's place, if it is the only one queued and the thread is idle;
-        False (nothing done) otherwise.
-
-        Whoever runs it, the op is the next and only one on the queue, runs
-        alone, and completes (callbacks included) before the group counts as
-        idle, exactly as on the thread; meanwhile the caller counts as the
-        comm thread (:meth:`on_it`), so ops issued by callbacks run at once,
-        as they would there.  A waiter would otherwise sleep while the thread
-        runs the op: taking it saves two thread switches per op (an
-        ``async_op=True`` op waited on at once).
-        """
+        """Run queued ``record`` in its waiter (the caller) in the thread's
+        place if it is the only one queued and the thread idle (else False):
+        it runs and completes as on the thread, the caller counting as the
+        thread, saving two thread switches per op waited on at once."""
         with self._mutex:
             queue = self._queue
             if self._busy or len(queue) != 1 or queue[0] is not record:
                 return False
             queue.popleft()
-            self._busy = True
-            self._stealer = _get_ident()
+            self._busy, self._stealer = True, _get_ident()
         record.run()
         with self._mutex:
-            self._busy = False
-            self._stealer = None
+            self._busy, self._stealer = False, None
             record.group.queued -= 1
             self._wake_locked(queue)  # ops queued meanwhile, or records to test: the thread takes them
         record.release()  # another waiter of the op
         return True
 
     def watch(self, record) -> None:
-        """Test ``record`` (a posted op whose future was asked for) on the
-        comm thread until it completes, so its future completes on its own."""
+        """Test ``record`` (a posted op whose future was asked for) until it completes."""
         with self._mutex:
             self._stopping = False
             if record not in self._watched:
@@ -169,8 +129,7 @@ class CommThread:
             self._wake_locked(True)
 
     def flush(self, group) -> None:
-        """Wait until ``group`` has no queued ops (before a collective that
-        must not overlap them, such as building a sub-communicator)."""
+        """Wait until ``group`` has no queued ops (before a collective that must not overlap them)."""
         if group.queued:
             mark = _Mark(group)
             self.submit(mark)
@@ -178,9 +137,8 @@ class CommThread:
             mark.latch.release()
 
     def stop(self, seconds: float = 10.0) -> list:
-        """Stop the thread once its queue is empty (at exit, before
-        MPI_Finalize); waits for it at most ``seconds``.  Returns the records
-        it was still testing."""
+        """Stop the thread once its queue is empty (at exit), waiting at most
+        ``seconds``; the records it was still testing."""
         with self._mutex:
             self._stopping = True
             if self._sleeping:
@@ -205,7 +163,7 @@ class CommThread:
     def _loop(self) -> None:
         try:
             self._serve()
-        except BaseException:  # never expected: the next submit starts a new thread instead of queuing forever
+        except BaseException:  # never expected: the next submit starts a new thread, not a queue forever
             with self._mutex:
                 self._thread = self._ident = None
             raise
@@ -216,21 +174,18 @@ class CommThread:
         idle = _IDLE_MIN
         while True:
             with mutex:
-                watched = bool(self._watched)
+                watched, record = bool(self._watched), None
                 if queue and not self._busy:
-                    record = queue.popleft()
-                    self._busy = True
+                    record, self._busy = queue.popleft(), True
                 elif self._stopping and not queue:
                     self._thread = self._ident = None
                     return
                 else:
                     self._sleeping = True
-                    record = None
             if record is None:
                 if not watched:
                     wake.acquire()  # until a submit, a watch or stop opens it
-                    continue
-                if not wake.acquire(True, idle):  # nothing submitted meanwhile: test the watched records
+                elif not wake.acquire(True, idle):  # nothing submitted meanwhile: test the watched records
                     with mutex:
                         if self._sleeping:
                             self._sleeping = False
@@ -242,13 +197,10 @@ class CommThread:
             with mutex:
                 self._busy = False
                 record.group.queued -= 1
-            # Its waiters go on only now: the group is idle again, so their next blocking op
-            # runs in the calling thread instead of queuing.
-            record.release()
+            record.release()  # its waiters go on only now: the group is idle, their next blocking op runs there
 
     def _test_watched(self) -> bool:
-        """Test each watched record once (completing those done, callbacks
-        included); True if any completed."""
+        """Test each watched record once (completing those done); True if any completed."""
         with self._mutex:
             records = list(self._watched)
         finished = [r for r in records if r.test()]
@@ -262,14 +214,3 @@ _the = CommThread()
 #: The comm thread's calls (see :class:`CommThread`): ``comm_thread.submit(record)`` ...
 usable, on_it, submit, steal, watch, flush, stop = (_the.usable, _the.on_it, _the.submit, _the.steal, _the.watch,
                                                     _the.flush, _the.stop)
-
-
-def _drain_and_stop() -> None:
-    """At exit: every group's queued ops run, then the comm thread stops."""
-    for group in list(_mpi.live):
-        if getattr(group, "comm", None) is not None:
-            flush(group)
-    stop()
-
-
-_mpi.at_exit.append((0, _drain_and_stop))

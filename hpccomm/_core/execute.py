@@ -55,7 +55,7 @@ def execute(g, name: str, plan, args, record=None, asynchronous: bool = False):
             if after is not None:
                 after()
         except _mpi.mpi().Exception as exc:
-            raise mpi_error(name, g, seq, exc) from exc
+            raise failures.mpi_error(f"{name} ({g.where(seq)})", exc) from exc
         finally:
             if observed and tracer:
                 tracer.record(name, g.name, seq, nbytes(args), began, trace.now_ns(),
@@ -86,7 +86,7 @@ def _fingerprints(g, name: str, args, seq: int, record, asynchronous: bool) -> N
         flag = bool(asynchronous) if g.nonblocking else None
         debug_mode.check(g, name, args, seq, asynchronous=flag)
     except _mpi.mpi().Exception as exc:
-        raise mpi_error(name + " (debug-mode fingerprint check)", g, seq, exc) from exc
+        raise failures.mpi_error(f"{name} (debug-mode fingerprint check) ({g.where(seq)})", exc) from exc
     except HpccommError:
         raise
     except Exception as exc:  # a message that does not unpickle: a rank died in the exchange?
@@ -97,12 +97,3 @@ def _fingerprints(g, name: str, args, seq: int, record, asynchronous: bool) -> N
             raise
         raise failure from exc
 
-
-def mpi_error(name: str, g, seq: int, exc) -> HpccommError:
-    """What MPI error ``exc`` in collective ``name`` (number ``seq`` of group
-    ``g``) raises: :class:`hpccomm.RankFailure` when a rank died and fault
-    tolerance is on (hpccomm.fault_tolerance), else :class:`HpccommError` naming the op."""
-    failure = failures.failure(f"{name} ({g.where(seq)})", exc) if state.failures.tolerant else None
-    if failure is not None:
-        return failure
-    return HpccommError(f"hpccomm {name} ({g.where(seq)}): MPI failed: {exc}")

@@ -134,6 +134,14 @@ def failure(what: str, exc) -> Optional[RankFailure]:
     return error
 
 
+def mpi_error(what: str, exc) -> HpccommError:
+    """What MPI error ``exc`` in ``what`` (an op and its place) raises: a
+    :class:`RankFailure` when a rank died and fault tolerance is on
+    (:func:`failure`), else an :class:`HpccommError` naming the op."""
+    found = failure(what, exc) if state.failures.tolerant else None
+    return found if found is not None else HpccommError(f"hpccomm {what}: MPI failed: {exc}")
+
+
 def meet(comm, ranks, tag: int) -> None:
     """Before MPI_Comm_create_group in fault-tolerance mode: the members of a
     new group (``ranks``, ranks of ``comm``) meet over point-to-point

@@ -15,7 +15,7 @@ import threading
 from typing import Optional, Sequence
 
 from .. import _mpi, config
-from . import debug_mode, state
+from . import comm_thread, debug_mode, shutdown, state
 
 _ids = itertools.count()
 _made: dict = {}  # global ranks -> groups of exactly those ranks this process made
@@ -81,6 +81,7 @@ class Group:
         self._lock = threading.Lock()
         _mpi.live.add(self)
         state.groups.add(self)
+        shutdown.register()  # its queued and posted ops are settled at exit
 
     def where(self, seq: int | None = None) -> str:
         """Context for error messages: op number, group and rank.  ``seq``
@@ -100,8 +101,6 @@ class Group:
 
     def free(self, flush: bool = True) -> None:
         """Free the communicators, after this group's queued ops ran (``flush``)."""
-        from . import comm_thread
-
         if self.comm is not None and flush:
             comm_thread.flush(self)
         comm, p2p, self.comm, self.p2p, self.calls = self.comm, self.p2p, None, None, None

@@ -49,7 +49,7 @@ def start(group, op: str, record=None) -> int:
     ``record`` None: a collective that runs now in the thread that calls
     this (blocking), noted in ``group.running`` until :func:`finished` (no
     record object is made for it: the watchdog sees the note as one,
-    hpccomm._core.record.running).  Else a posted op's record
+    hpccomm._core.watchdog.ops).  Else a posted op's record
     (hpccomm._core.record.OpRecord: a point-to-point op, ``kind`` ``"p2p"``,
     numbered apart, or a collective), which gets its number, start time,
     deadline (the group's timeout) and ``token`` here, and is watched until

@@ -33,7 +33,7 @@ import time
 from typing import Optional
 
 from .. import config
-from . import record, state
+from . import state
 from .record import OpRecord
 
 _GRACE = 3.0  # seconds to wait for the other ranks' reports
@@ -87,7 +87,7 @@ class Watchdog:
         reported: dict = {}  # (group id, kind, seq, start) -> record: already reported (timed out or refused)
         while not self._stopping.wait(_TICK):
             now = time.monotonic()
-            running = record.running()
+            running = ops()
             live = {}
             for op in running:
                 key = (id(op.group), op.kind, op.seq, op.start)
@@ -204,6 +204,19 @@ class Watchdog:
             return f"rank {peer} is stuck in {answers[peer]} (the two ranks wait for each other)"
         return (f"rank {peer} never posted the matching {'send' if op.name == 'recv' else 'recv'} "
                 "(busy outside hpccomm, hung or dead)")
+
+
+def ops() -> list:
+    """The ops this rank is in now (a snapshot), as records: those watched
+    (posted ops, group creation ...) and each group's blocking collective,
+    from its note (hpccomm._core.state)."""
+    return state.records() + [OpRecord.noted(g, name, seq, start) for g, (name, seq, start) in state.notes()]
+
+
+def current():
+    """The longest-running op on this rank (a record), or None."""
+    running = ops()
+    return min(running, key=lambda op: op.start) if running else None
 
 
 def _forget_report(op) -> None:

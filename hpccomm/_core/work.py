@@ -1,15 +1,11 @@
-"""The Work hpccomm hands to torch for every op.
+"""The Work hpccomm hands to torch for every op, made here only: :func:`finished`
+(an op that completed inside its call) or :func:`pending` (an op in flight,
+which it asks everything of its record, hpccomm._core.record).
 
-A Work is made here only: :func:`finished` for an op that completed inside
-its call (a blocking collective run in the calling thread), or
-:func:`pending` for an op in flight, which waits on the op's record
-(hpccomm._core.record) and asks it everything.  torch's C++ callers (DDP's
-reducer, functional collectives) wait on ``get_future()`` and never call
-``wait()``, so every Work's future completes by itself; its value is the
-list of output tensors (DDP reads it).  An op's error (an
-:class:`hpccomm.errors.HpccommError` naming the op) is raised by ``wait()``,
-``result()`` and the future: a pending op never dies silently on another
-thread.
+torch's C++ callers (DDP's reducer, functional collectives) wait on
+``get_future()``, never on ``wait()``, so every Work's future completes by
+itself; its value is the op's output tensors (DDP reads them).  An op's
+error, naming it, is raised by ``wait()``, ``result()`` and the future.
 """
 from __future__ import annotations
 
@@ -21,28 +17,23 @@ from .._compat import WorkBase, hide_from_compiler
 
 
 class Work(WorkBase):
-    """An op's Work, as torch sees it (see the module docstring): ``_op`` its
-    record while in flight (None once it completed inside its call);
-    ``_outputs`` the future's value (it keeps the tensors alive), ``_devices``
-    the CUDA devices a future of them must name."""
+    """``_op``: the op's record while in flight, None once complete in its
+    call; ``_outputs``: the future's value (it keeps the tensors alive);
+    ``_devices``: the CUDA devices a future of them names."""
 
-    # (torch's Work is constructed without arguments: the fields are set by this module's two makers)
-    __slots__ = ("_op", "_outputs", "_devices", "_future")
+    __slots__ = ("_op", "_outputs", "_devices", "_future")  # (set by the makers below)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        op = self._op
-        if op is not None:
-            op.wait(timeout.total_seconds() if timeout else None)  # (torch passes 0 or None for no limit)
+        if self._op is not None:
+            self._op.wait(timeout.total_seconds() if timeout else None)  # (torch passes 0 or None: no limit)
         return True
 
     def get_future(self) -> torch.futures.Future:
-        op = self._op
-        if op is not None:
-            return op.future()
+        if self._op is not None:
+            return self._op.future()
         if self._future is None:
-            future = torch.futures.Future(devices=self._devices) if self._devices else torch.futures.Future()
-            future.set_result(self._outputs)
-            self._future = future
+            self._future = torch.futures.Future(devices=self._devices) if self._devices else torch.futures.Future()
+            self._future.set_result(self._outputs)
         return self._future
 
     def is_completed(self) -> bool:
@@ -76,7 +67,7 @@ def finished(outputs, devices=None) -> Work:
 
 
 def pending(record, outputs=None) -> Work:
-    """The Work of the op in flight ``record``; ``outputs`` its future's value."""
+    """The Work of the op in flight ``record``; ``outputs``: its future's value."""
     work = Work()
     work._op = record
     work._outputs = outputs
