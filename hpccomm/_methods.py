@@ -11,7 +11,7 @@ The two adapters that torch sees are thin classes over it:
   dispatched by torch's C++ ``PyBackend`` trampoline).
 
 Which one torch gets is decided once, by feature test
-(:func:`hpccomm._torch.compat.py_backend`).  Every subclass holds its group's MPI
+(:func:`hpccomm._compat.py_backend`).  Every subclass holds its group's MPI
 side in ``self._g`` (a :class:`hpccomm._core.group.Group`).
 """
 from __future__ import annotations

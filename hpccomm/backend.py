@@ -6,7 +6,7 @@ backend: torch builds its own ``ProcessGroup`` around it, so per-device
 backend strings (``"cpu:hpccomm,cuda:nccl"``), ``batch_isend_irecv``'s
 coalescing, ``dist.split_group`` and ``dist.monitored_barrier`` reach hpccomm
 through torch's own machinery.  The op methods are shared with the
-ProcessGroup adapter (:mod:`hpccomm._torch.methods`); this class adds what a
+ProcessGroup adapter (:mod:`hpccomm._methods`); this class adds what a
 Backend answers: its options, what it supports, coalescing windows,
 splitting, its timeout and lifetime.
 
@@ -144,7 +144,7 @@ class BackendHpccomm(methods.TorchOps, BackendBase):
         ranks, must be the failed ones): see :func:`hpccomm.fault_tolerance.backend_shrink`."""
         return self.shrinker(self, ranks_to_exclude, opts_override)
 
-    # (abort, shutdown: hpccomm._torch.methods.TorchOps)
+    # (abort, shutdown: hpccomm._methods.TorchOps)
 
 
 methods.hide_methods(BackendHpccomm)

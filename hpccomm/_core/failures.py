@@ -149,7 +149,7 @@ def meet(comm, ranks, tag: int) -> None:
     all arrived), so that a member that died raises MPI_ERR_PROC_FAILED here.
     Open MPI 5.0.11's MPI_Comm_create_group fails at once on a death MPI
     already knows of, but never returns when a member dies while the others
-    wait in it (revoking ``comm`` does not end it either: tried).  Called by
+    wait in it (revoking ``comm`` does not end it either).  Called by
     the members only, on the thread that creates the group.
 
     :raises mpi4py.MPI.Exception: a member died (MPI_ERR_PROC_FAILED) or a

@@ -165,7 +165,3 @@ def world(comm=None, store=None, timeout=None, name: str = "") -> Group:
     dup = base.Dup()
     return Group(dup, range(dup.Get_size()), name, store, timeout)
 
-
-def optional_free(group: Optional[Group]) -> None:
-    if group is not None:
-        group.free()

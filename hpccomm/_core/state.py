@@ -163,7 +163,7 @@ def failure_key() -> str:
 
 def refusal_key(g, kind: str, seq=None, from_rank=None, to_rank=None) -> str:
     """Where a rank announces that it refused an op the others may wait in
-    (hpccomm._core.op_path.refused): a collective by its number on the group, a
+    (hpccomm._ops.op_path.refused): a collective by its number on the group, a
     point-to-point op by its two world ranks."""
     if kind == "p2p":
         return f"hpccomm/refused/{g.key}/p2p/{from_rank}->{to_rank}"

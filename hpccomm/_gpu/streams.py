@@ -8,9 +8,10 @@ MPI calls are host-synchronous and know nothing of CUDA streams, so:
 2. where the op runs (the caller's thread, or hpccomm's comm thread for
    ``async_op=True``), the host waits for that event before handing memory to
    MPI;
-3. every device tensor handed to MPI first waits for the running thread's
-   current stream (``hpccomm._mpi.device_ready``): the op's own kernels
-   (contiguous copies, premultiplication) are done;
+3. before MPI reads device memory, the running thread's current stream is
+   waited for (:meth:`CudaStreams.synchronize`, called by
+   hpccomm._gpu.cuda_mpi): the op's own kernels (contiguous copies,
+   premultiplication) are done;
 4. after MPI returns, the kernels the op queued on the running thread's
    stream (write-backs, AVG's division) are waited for before the op
    completes, so any work the user queues after ``wait()`` (or after a

@@ -30,7 +30,7 @@ _STRIDED = torch.strided
 
 
 class NotOnCPU(OpTypeError):
-    """A tensor on a device this path does not serve: hpccomm._core.op_path takes a
+    """A tensor on a device this path does not serve: hpccomm._ops.op_path takes a
     CUDA call to its GPU transport on catching it (so the CPU path pays
     nothing to learn that a call is on the CPU); to a direct caller it is the
     refusal it says."""

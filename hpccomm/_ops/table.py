@@ -2,13 +2,13 @@
 
 Each entry says, once, what the op path and the GPU transports need to know
 of an op: its name in messages, its plan function (its op module's: checks
-every argument, returns the plan, see :mod:`hpccomm._ops.plan`), whether it
+every argument, returns the plan, see :mod:`hpccomm._core.plan`), whether it
 is point-to-point (a peer waits for this rank, not every member), whether it
 reduces, what its first argument is to the op (``"out"``: written;
 ``"inout"``: read and written; ``"in"``: read), and whether it has a
 nonblocking form (posted as a nonblocking MPI call: point-to-point ops
 always; the four collectives below with ``HPCCOMM_ASYNC_NONBLOCKING=1``, for
-``async_op=True`` calls of up to ``hpccomm._core.op_path.NONBLOCKING_MAX_BYTES``).
+``async_op=True`` calls of up to ``hpccomm._ops.op_path.NONBLOCKING_MAX_BYTES``).
 """
 from __future__ import annotations
 

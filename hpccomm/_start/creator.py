@@ -36,7 +36,7 @@ def _tag(ranks) -> int:
 
 def create(opts, backend_options=None):
     """The creator torch calls for every hpccomm group, on member ranks only;
-    returns the adapter this torch takes (:func:`hpccomm.compat.make_adapter`)."""
+    returns the adapter this torch takes (:func:`make_adapter`)."""
     ranks = list(opts.global_ranks_in_group)
     if not ranks:  # the default (world) group
         group = _world_group(opts)
