@@ -68,8 +68,8 @@ MPI_ERROR_TEXT = (r"MPI_ERR|PRTE has lost|MPI_ABORT|Fatal error in|error stack|B
 #: runs that need part of the suite; every test file is in exactly one.
 SUITES = {
     "ops": ["test_reduce.py", "test_gather.py", "test_scatter.py", "test_alltoall.py", "test_p2p.py",
-            "test_objects.py", "test_groups.py", "test_async.py", "test_async_stress.py", "test_errors.py", "test_debug.py",
-            "test_properties.py", "test_large.py", "test_routes.py"],
+            "test_objects.py", "test_groups.py", "test_async.py", "test_async_stress.py", "test_errors.py",
+            "test_debug.py", "test_properties.py", "test_large.py", "test_routes.py"],
     "training": ["test_ddp.py", "test_fsdp.py", "test_mesh.py"],
     "failures": ["test_failures.py"],
     "exit": ["test_exit.py", "test_soak.py"],

@@ -43,8 +43,8 @@ def _issue(kind: str, rank: int, size: int, k: int):
         return w, lambda: _eq(t, torch.full((3,), (2 * _tri(size) + size * k) / size, dtype=torch.float64))
     if kind == "all_reduce_half":  # a user-defined MPI op: always the comm thread's blocking form
         t = torch.full((4,), float(rank % 3), dtype=torch.float16)
-        return dist.all_reduce(t, async_op=True), lambda: _eq(t, torch.full((4,), float(sum(r % 3 for r in range(size))),
-                                                                              dtype=torch.float16))
+        total = float(sum(r % 3 for r in range(size)))
+        return dist.all_reduce(t, async_op=True), lambda: _eq(t, torch.full((4,), total, dtype=torch.float16))
     if kind == "all_reduce_big":  # past 64 KiB: always the comm thread's blocking form
         t = torch.full((20000,), float(k))
         return dist.all_reduce(t, async_op=True), lambda: _eq(t, torch.full((20000,), float(size * k)))
