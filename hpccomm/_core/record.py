@@ -111,7 +111,7 @@ class OpRecord:
             self.req = plan[ICALL](*plan[ARGS])
         except BaseException as exc:
             state.end(self.token)
-            if not isinstance(exc, _mpi.mpi().Exception):
+            if not _mpi.is_error(exc):
                 raise
             raise failures.mpi_error(self.describe(), exc) from exc
         self.state = RUNNING
@@ -313,7 +313,7 @@ class OpRecord:
             trace.active().record(self.name, self.group.name, self.seq, self.plan[NBYTES], self.traced,
                                   trace.now_ns())
         if error is not None:
-            raise self._failure(error) if isinstance(error, _mpi.mpi().Exception) else error
+            raise self._failure(error) if _mpi.is_error(error) else error
         if self.status is not None:
             self.source = self.peer if self.peer is not None else self.status.Get_source()
             message = self.plan[ARGS][0]

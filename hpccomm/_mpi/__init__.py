@@ -357,6 +357,11 @@ def in_place():
     return mpi().IN_PLACE
 
 
+def is_error(exc) -> bool:
+    """Whether ``exc`` is an MPI error (asked without starting MPI: before it, none is)."""
+    return _MPI is not None and isinstance(exc, _MPI.Exception)
+
+
 def status():
     """A new ``MPI.Status`` (a receive's source and count)."""
     return _MPI.Status()
