@@ -16,7 +16,7 @@ from .. import _mpi
 from ..errors import HpccommError
 from . import debug_mode, failures, state, trace
 from .comm_thread import THREAD_NAME
-from .plan import AFTER, ARGS, BEFORE, CALL, OUTPUTS
+from .plan import OUTPUTS, run
 
 log = logging.getLogger("hpccomm")
 
@@ -47,13 +47,7 @@ def execute(g, name: str, plan, args, record=None, asynchronous: bool = False):
             tracer, logged = trace.active(), log.isEnabledFor(logging.DEBUG)
             began, t0 = trace.now_ns() if tracer else 0, time.perf_counter()
         try:
-            before = plan[BEFORE]
-            if before is not None:
-                before()
-            plan[CALL](*plan[ARGS])
-            after = plan[AFTER]
-            if after is not None:
-                after()
+            run(plan)
         except _mpi.mpi().Exception as exc:
             raise failures.mpi_error(f"{name} ({g.where(seq)})", exc) from exc
         finally:

@@ -60,12 +60,13 @@ def run(g, op, args, opts=None, plan=None, devices=None):
             raise
     asynchronous = opts is not None and getattr(opts, "asyncOp", False)
     where, nonblocking = form(g, op, plan, asynchronous)
-    if where is POSTED:
-        record = OpRecord(g, op.name, plan, "p2p" if op.p2p else "collective", args[1] if op.p2p else None, devices)
-        record.post()
-        return work.pending(record, plan[OUTPUTS])
     if nonblocking:
-        plan = _waited(plan)
+        if where is POSTED:
+            record = OpRecord(g, op.name, plan, "p2p" if op.p2p else "collective", args[1] if op.p2p else None,
+                              devices)
+            record.post()
+            return work.pending(record, plan[OUTPUTS])
+        plan = _waited(plan)  # posted and waited for where it runs
     if where is HERE:  # the latency-bound case: blocking, here
         return work.finished(execute(g, op.name, plan, args, None, asynchronous), devices)
     record = OpRecord(g, op.name, plan, "collective", None, devices)
