@@ -343,10 +343,13 @@ def buffer(t: torch.Tensor, offset: int = 0, count: int | None = None):
     kind = _kinds.get(t.dtype)
     if kind is None:
         kind = _kinds[t.dtype] = (getattr(mpi(), DTYPES[t.dtype].move), t.element_size())
+    if offset:
+        if count is None:
+            count = t.numel() - offset
+        return [fromaddress(t.data_ptr() + offset * kind[1], count * kind[1]), count, kind[0]]
     if count is None:
-        count = t.numel() - offset
-    address = t.data_ptr() + offset * kind[1] if offset else t.data_ptr()
-    return [fromaddress(address, count * kind[1]), count, kind[0]]
+        count = t.numel()
+    return [fromaddress(t.data_ptr(), count * kind[1]), count, kind[0]]
 
 
 #: torch dtype -> (MPI datatype, bytes per element), filled as :func:`buffer` meets each dtype.

@@ -42,7 +42,8 @@ def allgather(group, input: torch.Tensor, out: torch.Tensor, recv, offset: int, 
     if sendbuf is None:
         send, before = staging.copy_in(input)
         part = sendbuf = _mpi.buffer(send)
-    keep, nbytes, total, size = (input, out, send), part[0].nbytes, recv[1], group.size
+    keep, nbytes = (input, out, send), part[0].nbytes
+    total, size = recv[1], group.size
     if total > group.max_count:
         run = _bcasts(group, send, out, counts or [total // size] * size)
         return (run, (), None, outputs, keep, before, after, nbytes)

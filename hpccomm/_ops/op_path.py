@@ -70,8 +70,8 @@ def run(g, op, args, opts=None, plan=None, devices=None):
     if where is HERE:  # the latency-bound case: blocking, here
         return work.finished(execute(g, op.name, plan, args, None, asynchronous), devices)
     record = OpRecord(g, op.name, plan, "collective", None, devices)
+    queued = work.pending(record, plan[OUTPUTS])  # (made first: its waiter more often finds the op not taken yet)
     record.queue(args, asynchronous)
-    queued = work.pending(record, plan[OUTPUTS])
     if not asynchronous:  # queued only to keep this group's issue order
         queued.wait()
     return queued
