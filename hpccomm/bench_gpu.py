@@ -173,7 +173,7 @@ def measure(transports, ops, sizes, full, sync, iters: int, warmup: int) -> list
         if group is not None:
             dist.destroy_process_group(group)
     if any(t not in ("host", "gloo") for t in transports):
-        hpccomm.gpu.set_transport("auto")
+        hpccomm.gpu.set_transport(None)
     return rows
 
 

@@ -15,18 +15,19 @@ from __future__ import annotations
 
 
 def _group(group):
-    from ._torch.compat import group_of, world_group
+    from ._compat import group_of, world_group
 
     return group_of(group if group is not None else world_group())
 
 
-def set_transport(name: str, group=None) -> None:
+def set_transport(name, group=None) -> None:
     """Force one transport for the CUDA ops of a group from its next op on;
     its routes are made anew (its NCCL communicators closed).  Call it on
     every member, between ops: the members compare their settings at the
     next collective on CUDA tensors and refuse together if they differ.
 
-    :param name: ``auto``, ``mpi``, ``composed``, ``nccl`` or ``staged``, as ``HPCCOMM_GPU_TRANSPORT``
+    :param name: ``auto``, ``mpi``, ``composed``, ``nccl`` or ``staged``, as ``HPCCOMM_GPU_TRANSPORT``;
+        None: back to ``HPCCOMM_GPU_TRANSPORT``
     :param group: a process group of hpccomm (default: the world group)
     :raises ValueError: for an unknown name
 
@@ -43,7 +44,8 @@ def set_transport(name: str, group=None) -> None:
 def set_routes(group=None, **families) -> None:
     """Force the route of single op families for the CUDA ops of a group from
     its next op on, on top of its transport (as ``HPCCOMM_GPU_ROUTES``); no
-    family named: none forced.  Call it on every member, between ops.
+    family named: back to ``HPCCOMM_GPU_ROUTES``.  Call it on every member,
+    between ops.
 
     :param group: a process group of hpccomm (default: the world group)
     :param families: ``reduction``, ``movement`` or ``p2p`` = ``mpi``, ``composed`` (reductions only),

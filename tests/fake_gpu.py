@@ -45,7 +45,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from hpccomm._torch.compat import premul_sum_factor
+from hpccomm._compat import premul_sum_factor
 
 _R = dist.ReduceOp.RedOpType
 CUDA0 = torch.device("cuda", 0)

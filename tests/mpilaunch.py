@@ -2,7 +2,7 @@
 that knows each family's launcher, flags and output format.
 
 The family is the one of the MPI library mpi4py loads in this Python (found
-without starting MPI: hpccomm._mpi.family()), or ``HPCCOMM_TEST_MPI``
+without starting MPI: hpccomm._mpi.library.family()), or ``HPCCOMM_TEST_MPI``
 (``openmpi``, ``mpich`` or ``impi``) when set, which must then match it.
 The launcher is the family's own, beside the library (a pip-installed MPI
 wheel puts it in the venv's bin/), else the first on PATH.
@@ -29,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from hpccomm import _mpi  # noqa: E402
+from hpccomm._mpi import library  # noqa: E402
 from hpccomm.launcher import FAMILIES  # noqa: E402
 
 #: HPCCOMM_TEST_MPI's values (the names of hpccomm's pip extras) -> family names.
@@ -70,8 +70,9 @@ _ABORT_NOTICE = re.compile(r"Abort\(\d+\) on node \d+ \(rank \d+ in comm \d+\): 
 #: runs that need part of the suite; every test file is in exactly one.
 SUITES = {
     "ops": ["test_reduce.py", "test_gather.py", "test_scatter.py", "test_alltoall.py", "test_p2p.py",
-            "test_objects.py", "test_groups.py", "test_async.py", "test_errors.py", "test_debug.py", "test_mismatch.py",
-            "test_properties.py", "test_large.py", "test_routes.py", "test_composed.py"],
+            "test_objects.py", "test_groups.py", "test_async.py", "test_async_stress.py", "test_errors.py",
+            "test_debug.py", "test_mismatch.py", "test_properties.py", "test_large.py", "test_routes.py",
+            "test_composed.py"],
     "training": ["test_ddp.py", "test_fsdp.py", "test_mesh.py"],
     "failures": ["test_failures.py"],
     "exit": ["test_exit.py", "test_soak.py"],
@@ -114,20 +115,20 @@ class FamilyMismatch(RuntimeError):
 def family_name(env=None) -> str:
     """The family of the MPI library mpi4py loads; HPCCOMM_TEST_MPI, when set, must agree."""
     env = os.environ if env is None else env
-    found = _mpi.family()
+    found = library.family()
     wanted = env.get("HPCCOMM_TEST_MPI", "").strip()
     if wanted:
         if wanted not in CHOICES:
             raise FamilyMismatch(f"HPCCOMM_TEST_MPI={wanted!r}: expected one of {', '.join(CHOICES)}")
         if found is None or found.name != CHOICES[wanted]:
-            probe = _mpi.probe()
+            probe = library.probe()
             raise FamilyMismatch(
                 f"HPCCOMM_TEST_MPI={wanted} but mpi4py in {sys.executable} loads "
                 f"{probe.library or 'no MPI library'} ({probe.path or probe.reason}): install hpccomm with the "
                 f"'{wanted}' extra in this venv, or point MPI4PY_LIBMPI at that family's libmpi")
         return CHOICES[wanted]
     if found is None:
-        probe = _mpi.probe()
+        probe = library.probe()
         raise FamilyMismatch(f"the MPI library mpi4py loads is not Open MPI, MPICH or Intel MPI: "
                              f"{probe.library or probe.reason}")
     return found.name
@@ -263,9 +264,9 @@ def current(env=None) -> Launch:
     """The launch for the MPI library mpi4py loads in this Python."""
     name = family_name(env)
     fam = FAMILIES[name]
-    where = _mpi.launcher_path(fam)
+    where = library.launcher_path(fam)
     if where is None:
-        raise FamilyMismatch(f"no {fam.launcher} for {fam.title} beside {_mpi.probe().path} or on PATH")
+        raise FamilyMismatch(f"no {fam.launcher} for {fam.title} beside {library.probe().path} or on PATH")
     return Launch(name, where, dict(SETTINGS[name]))
 
 

@@ -175,7 +175,7 @@ def test_ddp_comm_hooks(world):
         assert same_on_all_ranks(flat)
 
 
-# -- posted collectives (async_op=True as nonblocking MPI: hpccomm._core.op_path._post) ----------------------
+# -- posted collectives (async_op=True as nonblocking MPI: hpccomm._ops.op_path.form) ----------------------
 
 
 @pytest.fixture

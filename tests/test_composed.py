@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from helpers import REDUCE_DTYPES, Problems, hgroup, same_on_all_ranks
 from hpccomm._ops import composed
-from hpccomm._ops.plan import ARGS, CALL
+from hpccomm._core.plan import run as run_plan
 
 R = dist.ReduceOp
 
@@ -43,7 +43,7 @@ def values(n: int, dtype, rank: int, salt: int = 0) -> torch.Tensor:
 
 
 def run(plan) -> None:
-    plan[CALL](*plan[ARGS])
+    run_plan(plan)
 
 
 @pytest.mark.mpi

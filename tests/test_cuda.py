@@ -77,7 +77,7 @@ def transport(request, world, groups):
         assert ran and ran <= allowed, f"transport {name}: the ops ran on {ran or 'no transport'}, not {allowed}"
     finally:
         for pg in pgs:
-            hpccomm.gpu.set_transport("auto", group=pg)
+            hpccomm.gpu.set_transport(None, group=pg)
 
 
 def _both(make):

@@ -273,7 +273,7 @@ def test_monitored_barrier_names_every_missing_rank(tmp_path):
     proc, took = launch(tmp_path, """
         hpccomm.init_process_group()
         hpccomm.monitored_barrier(timeout=timedelta(seconds=20))   # everyone arrives
-        store = hpccomm._torch.compat.default_store()  # rank 0 serves it: it leaves last
+        store = hpccomm._compat.default_store()  # rank 0 serves it: it leaves last
         me = dist.get_rank()
         if me in (1, 3):
             # absent until ranks 0 and 2 have had their error (a store wait fails after 60 s)

@@ -67,7 +67,7 @@ def fake_gpus(shared=False, mpi_cuda=True, nccl=True, reductions=None, streams=F
     try:
         yield made
     finally:
-        hpccomm.gpu.set_transport("auto")
+        hpccomm.gpu.set_transport(None)
         hpccomm.gpu.set_routes()
         dispatch.release(g)
         dispatch.identify, dispatch._caps[0] = saved[0], saved[1]
@@ -275,7 +275,7 @@ def test_fake_nccl_refuses_what_nccl_refuses():
     from mpi4py import MPI
 
     backend = FakeNCCL(MPI.COMM_SELF, 0, 1, ("node", "GPU-0"))
-    opts = hpccomm._torch.compat.OPTION_CLASSES["allreduce"]()
+    opts = hpccomm._compat.OPTION_CLASSES["allreduce"]()
     strided = DEVICE.tensor(torch.zeros(4, 2))[:, 0]
     cases = [
         ([strided], "Tensors must be contiguous"),
@@ -308,7 +308,7 @@ def test_fake_nccl_refuses_two_ranks_on_one_gpu(world):
     channel = hgroup(dist.group.WORLD).comm.Dup()
     try:
         backend = FakeNCCL(channel, rank, size, ("node", "GPU-0"))
-        opts = hpccomm._torch.compat.OPTION_CLASSES["allreduce"]()
+        opts = hpccomm._compat.OPTION_CLASSES["allreduce"]()
         with pytest.raises(NcclRefused, match="Duplicate GPU detected : rank"):
             backend.allreduce([DEVICE.tensor(torch.ones(2))], opts)
     finally:

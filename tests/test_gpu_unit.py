@@ -30,14 +30,14 @@ import torch.distributed as dist
 import hpccomm
 import helpers
 from hpccomm import _mpi, config
-from hpccomm._torch import compat
+from hpccomm import _compat as compat
 from hpccomm._core import group as _group
-from hpccomm._core import op_path
+from hpccomm._ops import op_path
 from hpccomm._gpu import cuda_mpi, dispatch, nccl_cupy, nccl_torch, probe, select, staged
 from hpccomm._gpu.probe import Finding
 from hpccomm._gpu.select import Capabilities, NoTransport
 from hpccomm._ops import reduce, table
-from hpccomm._ops.plan import ARGS, CALL, OUTPUTS, Stepped
+from hpccomm._core.plan import ARGS, OUTPUTS, run
 from helpers import hgroup, FakeCudaTensor, Problems, raised_by
 
 R = dist.ReduceOp
@@ -61,8 +61,9 @@ CUDA0 = torch.device("cuda", 0)
 
 
 def run_plan(plan):
-    """Run a plan blocking, as the op path does (hpccomm._ops.plan: ``call(*args)``); its outputs."""
-    plan[CALL](*plan[ARGS])
+    """Run a plan blocking, as the op path does (hpccomm._core.plan.run: its steps around ``call(*args)``); its
+    outputs."""
+    run(plan)
     return plan[OUTPUTS]
 
 
@@ -561,7 +562,8 @@ def test_set_transport_makes_routes_anew(injected, monkeypatch):
     with pytest.raises(ValueError, match=r"hpccomm.gpu.set_transport: 'ucx' is not one of auto, mpi, composed, nccl, "
                        r"staged"):
         dispatch.set_transport(g, "ucx")
-    dispatch.set_transport(g, "auto")
+    dispatch.set_transport(g, None)
+    assert dispatch.requested(g) == "auto"
     dispatch.set_routes(g, {"reduction": "mpi"})
     assert dispatch.table(g, "all_reduce", CUDA0).reduction == "mpi"
     with pytest.raises(ValueError, match=r"hpccomm.gpu.set_routes: 'movement=composed': hpccomm composes reductions "
@@ -650,12 +652,12 @@ def test_cuda_mpi_stream_order_with_a_fake_op():
         seen["group"] = group
         rec.log.append(("plan",))
         kernel = lambda: rec.log.append(("kernel",))  # noqa: E731 - the op's own step (a copy, say)
-        return (Stepped(kernel, group.comm.Allreduce, None), (), None, tensors, tensors, kernel, None, 0)
+        return (group.comm.Allreduce, (), None, tensors, tensors, kernel, None, 0)
 
     t = fake_cuda(torch.ones(3))
     g = fake_group()
     g.comm = OneCall(rec.log)
-    plan = made.plan(table.Op("all_reduce", fake_plan, reducing=True, first="inout"), g, ([t], R.SUM))
+    plan = made.plan(table.OpSpec("all_reduce", fake_plan, reducing=True, first="inout"), g, ([t], R.SUM))
     assert rec.names() == ["plan", "record"]  # nothing waits at issue: async ops return at once
     assert run_plan(plan) == [t]
     # on the caller's thread: the op's kernel (and the caller's, on the same stream) done before MPI reads; the
@@ -667,7 +669,7 @@ def test_cuda_mpi_stream_order_with_a_fake_op():
     for fail in (False, True):
         g.comm = OneCall(rec.log, fail=fail)
         rec.log.clear()
-        plan = made.plan(table.Op("all_reduce", fake_plan, reducing=True, first="inout"), g, ([t], R.SUM))
+        plan = made.plan(table.OpSpec("all_reduce", fake_plan, reducing=True, first="inout"), g, ([t], R.SUM))
         failed = []
         worker = threading.Thread(target=lambda: failed.append(raised_by(lambda: run_plan(plan))))
         worker.start()
@@ -801,8 +803,8 @@ def test_staged_p2p_on_self(self_group):
     made = staged.Staged(CUDA0, "test", streams=rec, alloc=alloc, copy=rec.copy)
     src = fake_cuda(torch.arange(5.0))
     dst = fake_cuda(torch.zeros(5))
-    r = op_path.start(self_group, table.RECV, made.plan(table.RECV, self_group, ([dst], 0, 7)), ([dst], 0, 7))
-    s = op_path.start(self_group, table.SEND, made.plan(table.SEND, self_group, ([src], 0, 7)), ([src], 0, 7))
+    r = op_path.run(self_group, table.RECV, ([dst], 0, 7), None, made.plan(table.RECV, self_group, ([dst], 0, 7)))
+    s = op_path.run(self_group, table.SEND, ([src], 0, 7), None, made.plan(table.SEND, self_group, ([src], 0, 7)))
     assert s.wait() and r.wait()
     assert s._source_rank() == -1 and r._source_rank() == 0
     assert torch.equal(dst.as_subclass(torch.Tensor), torch.arange(5.0))
@@ -869,7 +871,7 @@ NCCL_CASES = [
 
 
 def test_nccl_calls_cover_every_op_with_tensors():
-    from hpccomm._torch import methods
+    from hpccomm import _methods as methods
 
     src = open(methods.__file__).read()
     used = set(re.findall(r'op_path\.run\(self\._g, table\.([A-Z_]+)\b', src))  # the table entries the adapter runs
@@ -1120,9 +1122,9 @@ def test_future_devices():
     it, and then orders the waiter's stream after the completing thread's)."""
     assert dispatch.future_devices(CUDA0, FakeCudaModule(2)) == [CUDA0]
     assert dispatch.future_devices(CUDA0, FakeCudaModule(0)) is None
-    from hpccomm._core import work as core_work
+    from hpccomm._core import work
 
-    w = core_work.done([torch.ones(1)], None)
+    w = work.finished([torch.ones(1)], None)
     assert w.get_future().done() and torch.equal(w.get_future().value()[0], torch.ones(1))
 
 
@@ -1184,7 +1186,7 @@ rank, size = dist.get_rank(), dist.get_world_size()
 t = torch.full((4,), float(rank + 1))
 dist.all_reduce(t)
 pg = dist.group.WORLD
-group_of = hpccomm._torch.compat.group_of
+group_of = hpccomm._compat.group_of
 report(result=t.tolist(), backend=str(dist.get_backend()), is_hpccomm="hpccomm" in str(dist.get_backend(pg)),
        mapped=dispatch._maps.get(group_of(pg)))
 sub = dist.new_group([0])
@@ -1341,8 +1343,8 @@ def test_staged_p2p_ring(world):
     src = fake_cuda(torch.full((4,), float(rank)))
     dst = fake_cuda(torch.zeros(4))
     recv_args, send_args = ([dst], (rank - 1) % n, 3), ([src], (rank + 1) % n, 3)
-    r = op_path.start(g, table.RECV, made.plan(table.RECV, g, recv_args), recv_args)
-    s = op_path.start(g, table.SEND, made.plan(table.SEND, g, send_args), send_args)
+    r = op_path.run(g, table.RECV, recv_args, None, made.plan(table.RECV, g, recv_args))
+    s = op_path.run(g, table.SEND, send_args, None, made.plan(table.SEND, g, send_args))
     s.wait(), r.wait()
     assert r._source_rank() == (rank - 1) % n
     assert torch.equal(_plain(dst), torch.full((4,), float((rank - 1) % n)))

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import hpccomm
-from hpccomm._torch import compat
+from hpccomm import _compat as compat
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ the op, so the check follows the op order.
 A rank whose own checks refuse the op still takes part, with its refusal:
 every rank then raises it, naming that rank (without debug mode such a
 refusal is announced through the store and the watchdog ends the job, see
-hpccomm._core.op_path).
+hpccomm._ops.op_path).
 
 Two things are compared: what must be equal on every rank (the op, dtypes,
 sizes that must match, root, ReduceOp and the op number), and what each rank

@@ -30,6 +30,7 @@ import threading
 import time
 from .. import config
 from . import state
+from .watchdog import current
 
 _installed = False
 _lock = threading.Lock()
@@ -104,7 +105,7 @@ def _report_and_exit() -> None:
 
 
 def report_line() -> str:
-    running = state.current()
+    running = current()
     if running is not None:
         label = "p2p op" if running.kind == "p2p" else "op"
         where = (f"while in {running.name} ({label} #{running.seq} on group '{running.group.name}', "

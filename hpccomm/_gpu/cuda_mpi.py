@@ -45,6 +45,7 @@ class DeviceView:
         if ready is not None:
             self.comm = _Ordered(group.comm, ready)
             self.p2p = _Ordered(group.p2p, ready)
+            self.calls = _Ordered(group.calls, ready)  # (the calls plans bind once per group)
 
     def __getattr__(self, name):
         return getattr(self._group, name)
@@ -140,7 +141,11 @@ class CudaAwareMPI:
                 for x, w, copy_in, _ in pairs:
                     if copy_in:
                         w.copy_(x)
-                call(*mpi_args)  # (the plan's own steps inside; each MPI call waits for their kernels)
+                if before is not None:
+                    before()
+                call(*mpi_args)  # (each MPI call waits for the kernels before it first)
+                if after is not None:
+                    after()
                 for x, w, _, back in pairs:
                     if back:
                         x.copy_(w)

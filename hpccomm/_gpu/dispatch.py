@@ -1,6 +1,6 @@
 """Routing CUDA tensors to GPU transports, per group, device and op family.
 
-The op path (hpccomm._core.op_path) asks :func:`cuda_device` for every op that
+The op path (hpccomm._ops.op_path) asks :func:`cuda_device` for every op that
 meets a device tensor: None (no CUDA tensor: hpccomm's CPU path), the one CUDA
 device of the call, or an :class:`~hpccomm.errors.OpValueError` for a call that
 mixes devices, raised before any communication.  :func:`route` then gives the
@@ -34,8 +34,8 @@ import weakref
 import torch
 
 from .. import config
-from .._core.work import done
-from .._torch import compat
+from .. import _compat as compat
+from .._core import comm_thread, work
 from ..errors import OpTypeError, OpValueError
 from . import nccl_wire, probe, select
 from .cuda_mpi import CudaAwareMPI, DeviceView
@@ -150,10 +150,8 @@ def _facts(group, device) -> select.Facts:
 
 def _agree(group, mine):
     """Every member's ``mine`` (picklable), over the group's communicator."""
-    from .._core.comm_thread import engine
-
-    if not engine.on_comm_thread():  # (on it, nothing else uses the communicator now)
-        engine.flush(group)  # the comm thread must not be in MPI on this communicator meanwhile
+    if not comm_thread.on_it():  # (on it, nothing else uses the communicator now)
+        comm_thread.flush(group)  # the comm thread must not be in MPI on this communicator meanwhile
     return group.comm.allgather(mine)
 
 
@@ -314,7 +312,7 @@ def delegated(made, group, op: str, wire, opts):
         out.wait()  # the current stream waits for NCCL: the steps after it see its result
     for step in wire.after:
         step()
-    return done(wire.outputs, future_devices(made.device))
+    return work.finished(wire.outputs, future_devices(made.device))
 
 
 def _close(group, made) -> None:
@@ -338,27 +336,33 @@ def release(group) -> None:
         _close(group, m)
 
 
-def set_transport(group, name: str) -> None:
+def set_transport(group, name) -> None:
     """Force transport ``name`` (auto, mpi, composed, nccl, staged) for
-    ``group``'s CUDA ops from its next op on; the routes are made anew
-    (hpccomm.gpu.set_transport)."""
+    ``group``'s CUDA ops from its next op on, or (None) go back to
+    HPCCOMM_GPU_TRANSPORT; the routes are made anew (hpccomm.gpu.set_transport)."""
     choices = config.OPTIONS["HPCCOMM_GPU_TRANSPORT"].choices
-    if name not in choices:
+    if name is not None and name not in choices:
         raise ValueError(f"hpccomm.gpu.set_transport: {name!r} is not one of {', '.join(choices)}")
     release(group)
-    _forced[group] = name
+    if name is None:
+        _forced.pop(group, None)
+    else:
+        _forced[group] = name
 
 
 def set_routes(group, routes: dict) -> None:
     """Force the route of single op families (``{"reduction": "composed"}``)
-    for ``group`` from its next op on, on top of its transport; ``{}`` forces
-    none (hpccomm.gpu.set_routes)."""
+    for ``group`` from its next op on, on top of its transport; ``{}``: back
+    to HPCCOMM_GPU_ROUTES (hpccomm.gpu.set_routes)."""
     try:
         forced = config.OPTIONS["HPCCOMM_GPU_ROUTES"].parse(",".join(f"{k}={v}" for k, v in routes.items()))
     except ValueError as exc:
         raise ValueError(f"hpccomm.gpu.set_routes: {exc}") from None
     release(group)
-    _forced_routes[group] = forced
+    if forced:
+        _forced_routes[group] = forced
+    else:
+        _forced_routes.pop(group, None)
 
 
 def routes_of(group) -> dict:

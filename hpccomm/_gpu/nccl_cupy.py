@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from .._torch.compat import RedOpType, reduce_op_type
+from .._compat import RedOpType, reduce_op_type
 from ..errors import OpTypeError, OpValueError
 from .nccl_wire import Ability
 
@@ -134,8 +134,8 @@ class CupyNCCL:
 
 
 def _mpi_bcast(group, obj):
-    from .._core.comm_thread import engine
+    from .._core import comm_thread
 
-    if not engine.on_comm_thread():
-        engine.flush(group)  # the comm thread must not be in MPI on this communicator meanwhile
+    if not comm_thread.on_it():
+        comm_thread.flush(group)  # the comm thread must not be in MPI on this communicator meanwhile
     return group.comm.bcast(obj, root=0)

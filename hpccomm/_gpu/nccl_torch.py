@@ -15,8 +15,8 @@ import logging
 
 import torch
 
-from .._torch import compat
-from .._torch.compat import RedOpType
+from .. import _compat as compat
+from .._compat import RedOpType
 from ..errors import OpValueError
 from .nccl_wire import Ability
 

@@ -39,8 +39,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .._ops.staging import finish_average, overlaps
-from .._torch.compat import ReduceOp, RedOpType, reduce_op_type, premul_sum_factor
+from .._core.steps import finish_average, overlaps
+from .._compat import ReduceOp, RedOpType, reduce_op_type, premul_sum_factor
 
 _R = RedOpType
 

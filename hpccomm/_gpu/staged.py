@@ -26,7 +26,7 @@ import threading
 
 import torch
 
-from .._ops.plan import steps, with_steps
+from .._core.plan import run, steps
 from .streams import CudaStreams
 from .tensors import translate
 
@@ -144,7 +144,7 @@ class Staged:
             return (call, cargs, icall, outputs, (keep, pairs), before, steps(after, lambda: self._copy_back(pairs)),
                     nbytes)
         host_args, pairs = self._stand_ins(op, args, self.buffers)
-        call, cargs, _, outputs, keep, _, _, nbytes = op.plan(group, *host_args)  # (call: its steps included)
+        call, cargs, _, outputs, keep, before, after, nbytes = op.plan(group, *host_args)
         if op.name in _CHUNKABLE and len(pairs) == 1 and pairs[0][0].is_contiguous() and \
                 nbytes >= self.pipeline_bytes:
             return self._pipelined(op, group, args, pairs[0], outputs, keep, nbytes)
@@ -164,8 +164,8 @@ class Staged:
             if threading.get_ident() != issuer:
                 self.streams.synchronize(self.device)
 
-        return with_steps(call, cargs, None, translate(outputs, {id(h): dev for dev, h, _, _ in pairs}),
-                          (keep, pairs), staged_before, staged_after, nbytes)
+        return (call, cargs, None, translate(outputs, {id(h): dev for dev, h, _, _ in pairs}), (keep, pairs),
+                steps(staged_before, before), steps(after, staged_after), nbytes)
 
     def _pipelined(self, op, group, args, pair, outputs, keep, nbytes: int):
         """The plan of ``op`` (all_reduce, broadcast, reduce) on one contiguous
@@ -182,15 +182,15 @@ class Staged:
         streams, device = self.streams, self.device
         issued = streams.record(device)
 
-        def run():
+        def pipeline():
             ready = [streams.copy_async(flat_host[a:b], flat_dev[a:b], issued) for a, b in bounds]
             back = None
             for (a, b), arrived, plan in zip(bounds, ready, chunk_plans):
                 streams.wait(arrived)  # this chunk is in host memory; the next ones are still on their way
-                plan[0](*plan[1])
+                run(plan)
                 if writes:
                     back = streams.copy_async(flat_dev[a:b], flat_host[a:b], None, back=True)
             if back is not None:
                 streams.wait(back)  # the last copy back (its stream's earlier ones with it) is done
 
-        return (run, (), None, translate(outputs, {id(host): dev}), (keep, pair, chunk_plans), None, None, nbytes)
+        return (pipeline, (), None, translate(outputs, {id(host): dev}), (keep, pair, chunk_plans), None, None, nbytes)

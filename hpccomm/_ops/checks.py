@@ -12,7 +12,7 @@ import torch
 
 from .. import _mpi
 from .._core import state
-from .._torch.compat import RedOpType, premul_sum_factor, reduce_op_type
+from .._compat import RedOpType, premul_sum_factor, reduce_op_type
 from ..errors import OpError, OpTypeError, OpValueError  # noqa: F401 - OpError for the op modules
 
 
@@ -30,7 +30,7 @@ _STRIDED = torch.strided
 
 
 class NotOnCPU(OpTypeError):
-    """A tensor on a device this path does not serve: hpccomm._core.op_path takes a
+    """A tensor on a device this path does not serve: hpccomm._ops.op_path takes a
     CUDA call to its GPU transport on catching it (so the CPU path pays
     nothing to learn that a call is on the CPU); to a direct caller it is the
     refusal it says."""
@@ -227,7 +227,7 @@ def reduction(group, op: str, dtype: torch.dtype, redop) -> Reduction:
     Example::
 
         r = reduction(group, "all_reduce", t.dtype, dist.ReduceOp.AVG)
-        comm.Allreduce(_mpi.IN_PLACE, _mpi.host_buffer(t), op=r.mop)
+        comm.Allreduce(_mpi.IN_PLACE, _mpi.buffer(t), op=r.mop)
     """
     try:  # the key is the enum's value: hashing torch's pybind enums costs more than a small op's checks
         code = redop.value if redop.__class__ is _R else redop.op.value

@@ -33,9 +33,9 @@ from functools import partial
 import torch
 
 from .. import _mpi
-from .._torch.compat import RedOpType
+from .._compat import RedOpType
+from .._core.plan import blocking, sequence
 from . import checks, staging
-from .plan import blocking, sequence
 
 _R = RedOpType
 #: The tag of the ring's messages on the group's collective communicator (user messages travel on
@@ -129,8 +129,7 @@ def _work(t: torch.Tensor, r):
         return buf, before, partial(t.copy_, buf)
     if t.is_contiguous():
         return t, None, None
-    buf, before = staging.copy_apart(t)
-    return buf, before, partial(t.copy_, buf)
+    return staging.copy_inout(t)
 
 
 def _scale_(t: torch.Tensor, factor) -> None:
@@ -218,7 +217,7 @@ def reduce(group, tensors, root: int, redop, op: str = "reduce"):
     if group.rank == root:
         work, before, back = _work(t, r)
     else:
-        work, before = staging.copy_apart(t) if r.factor is None else staging.scaled(t, r.factor)
+        work, before = staging.copy_in(t) if r.factor is None else staging.scaled(t, r.factor)
         back = None
     flat = work.view(-1)
     bounds = _bounds(flat.numel(), group.size)
