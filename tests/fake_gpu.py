@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from hpccomm._compat import premul_sum_factor
+from helpers import FakeCudaTensor
 
 _R = dist.ReduceOp.RedOpType
 CUDA0 = torch.device("cuda", 0)
@@ -64,21 +65,10 @@ _META = {
 _ALLOCATIONS = {"new_empty", "empty_like", "new_empty_strided", "empty", "empty_strided"}
 
 
-class StaleCudaTensor(torch.Tensor):
-    """A CPU tensor claiming to live on cuda:0; its host-visible memory goes
-    stale under pending kernels (see the module docstring)."""
-
-    @property
-    def device(self):
-        return CUDA0
-
-    @property
-    def is_cuda(self):
-        return True
-
-    @property
-    def is_cpu(self):
-        return False
+class StaleCudaTensor(FakeCudaTensor):
+    """A CPU tensor claiming to live on cuda:0 (helpers.FakeCudaTensor); its
+    host-visible memory goes stale under pending kernels (see the module
+    docstring)."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):

@@ -654,10 +654,11 @@ def test_cuda_mpi_stream_order_with_a_fake_op():
         kernel = lambda: rec.log.append(("kernel",))  # noqa: E731 - the op's own step (a copy, say)
         return (group.comm.Allreduce, (), None, tensors, tensors, kernel, None, 0)
 
+    spec = table.OpSpec("all_reduce", fake_plan, table.arguments.all_reduce, reducing=True, first="inout")
     t = fake_cuda(torch.ones(3))
     g = fake_group()
     g.comm = OneCall(rec.log)
-    plan = made.plan(table.OpSpec("all_reduce", fake_plan, reducing=True, first="inout"), g, ([t], R.SUM))
+    plan = made.plan(spec, g, ([t], R.SUM))
     assert rec.names() == ["plan", "record"]  # nothing waits at issue: async ops return at once
     assert run_plan(plan) == [t]
     # on the caller's thread: the op's kernel (and the caller's, on the same stream) done before MPI reads; the
@@ -669,7 +670,7 @@ def test_cuda_mpi_stream_order_with_a_fake_op():
     for fail in (False, True):
         g.comm = OneCall(rec.log, fail=fail)
         rec.log.clear()
-        plan = made.plan(table.OpSpec("all_reduce", fake_plan, reducing=True, first="inout"), g, ([t], R.SUM))
+        plan = made.plan(spec, g, ([t], R.SUM))
         failed = []
         worker = threading.Thread(target=lambda: failed.append(raised_by(lambda: run_plan(plan))))
         worker.start()
@@ -937,6 +938,109 @@ def test_nccl_route_refuses_a_receive_from_any_source(injected, monkeypatch):
                        r"cannot receive from any source\. Name the source rank, or leave HPCCOMM_GPU_TRANSPORT at auto"):
         dispatch.route(g, table.RECV, CUDA0, ([fake_cuda(torch.ones(2))], None, 0))
     dispatch.release(g)
+
+
+def _good_calls(rank: int, size: int) -> dict:
+    """One valid call of every op of hpccomm._ops.table, as ``rank`` of
+    ``size`` makes it (root 0)."""
+    def t(n=4, dtype=torch.float32):
+        return torch.ones(n, dtype=dtype)
+
+    root = rank == 0
+    return {
+        "all_reduce": ([t()], R.SUM),
+        "all_reduce_coalesced": ([t(), t(3, torch.int32)], R.MAX),
+        "reduce": ([t()], 0, R.PRODUCT),
+        "reduce_scatter": ([t()], [[t() for _ in range(size)]], R.SUM),
+        "reduce_scatter_tensor": (t(), t(4 * size), R.AVG),
+        "reduce_scatter_tensor_coalesced": ([t()], [t(4 * size)], R.MIN),
+        "broadcast": ([t()], 0),
+        "scatter": ([t()], [[t() for _ in range(size)]] if root else [], 0),
+        "all_gather": ([[t() for _ in range(size)]], [t()]),
+        "all_gather_into_tensor": (t(4 * size), t()),
+        "all_gather_coalesced": ([[t(), t(2)] for _ in range(size)], [t(), t(2)]),
+        "all_gather_into_tensor_coalesced": ([t(4 * size)], [t()]),
+        "gather": ([[t() for _ in range(size)]] if root else [], [t()], 0),
+        "gather_single": (t(4 * size), t(), 0),
+        "all_to_all_single": (t(2 * size), t(2 * size), None, None),
+        "all_to_all": ([t(2) for _ in range(size)], [t(3) for _ in range(size)]),
+        "barrier": (),
+        "send": ([t()], (rank + 1) % size, 0),
+        "recv": ([t()], None, 7),
+    }
+
+
+def _bad_values(value):
+    """What a careless caller passes where ``value`` belongs."""
+    if isinstance(value, torch.Tensor):
+        n = value.numel()
+        return [value.tolist(), value.to_sparse(), torch.empty(n, device="meta"), torch.zeros(n, dtype=torch.bits8),
+                value.double(), torch.ones(n + 1, dtype=value.dtype), value.bool()]
+    if isinstance(value, list):
+        return [tuple(value), value[:-1], value + value[-1:], "tensors", None]
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [-1, 4, 99, 1 << 40]
+    if isinstance(value, R.RedOpType):
+        return [R.BAND, R.BOR, "sum", dist._make_nccl_premul_sum(2.0)]
+    if value is None:
+        return [0, [1, 1, 1, 1], [2, 2, 2, 2], [1, -1, 0, 0]]
+    return []
+
+
+def _mutations(args, path=()):
+    """Every call made of ``args`` with one value (at any depth of its lists)
+    replaced by a bad one: ``(path, new args)``."""
+    for i, value in enumerate(args):
+        for bad in _bad_values(value):
+            yield path + (i,), type(args)(bad if j == i else v for j, v in enumerate(args))
+        if isinstance(value, list) and value:
+            for sub, changed in _mutations(value, path + (i,)):
+                yield sub, type(args)(changed if j == i else v for j, v in enumerate(args))
+
+
+def _verdict(fn, group, args):
+    try:
+        fn(group, *args)
+    except hpccomm.OpError as exc:
+        return type(exc).__name__, str(exc)
+    except Exception:  # noqa: BLE001 - not an argument check's verdict (the fake comm cannot build every plan)
+        return None
+    return None
+
+
+class Allocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every aten op run while active (an allocation is one: empty, clone, ...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("rank,size", [(0, 4), (1, 4), (2, 3), (0, 1)])
+def test_argument_checks_give_the_plans_verdict(rank, size):
+    """The checks a delegating transport (NCCL) runs, hpccomm._ops.arguments,
+    refuse what the plan functions refuse, with the same error and message,
+    and accept what they accept, on a bank of bad calls of every op (each
+    value of a valid call, at any depth, replaced by what careless callers
+    pass); a valid call is checked without running a single aten op."""
+    assert set(_good_calls(0, 1)) == set(table.OPS)
+    g = helpers.fake_group(rank, size, timeout=timedelta(seconds=42), done=2)
+    compared = refused = 0
+    for name, args in _good_calls(rank, size).items():
+        op = table.OPS[name]
+        with Allocations() as seen:
+            op.check(g, *args)
+        assert seen.ops == [], (name, seen.ops)
+        for path, bad in _mutations(args):
+            want, got = _verdict(op.plan, g, bad), _verdict(op.check, g, bad)
+            assert got == want, (name, path, bad)
+            compared += 1
+            refused += want is not None
+    assert compared > 400 and refused > 300, (compared, refused)  # the bank is as large as it is meant to be
 
 
 def test_nccl_torch_refusals():

@@ -45,7 +45,7 @@ MAP = {
         "hpccomm._gpu.select", "hpccomm._gpu.cuda_mpi",
         "hpccomm._gpu.staged", "hpccomm._gpu.nccl_torch", "hpccomm._gpu.nccl_cupy", "hpccomm._gpu.dispatch"],
     "op translation (one plan per op) and the op path": [
-        "hpccomm._ops", "hpccomm._ops.checks", "hpccomm._ops.staging", "hpccomm._ops.gather",
+        "hpccomm._ops", "hpccomm._ops.checks", "hpccomm._ops.arguments", "hpccomm._ops.staging", "hpccomm._ops.gather",
         "hpccomm._ops.reduce", "hpccomm._ops.composed", "hpccomm._ops.scatter", "hpccomm._ops.alltoall",
         "hpccomm._ops.p2p", "hpccomm._ops.table", "hpccomm._ops.op_path"],
     "the torch adapters": [

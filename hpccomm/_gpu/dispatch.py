@@ -247,7 +247,7 @@ def route(group, op, device, args):
     if not made.delegates:
         _record(group, op.name, name, "")
         return made, None
-    check_only(group, op, args)  # the CPU path's checks: what it refuses, NCCL's route refuses alike
+    op.check(DeviceView(group, "cuda"), *args)  # the CPU path's checks: what it refuses, NCCL refuses alike
     if op.p2p and op.name == "recv" and args[1] is None:
         raise OpValueError(op.name, group.where_p2p(), "NCCL cannot receive from any source",
                            f"Name the source rank, or leave {select.VARIABLE} at auto (point-to-point ops then go "
@@ -277,14 +277,6 @@ def _say_once(group, device, op, args, how: str) -> None:
         _said.add(key)
         log.info("hpccomm: group '%s', %s: %s of %s%s goes through %s", group.name, device, op.name,
                  str(dtype).replace("torch.", ""), redop, how)
-
-
-def check_only(group, op, args) -> None:
-    """The checks of ``op`` (an entry of hpccomm._ops.table) for a call a
-    delegating transport (NCCL) will run: its plan function, over the
-    group's device view, raises OpError before any communication (a plan
-    function never communicates; the plan is dropped)."""
-    op.plan(DeviceView(group, "cuda"), *args)
 
 
 def future_devices(device, cuda=None):

@@ -202,39 +202,43 @@ def mpi_cuda_support(library: str, alloc_kinds: Optional[str], symbol: Callable[
 OPENMPI_CUDA_COMPONENTS = ("mca_accelerator_cuda.so", "libmca_common_cuda.so")
 
 
-def device_movement(library: str, cuda_aware: Finding) -> Finding:
-    """Whether a CUDA-aware MPI library moves device memory fast (True: at
-    the GPU's speed, CUDA IPC within a node), slowly (False), or unknown
-    (None); from what was measured (docs/gpu.md).  ``auto`` sends data
-    movement to NCCL, where NCCL can serve, when this says False."""
+#: What was measured of CUDA-aware MPI libraries on device memory (docs/gpu.md), by
+#: (what, library family): whether it is fast (True) or slow (False), and the figures.
+MEASURED = {
+    ("movement", "openmpi"): (True, "Open MPI moves device memory through CUDA IPC (4.1.4 with CUDA, broadcast of "
+                                    "64 MiB at 2 ranks on one H100: 0.36-0.45 ms, 160-187 GB/s)"),
+    ("movement", "intel"): (False, "Intel MPI moves device memory slowly (broadcast of 64 MiB at 2 ranks on one "
+                                   "H100: 12.7 ms, 5.3 GB/s; all_gather 0.85 GB/s)"),
+    ("reductions", "intel"): (True, "Intel MPI with offload reduces on the device (all_reduce of 64 MiB at 2 ranks "
+                                    "on one H100: 1.05 ms, 64 GB/s bus bandwidth)"),
+    ("reductions", "openmpi"): (False, "Open MPI reduces device buffers on the host (4.1.4 with CUDA, all_reduce of "
+                                       "64 MiB at 2 ranks on one H100: 90-105 ms, 0.7 GB/s)"),
+}
+
+
+def _measured(what: str, library: str, cuda_aware: Finding) -> Finding:
     if cuda_aware.value is not True:
         return Finding(None, "not CUDA-aware")
     family = library_family(library)
-    if family == "openmpi":
-        return Finding(True, "Open MPI moves device memory through CUDA IPC (4.1.4 with CUDA, broadcast of 64 MiB at "
-                             "2 ranks on one H100: 0.36-0.45 ms, 160-187 GB/s)")
-    if family == "intel":
-        return Finding(False, "Intel MPI moves device memory slowly (broadcast of 64 MiB at 2 ranks on one H100: "
-                              "12.7 ms, 5.3 GB/s; all_gather 0.85 GB/s)")
-    return Finding(None, f"not measured for this library ({family})")
+    value, figures = MEASURED.get((what, family), (None, f"not measured for this library ({family})"))
+    return Finding(value, figures)
+
+
+def device_movement(library: str, cuda_aware: Finding) -> Finding:
+    """Whether a CUDA-aware MPI library moves device memory fast (True: at
+    the GPU's speed, CUDA IPC within a node), slowly (False), or unknown
+    (None); from what was measured (:data:`MEASURED`).  ``auto`` sends data
+    movement to NCCL, where NCCL can serve, when this says False."""
+    return _measured("movement", library, cuda_aware)
 
 
 def device_reductions(library: str, cuda_aware: Finding) -> Finding:
     """Whether a CUDA-aware MPI library reduces device buffers on the device
     (True), on the host (False: each reduction copies to host memory and
     back, far slower than NCCL), or unknown (None); from what was measured
-    (docs/gpu.md).  ``auto`` sends reductions to NCCL, where NCCL can serve,
-    unless this says True."""
-    if cuda_aware.value is not True:
-        return Finding(None, "not CUDA-aware")
-    family = library_family(library)
-    if family == "intel":
-        return Finding(True, "Intel MPI with offload reduces on the device (all_reduce of 64 MiB at 2 ranks "
-                             "on one H100: 1.05 ms, 64 GB/s bus bandwidth)")
-    if family == "openmpi":
-        return Finding(False, "Open MPI reduces device buffers on the host (4.1.4 with CUDA, all_reduce of "
-                              "64 MiB at 2 ranks on one H100: 90-105 ms, 0.7 GB/s)")
-    return Finding(None, f"not measured for this library ({family})")
+    (:data:`MEASURED`).  ``auto`` sends reductions to NCCL, where NCCL can
+    serve, unless this says True."""
+    return _measured("reductions", library, cuda_aware)
 
 
 # --------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import math
 import torch
 
 from .. import _mpi
-from . import checks, staging
+from . import arguments, checks, staging
 
 
 def _layout(counts):
@@ -80,28 +80,10 @@ def _alltoallv(group, send, scounts, recv, rcounts):
                 t.Free()
 
 
-def _splits(group, op, t: torch.Tensor, splits, what: str):
-    rows = t.shape[0] if t.dim() else 1
-    row = t.numel() // rows if rows else 0
-    if not splits:
-        if rows % group.size:
-            raise checks.OpValueError(op, group.where(), f"{what} has {rows} rows, not divisible by the group size "
-                                 f"{group.size}", f"Pass {what}_split_sizes")
-        return [rows // group.size * row] * group.size
-    splits = list(splits)
-    if len(splits) != group.size:
-        raise checks.OpValueError(op, group.where(), f"{what}_split_sizes has {len(splits)} entries, expected "
-                             f"{group.size} (one per rank)")
-    if any(s < 0 for s in splits) or sum(splits) != rows:
-        raise checks.OpValueError(op, group.where(), f"{what}_split_sizes {splits} do not add up to {what}'s "
-                             f"{rows} rows (dim 0)")
-    return [s * row for s in splits]
-
-
 def all_to_all_single(group, output, input, output_splits, input_splits, op: str = "all_to_all_single"):
     checks.check_pair(group, op, output, input)
-    scounts = _splits(group, op, input, input_splits, "input")
-    rcounts = _splits(group, op, output, output_splits, "output")
+    scounts = checks.split_counts(group, op, input, input_splits, "input")
+    rcounts = checks.split_counts(group, op, output, output_splits, "output")
     _check_counts(group, op, scounts, rcounts)
 
     if output.is_contiguous():
@@ -121,13 +103,7 @@ def all_to_all_single(group, output, input, output_splits, input_splits, op: str
 
 
 def alltoall(group, outputs, inputs, op: str = "all_to_all"):
-    checks.check_list(group, op, outputs, group.size, "output_tensor_list")
-    checks.check_list(group, op, inputs, group.size, "input_tensor_list")
-    checks.check_tensors(group, op, inputs, "input_tensor_list")
-    checks.check_tensors(group, op, outputs, "output_tensor_list")
-    dtype = inputs[0].dtype
-    checks.check_same_dtype(group, op, inputs, dtype, "input_tensor_list")
-    checks.check_same_dtype(group, op, outputs, dtype, "output_tensor_list")
+    arguments.alltoall(group, outputs, inputs, op)
     _check_counts(group, op, [t.numel() for t in inputs], [t.numel() for t in outputs])
 
     scounts = [t.numel() for t in inputs]

@@ -89,9 +89,7 @@ def all_gather(group, output_lists, inputs, op: str = "all_gather"):
     else into one buffer then copied out; no nonblocking form (hpccomm._ops.table)."""
     input = checks.single(group, op, inputs, "input_tensors", "input")
     outputs = checks.per_rank(group, op, output_lists, "output_tensor_lists", "tensor_list", input)
-    if outputs[group.rank].numel() != input.numel():
-        raise checks.OpValueError(op, group.where(), f"tensor_list[{group.rank}] (this rank's slot) has "
-                                  f"{outputs[group.rank].numel()} elements but the input has {input.numel()}")
+    checks.check_own_slot(group, op, outputs, input)
     counts = [t.numel() for t in outputs]
     recv, after = staging.split(outputs, counts, input)
     offset = sum(counts[:group.rank]) * input.element_size()

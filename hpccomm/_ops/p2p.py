@@ -66,13 +66,7 @@ def _message(group, op: str, tensors, peer, side: str, tag: int, icall, source):
     range; a refusal names this rank's next point-to-point op.  The tensor's
     own memory when contiguous, else a contiguous copy: a send's taken now
     (it is posted now), a receive's written back once it arrived."""
-    try:
-        t = checks.single(group, op, tensors)
-        if peer is not None:
-            checks.check_root(group, op, peer, side)
-        checks.check_tag(group, op, tag)
-    except checks.OpError as exc:
-        raise type(exc)(exc.op, group.where_p2p(), exc.what, exc.fix) from None
+    t = checks.message(group, op, tensors, peer, side, tag)
     buf, after = t, None
     if not t.is_contiguous():
         if side == "src":

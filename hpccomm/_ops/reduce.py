@@ -16,14 +16,12 @@ import math
 import torch
 
 from .. import _mpi
-from .._compat import RedOpType, reduce_op_type
 from .._core.plan import NBYTES, blocking, sequence
 from .._core.plan import run as run_plan
 from ..errors import HpccommError
 from . import checks, staging
 from .gather import allgather
 
-_R = RedOpType
 _FLATTEN_BYTES = 1 << 18  # coalesced ops below this total go as one message
 # Open MPI's allreduce allocates scratch memory of up to half the message (a 1 GiB
 # float32 all_reduce peaked at 1.5x the tensor above baseline, raw mpi4py as well):
@@ -232,22 +230,7 @@ def all_reduce_sparse(group, tensors, redop, op: str = "all_reduce"):
     coalesced indices and values are gathered, summed and coalesced; the
     result is copied into the user's tensor (a sparse copy, which takes the
     sum's indices).  Only SUM, as gloo."""
-    checks.check_list(group, op, tensors, 1, "tensors")
-    t = tensors[0]
-    if not isinstance(t, torch.Tensor) or t.layout != torch.sparse_coo:
-        layout = getattr(t, "layout", type(t).__name__)
-        raise checks.OpTypeError(op, group.where(), f"a sparse all_reduce needs a sparse COO tensor, got {layout}")
-    if t.dtype not in _mpi.DTYPES or _mpi.DTYPES[t.dtype].kind not in ("float", "half", "int", "complex"):
-        raise checks.OpTypeError(op, group.where(), f"sparse tensors of dtype {t.dtype} cannot be summed")
-    if not t.is_cpu:
-        raise checks.OpTypeError(op, group.where(), f"sparse tensor on {t.device}; sparse all_reduce moves CPU tensors")
-    try:
-        kind = reduce_op_type(redop)
-    except AttributeError:
-        raise checks.OpTypeError(op, group.where(), f"{redop!r} is not a torch.distributed.ReduceOp") from None
-    if kind != _R.SUM:
-        raise checks.OpTypeError(op, group.where(), f"sparse tensors reduce with ReduceOp.SUM only (as gloo), "
-                            f"not {str(kind).split('.')[-1]}", "Call .to_dense() first for other ReduceOps")
+    t = checks.sparse_sum(group, op, tensors, redop)
 
     def run():
         local = t.coalesce()
