@@ -62,6 +62,8 @@ def run(g, op, args, opts=None, plan=None, devices=None):
         if plan is None:  # (outside the except clause: a device error carries no unrelated context)
             return _on_device(g, op, args, opts, not_cpu)
     asynchronous = opts is not None and getattr(opts, "asyncOp", False)
+    if not (asynchronous or g.queued or op.p2p):  # form()'s first answer, without its call frame
+        return work.finished(execute(g, op.name, plan, args, None, False), devices)
     where, nonblocking = form(g, op, plan, asynchronous)
     if nonblocking:
         if where is POSTED:
