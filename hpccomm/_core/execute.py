@@ -18,7 +18,7 @@ from .. import _mpi
 from ..errors import HpccommError
 from . import debug_mode, failures, signatures, state, trace
 from .comm_thread import THREAD_NAME
-from .plan import AFTER, ARGS, BEFORE, CALL, NBYTES, OUTPUTS, run
+from .plan import AFTER, ARGS, BEFORE, CALL, NBYTES, OUTPUTS
 
 log = logging.getLogger("hpccomm")
 
@@ -28,47 +28,14 @@ def execute(g, name: str, plan, args, record=None, asynchronous: bool = False):
     called with torch's ``args``) blocking, here; its outputs.  ``record``:
     the queued op it runs for (hpccomm._core.record), told its number;
     ``asynchronous``: the call's ``async_op`` (debug mode compares it).
-    With ``g.instrumented`` (debug mode, the tracer, debug logging):
-    :func:`_observed`; else the plain path here, which every op takes (the
-    two differ only in the steps around the call)."""
-    if g.instrumented:
-        return _observed(g, name, plan, args, record, asynchronous)
-    seq = state.start(g, name)
+
+    With ``g.instrumented``: debug mode first compares the op across ranks
+    (an exchange numbered as the op, under its own label, and timed as any
+    collective); the tracer draws it (a queued op on the comm thread's track,
+    whichever thread ran it); debug logging gives its duration."""
+    observed = g.instrumented
     try:
-        if record is not None:
-            record.running(seq)
-        agreed = g.checks.agreed
-        if agreed is not None and plan[NBYTES] not in agreed[name]:  # compared across ranks first
-            _first_call(g, name, plan, args, seq)
-        before = plan[BEFORE]  # (hpccomm._core.plan.run, written out: a call frame fewer on every op)
-        if before is not None:
-            before()
-        plan[CALL](*plan[ARGS])
-        after = plan[AFTER]
-        if after is not None:
-            after()
-    except _mpi.mpi().Exception as exc:
-        raise failures.mpi_error(f"{name} ({g.where(seq)})", exc) from exc
-    finally:
-        state.finished(g)
-    return plan[OUTPUTS]
-
-
-def _first_call(g, name: str, plan, args, seq: int) -> None:
-    """The first-call signature check of op ``seq`` (hpccomm._core.signatures)."""
-    try:
-        signatures.check(g, name, plan[NBYTES], args, seq)
-    except _mpi.mpi().Exception as exc:
-        raise failures.mpi_error(f"{name}{signatures.LABEL} ({g.where(seq)})", exc) from None
-
-
-def _observed(g, name: str, plan, args, record, asynchronous: bool):
-    """:func:`execute` with debug mode (the op compared across ranks first,
-    hpccomm._core.debug_mode), the tracer (the op drawn: a queued op on the
-    comm thread's track, whichever thread ran it) or per-op debug logging
-    (its duration) on."""
-    try:
-        if g.debug:
+        if observed and g.debug:
             seq = state.start(g, name + " (debug-mode fingerprint check)")
             if record is not None:
                 record.running(seq)
@@ -79,23 +46,38 @@ def _observed(g, name: str, plan, args, record, asynchronous: bool):
             if record is not None:
                 record.running(seq)
             agreed = g.checks.agreed
-            if agreed is not None and plan[NBYTES] not in agreed[name]:
+            if agreed is not None and plan[NBYTES] not in agreed[name]:  # compared across ranks first
                 _first_call(g, name, plan, args, seq)
-        tracer, logged = trace.active(), log.isEnabledFor(logging.DEBUG)
-        began, t0 = trace.now_ns() if tracer else 0, time.perf_counter()
-        try:
-            run(plan)
+        if observed:
+            tracer, logged = trace.active(), log.isEnabledFor(logging.DEBUG)
+            began, t0 = trace.now_ns() if tracer else 0, time.perf_counter()
+        try:  # the plan's blocking form (hpccomm._core.plan.run written out: a call frame fewer on every op)
+            before = plan[BEFORE]
+            if before is not None:
+                before()
+            plan[CALL](*plan[ARGS])
+            after = plan[AFTER]
+            if after is not None:
+                after()
         except _mpi.mpi().Exception as exc:
             raise failures.mpi_error(f"{name} ({g.where(seq)})", exc) from exc
         finally:
-            if tracer:
+            if observed and tracer:
                 tracer.record(name, g.name, seq, nbytes(args), began, trace.now_ns(),
                               None if record is None else THREAD_NAME)
-        if logged:
+        if observed and logged:
             log.debug("%s (%s): %.1f us", name, g.where(seq), (time.perf_counter() - t0) * 1e6)
     finally:
         state.finished(g)
     return plan[OUTPUTS]
+
+
+def _first_call(g, name: str, plan, args, seq: int) -> None:
+    """The first-call signature check of op ``seq`` (hpccomm._core.signatures)."""
+    try:
+        signatures.check(g, name, plan[NBYTES], args, seq)
+    except _mpi.mpi().Exception as exc:
+        raise failures.mpi_error(f"{name}{signatures.LABEL} ({g.where(seq)})", exc) from exc
 
 
 def nbytes(args) -> int:
