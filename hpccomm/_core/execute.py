@@ -52,13 +52,11 @@ def execute(g, name: str, plan, args, record=None, asynchronous: bool = False):
             tracer, logged = trace.active(), log.isEnabledFor(logging.DEBUG)
             began, t0 = trace.now_ns() if tracer else 0, time.perf_counter()
         try:  # the plan's blocking form (hpccomm._core.plan.run written out: a call frame fewer on every op)
-            before = plan[BEFORE]
-            if before is not None:
-                before()
+            if plan[BEFORE] is not None:
+                plan[BEFORE]()
             plan[CALL](*plan[ARGS])
-            after = plan[AFTER]
-            if after is not None:
-                after()
+            if plan[AFTER] is not None:
+                plan[AFTER]()
         except _mpi.mpi().Exception as exc:
             raise failures.mpi_error(f"{name} ({g.where(seq)})", exc) from exc
         finally:
