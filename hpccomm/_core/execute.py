@@ -18,7 +18,7 @@ from .. import _mpi
 from ..errors import HpccommError
 from . import debug_mode, failures, signatures, state, trace
 from .comm_thread import THREAD_NAME
-from .plan import AFTER, ARGS, BEFORE, CALL, NBYTES, OUTPUTS
+from .plan import AFTER, ARGS, BEFORE, CALL, NBYTES, OUTPUTS, Waited
 
 log = logging.getLogger("hpccomm")
 
@@ -46,8 +46,8 @@ def execute(g, name: str, plan, args, record=None, asynchronous: bool = False):
             if record is not None:
                 record.running(seq)
             agreed = g.checks.agreed
-            if agreed is not None and plan[NBYTES] not in agreed[name]:  # compared across ranks first
-                _first_call(g, name, plan, args, seq)
+            if agreed is not None and plan[NBYTES] not in agreed[name] and plan[CALL].__class__ is not Waited:
+                _first_call(g, name, plan, args, seq)  # compared across ranks first (not the nonblocking form)
         if observed:
             tracer, logged = trace.active(), log.isEnabledFor(logging.DEBUG)
             began, t0 = trace.now_ns() if tracer else 0, time.perf_counter()

@@ -65,6 +65,27 @@ def run(plan) -> None:
         after()
 
 
+class Waited:
+    """A plan's blocking form made of its nonblocking one: ``icall`` posted
+    and waited for (:func:`waited`)."""
+
+    __slots__ = ("icall",)
+
+    def __init__(self, icall) -> None:
+        self.icall = icall
+
+    def __call__(self, *args) -> None:
+        self.icall(*args).Wait()
+
+
+def waited(plan):
+    """``plan`` with its blocking form made of its nonblocking one (an op that
+    takes the nonblocking form on every rank, run in turn on the comm thread:
+    MPI matches a nonblocking collective only with nonblocking ones).  Like
+    the posted form, it is never first-call checked (hpccomm._core.execute)."""
+    return (Waited(plan[ICALL]), *plan[ARGS:])
+
+
 def steps(*fns):
     """One plan step doing ``fns`` in order (the Nones left out), or None."""
     todo = [f for f in fns if f is not None]

@@ -10,7 +10,7 @@ a broadcast returns wrong data everywhere without a word.  So, on by default
 - a rank remembers, per group, the signatures ``(op, bytes)`` its ranks have
   agreed on (:class:`Checks`, ``group.checks``); a call whose signature is
   among them runs at once: the op path pays a dict subscript and a set
-  lookup (:func:`hpccomm._core.op_path.execute`);
+  lookup (:func:`hpccomm._core.execute.execute`);
 - any other call is first compared (:func:`check`): the ranks allgather what
   each is about to do, on the group's ``checks`` communicator (a duplicate
   that only checks use, so a check never matches an op), and either raise
@@ -36,8 +36,12 @@ A rank whose op completed without the others (a broadcast root) and that
 then ends its program is caught by the timeout instead.
 
 What is not caught by default: a later call with a signature already agreed
-on (same op and byte count) but another dtype, ReduceOp or root, and
-``all_to_all``'s splits; ``HPCCOMM_DEBUG=DETAIL`` compares every call
+on (same op and byte count) but another dtype, ReduceOp or root,
+``all_to_all``'s splits, and the async collectives that take their
+nonblocking MPI form (``HPCCOMM_ASYNC_NONBLOCKING=1``): posted, the check
+would block the caller until every rank arrives, and whether such a call is
+posted or queued depends on each rank's own queue, so the queued one is not
+checked either; ``HPCCOMM_DEBUG=DETAIL`` compares every call
 (hpccomm._core.debug_mode).  Cost: docs/troubleshooting.md.
 
 Threads: a check runs in the thread that runs the op (the group's collectives

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from .._core import comm_thread, debug_mode, state
 from .._core.execute import execute
-from .._core.plan import ARGS, ICALL, NBYTES, OUTPUTS
+from .._core.plan import ICALL, NBYTES, OUTPUTS, waited
 from .._core.record import OpRecord
 from .._core import work
 from .._gpu import dispatch
@@ -71,7 +71,7 @@ def run(g, op, args, opts=None, plan=None, devices=None):
                               devices)
             record.post()
             return work.pending(record, plan[OUTPUTS])
-        plan = _waited(plan)  # posted and waited for where it runs
+        plan = waited(plan)  # posted and waited for where it runs
     if where is HERE:  # the latency-bound case: blocking, here
         return work.finished(execute(g, op.name, plan, args, None, asynchronous), devices)
     record = OpRecord(g, op.name, plan, "collective", None, devices)
@@ -130,18 +130,6 @@ def form(g, op, plan, asynchronous: bool):
     if nonblocking and not g.queued:
         return _POSTED
     return QUEUED, nonblocking
-
-
-def _waited(plan):
-    """``plan`` with its blocking form made of its nonblocking one, posted and
-    waited for (an op that takes the nonblocking form on every rank, run in
-    turn on the comm thread)."""
-    icall = plan[ICALL]
-
-    def post_and_wait(*args):
-        icall(*args).Wait()
-
-    return (post_and_wait, *plan[ARGS:])
 
 
 def refused(g, op, args, exc: OpError) -> None:
