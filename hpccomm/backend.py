@@ -6,7 +6,7 @@ backend: torch builds its own ``ProcessGroup`` around it, so per-device
 backend strings (``"cpu:hpccomm,cuda:nccl"``), ``batch_isend_irecv``'s
 coalescing, ``dist.split_group`` and ``dist.monitored_barrier`` reach hpccomm
 through torch's own machinery.  The op methods are shared with the
-ProcessGroup adapter (:mod:`hpccomm._torch.methods`); this class adds what a
+ProcessGroup adapter (:mod:`hpccomm._methods`); this class adds what a
 Backend answers: its options, what it supports, coalescing windows,
 splitting, its timeout and lifetime.
 
@@ -28,12 +28,13 @@ from __future__ import annotations
 from datetime import timedelta
 
 from . import _mpi
-from ._core import op_path, state
+from ._core import comm_thread, state
 from ._core import group as _group
-from ._core.comm_thread import engine
 from ._core.watchdog import watchdog
-from ._torch import BACKEND_NAME, methods
-from ._torch.compat import BackendBase, BackendOptions
+from ._ops import op_path
+from . import _methods as methods
+from . import BACKEND_NAME
+from ._compat import BackendBase, BackendOptions
 from .barrier import monitored_barrier
 
 __all__ = ["BACKEND_NAME", "BackendHpccomm"]
@@ -118,7 +119,7 @@ class BackendHpccomm(methods.TorchOps, BackendBase):
         g, ranks = self._g, [int(r) for r in ranks]
         MPI = _mpi.mpi()
         member = g.rank in ranks
-        engine.flush(g)  # the comm thread must be off this communicator
+        comm_thread.flush(g)  # the comm thread must be off this communicator
         token = watchdog.begin(g, "split_group", g.seq)
         try:
             comm = g.comm.Split(min(ranks) if member else MPI.UNDEFINED, ranks.index(g.rank) if member else 0)
@@ -143,7 +144,7 @@ class BackendHpccomm(methods.TorchOps, BackendBase):
         ranks, must be the failed ones): see :func:`hpccomm.fault_tolerance.backend_shrink`."""
         return self.shrinker(self, ranks_to_exclude, opts_override)
 
-    # (abort, shutdown: hpccomm._torch.methods.TorchOps)
+    # (abort, shutdown: hpccomm._methods.TorchOps)
 
 
 methods.hide_methods(BackendHpccomm)

@@ -12,7 +12,7 @@ import time
 from datetime import timedelta
 from typing import Optional
 
-from ._torch.compat import group_of, world_group
+from ._compat import group_of, world_group
 from .errors import HpccommError
 
 

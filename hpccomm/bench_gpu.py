@@ -8,8 +8,11 @@ tensors through hpccomm, and prints on rank 0 the median time, algorithm
 bandwidth and bus bandwidth (nccl-tests' definitions) per size.  Every
 result is checked against its closed form; a wrong result fails the run.
 
-Each timed call ends with ``torch.cuda.synchronize()``, so a time covers the
-whole op whatever the transport's stream semantics.  ``--device cpu`` runs
+Each row runs the transport it names (``hpccomm.gpu.set_transport``, on every
+rank between ops) and says which route ran, asked of hpccomm
+(``hpccomm.gpu.taken()``), in its ``ran`` column: ``auto`` shows what the
+route table chose.  Each timed call ends with ``torch.cuda.synchronize()``, so
+a time covers the whole op whatever the transport's stream semantics.  ``--device cpu`` runs
 the same loop on CPU tensors (hpccomm's host path), to try the tool where
 there is no GPU; its figures are host figures, labelled so.
 
@@ -20,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -49,39 +51,53 @@ def parse_size(text: str) -> int:
     return int(text)
 
 
-def make_op(op: str, nbytes: int, n: int, rank: int, device):
-    """``(run, check, bytes for the bandwidth)`` for one op on ``nbytes`` per rank."""
+#: The hpccomm op each benchmarked op runs (the name hpccomm.gpu.taken() reports it under).
+OP_NAMES = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor",
+            "reduce_scatter": "reduce_scatter_tensor", "broadcast": "broadcast", "all_to_all": "all_to_all_single"}
+
+
+def make_op(op: str, nbytes: int, n: int, rank: int, full, group=None):
+    """``(run, check, bytes for the bandwidth)`` for one op on ``nbytes`` per
+    rank; ``full(count, value)`` makes a float32 tensor on the device;
+    ``group``: the process group (default the world)."""
     count = max(nbytes // 4, n)
     count -= count % n
     if op == "all_reduce":
-        t = torch.empty(count, device=device)
+        t = full(count, 0.0)
 
         def run():
             t.fill_(rank + 1.0)
-            dist.all_reduce(t)
+            dist.all_reduce(t, group=group)
 
         return run, lambda: bool(torch.all(t == n * (n + 1) / 2)), count * 4
     if op == "all_gather":
-        inp = torch.full((count // n,), float(rank), device=device)
-        out = torch.empty(count, device=device)
-        expected = torch.arange(n, device=device, dtype=torch.float32).repeat_interleave(count // n)
-        return (lambda: dist.all_gather_into_tensor(out, inp)), (lambda: bool(torch.equal(out, expected))), count * 4
+        inp = full(count // n, float(rank))
+        out = full(count, -1.0)
+
+        def check():
+            return all(bool(torch.all(part == r)) for r, part in enumerate(out.chunk(n)))
+
+        return (lambda: dist.all_gather_into_tensor(out, inp, group=group)), check, count * 4
     if op == "reduce_scatter":
-        inp = torch.ones(count, device=device)
-        out = torch.empty(count // n, device=device)
-        return (lambda: dist.reduce_scatter_tensor(out, inp)), (lambda: bool(torch.all(out == n))), count * 4
+        inp = full(count, 1.0)
+        out = full(count // n, 0.0)
+        return (lambda: dist.reduce_scatter_tensor(out, inp, group=group)), (lambda: bool(torch.all(out == n))), \
+            count * 4
     if op == "broadcast":
-        t = torch.empty(count, device=device)
+        t = full(count, 0.0)
 
         def run():
             t.fill_(float(rank))
-            dist.broadcast(t, src=0)
+            dist.broadcast(t, src=0, group=group)
 
         return run, lambda: bool(torch.all(t == 0)), count * 4
-    inp = torch.full((count,), float(rank), device=device)
-    out = torch.empty(count, device=device)
-    expected = torch.arange(n, device=device, dtype=torch.float32).repeat_interleave(count // n)
-    return (lambda: dist.all_to_all_single(out, inp)), (lambda: bool(torch.equal(out, expected))), count * 4
+    inp = full(count, float(rank))
+    out = full(count, -1.0)
+
+    def check():
+        return all(bool(torch.all(part == r)) for r, part in enumerate(out.chunk(n)))
+
+    return (lambda: dist.all_to_all_single(out, inp, group=group)), check, count * 4
 
 
 def time_op(run, sync, iters: int, warmup: int) -> float:
@@ -99,13 +115,14 @@ def time_op(run, sync, iters: int, warmup: int) -> float:
 
 
 def available_transports() -> list:
+    """The transports this machine has, as every rank finds them (a forced one that cannot serve is left out)."""
     from hpccomm._gpu import dispatch, select
 
     caps = dispatch.capabilities()
     found = []
-    for name in ("mpi", "nccl", "staged"):
+    for name in ("mpi", "composed", "nccl", "staged"):
         try:
-            select.choose(name, caps)
+            select.route_table([select.Facts.of(name, None, caps)])
             found.append(name)
         except select.NoTransport as exc:
             if dist.get_rank() == 0:
@@ -113,11 +130,81 @@ def available_transports() -> list:
     return found
 
 
+#: What ``--compare`` sets for each route it times (hpccomm.gpu.set_transport), and ``gloo``: torch's gloo
+#: group over the same ranks, on the same CUDA tensors (gloo's own CUDA path, the reference).
+COMPARE = ("nccl", "mpi", "composed", "staged", "gloo")
+
+
+def measure(transports, ops, sizes, full, sync, iters: int, warmup: int) -> list:
+    """One row per transport, op and size: the slowest rank's median time,
+    bandwidths, whether every rank's result was right, and ``ran``: the route
+    hpccomm says the op took (hpccomm.gpu.taken()), ``"host"`` on CPU
+    tensors, ``"gloo"`` for the gloo reference."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    rows = []
+    for transport in transports:
+        group = None
+        if transport == "gloo":
+            group = dist.new_group(backend="gloo")
+        elif transport != "host":
+            hpccomm.gpu.set_transport(transport)  # every rank, between ops: the routes are made anew
+            try:  # a transport that cannot serve this group (NCCL on shared GPUs) is refused on every rank alike
+                make_op(ops[0], 4 * n, n, rank, full)[0]()
+            except hpccomm.OpError as exc:
+                if rank == 0:
+                    print(f"# transport {transport}: not available here ({exc})")
+                continue
+        for op in ops:
+            if transport == "composed" and op not in ("all_reduce", "reduce_scatter"):
+                continue  # (hpccomm composes reductions only)
+            for nbytes in sizes:
+                run, check, moved = make_op(op, nbytes, n, rank, full, group)
+                seconds = time_op(run, sync, iters, warmup)
+                flags = torch.tensor([0 if check() else 1])
+                dist.all_reduce(flags)  # a wrong result on any rank fails the run
+                seconds_max = torch.tensor([seconds], dtype=torch.float64)
+                dist.all_reduce(seconds_max, op=dist.ReduceOp.MAX)
+                t = seconds_max.item()
+                algbw = moved / t / 1e9
+                ran = transport if transport in ("host", "gloo") else hpccomm.gpu.taken().get(OP_NAMES[op], "none")
+                rows.append({"transport": transport, "ran": ran, "op": op, "bytes": moved, "time_us": t * 1e6,
+                             "algbw_GBps": algbw, "busbw_GBps": algbw * BUS_FACTOR[op](n),
+                             "correct": int(flags.item()) == 0})
+        if group is not None:
+            dist.destroy_process_group(group)
+    if any(t not in ("host", "gloo") for t in transports):
+        hpccomm.gpu.set_transport(None)
+    return rows
+
+
+def compare_table(rows) -> str:
+    """``--compare``: one line per op and size, each route's time and bus
+    bandwidth side by side, and each route's speed against gloo's."""
+    routes = [t for t in dict.fromkeys(r["transport"] for r in rows)]
+    by = {(r["transport"], r["op"], r["bytes"]): r for r in rows}
+    head = f"{'op':>15} {'bytes':>10}" + "".join(f" {t + ' us':>11} {t + ' GB/s':>11}" for t in routes)
+    lines = [head + "  (vs gloo: time ratio, < 1 is faster)"]
+    for op, nbytes in dict.fromkeys((r["op"], r["bytes"]) for r in rows):
+        cells, ratios = [], []
+        gloo = by.get(("gloo", op, nbytes))
+        for t in routes:
+            r = by.get((t, op, nbytes))
+            cells.append(f" {'-':>11} {'-':>11}" if r is None else
+                         f" {r['time_us']:>11.1f} {r['busbw_GBps']:>11.3f}{'!' if not r['correct'] else ''}")
+            if r is not None and gloo is not None and t != "gloo":
+                ratios.append(f"{t} {r['time_us'] / gloo['time_us']:.2f}")
+        lines.append(f"{op:>15} {nbytes:>10}" + "".join(cells) + ("  " + ", ".join(ratios) if ratios else ""))
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpccomm.bench_gpu", description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="4K,64K,1M,16M,64M")
     parser.add_argument("--ops", default=",".join(OPS))
     parser.add_argument("--transports", default="", help="comma-separated (default: every available one)")
+    parser.add_argument("--compare", action="store_true",
+                        help="every route side by side for each op and size, with gloo's CUDA path as the reference "
+                             "(nccl, mpi, composed, staged, gloo: those this machine has)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -135,48 +222,35 @@ def main(argv=None) -> int:
     unknown = [o for o in ops if o not in OPS]
     if unknown:
         parser.error(f"unknown op(s) {unknown}; choose from {', '.join(OPS)}")
-    if args.device == "cpu":
-        transports, device, sync = ["host"], torch.device("cpu"), (lambda: None)
+    if args.device == "cpu":  # hpccomm's host path (and with --compare, gloo's, on the same CPU tensors)
+        transports, device, sync = ["host"] + (["gloo"] if args.compare else []), torch.device("cpu"), (lambda: None)
     else:
         device = torch.device("cuda", torch.cuda.current_device())
         sync = torch.cuda.synchronize
-        transports = [t for t in args.transports.split(",") if t] or available_transports()
-    results = []
-    failed = False
+        available = [t for t in args.transports.split(",") if t] or available_transports()
+        transports = [t for t in COMPARE if t == "gloo" or t in available] if args.compare else available
     if rank == 0:
         print(f"# hpccomm.bench_gpu: {n} ranks, device {device}, transports {', '.join(transports)}")
-        print(f"{'transport':>9} {'op':>15} {'bytes':>12} {'time_us':>11} {'algbw_GB/s':>11} {'busbw_GB/s':>11}")
-    for transport in transports:
-        if transport != "host":
-            from hpccomm._gpu import dispatch, select
-
-            os.environ.update({select.VARIABLE: transport})
-
-            dispatch.release(dist.group.WORLD._g)  # choose again for this transport
-        for op in ops:
-            for nbytes in sizes:
-                run, check, moved = make_op(op, nbytes, n, rank, device)
-                seconds = time_op(run, sync, args.iters, args.warmup)
-                ok = check()
-                flags = torch.tensor([0 if ok else 1])
-                dist.all_reduce(flags)  # a wrong result on any rank fails the run
-                seconds_max = torch.tensor([seconds], dtype=torch.float64)
-                dist.all_reduce(seconds_max, op=dist.ReduceOp.MAX)
-                t = seconds_max.item()
-                algbw = moved / t / 1e9
-                busbw = algbw * BUS_FACTOR[op](n)
-                results.append({"transport": transport, "op": op, "bytes": moved, "time_us": t * 1e6,
-                                "algbw_GBps": algbw, "busbw_GBps": busbw, "correct": int(flags.item()) == 0})
-                if flags.item():
-                    failed = True
-                if rank == 0:
-                    mark = "" if not flags.item() else "  WRONG RESULT"
-                    print(f"{transport:>9} {op:>15} {moved:>12} {t * 1e6:>11.1f} {algbw:>11.3f} {busbw:>11.3f}{mark}")
-    if rank == 0 and args.json:
-        with open(args.json, "w") as f:
-            json.dump({"ranks": n, "device": str(device), "results": results}, f, indent=1)
+    rows = measure(transports, ops, sizes, lambda count, value: torch.full((count,), value, device=device), sync,
+                   args.iters, args.warmup)
+    if rank == 0:
+        print(compare_table(rows) if args.compare else render(rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"ranks": n, "device": str(device), "results": rows}, f, indent=1)
     dist.destroy_process_group()
-    return 1 if failed else 0
+    return 0 if all(r["correct"] for r in rows) else 1
+
+
+def render(rows) -> str:
+    """The table: each row says the transport asked for and the route that ran."""
+    lines = [f"{'asked':>9} {'ran':>24} {'op':>15} {'bytes':>12} {'time_us':>11} {'algbw_GB/s':>11} "
+             f"{'busbw_GB/s':>11}"]
+    for r in rows:
+        mark = "" if r["correct"] else "  WRONG RESULT"
+        lines.append(f"{r['transport']:>9} {r['ran'][:24]:>24} {r['op']:>15} {r['bytes']:>12} {r['time_us']:>11.1f} "
+                     f"{r['algbw_GBps']:>11.3f} {r['busbw_GBps']:>11.3f}{mark}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

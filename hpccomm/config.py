@@ -88,6 +88,30 @@ def _port(raw: str) -> int:
 _port.__name__ = "port"
 
 
+#: The op families of CUDA tensors and the routes HPCCOMM_GPU_ROUTES may force (hpccomm._gpu.select).
+GPU_FAMILIES = ("reduction", "movement", "p2p")
+GPU_ROUTES = ("mpi", "composed", "nccl", "staged")
+
+
+def _routes(raw: str) -> tuple:
+    """``"reduction=composed,movement=nccl"`` as sorted ``(family, route)`` pairs."""
+    pairs = {}
+    for item in (part.strip() for part in raw.split(",")):
+        if not item:
+            continue
+        family, sep, name = (x.strip().lower() for x in item.partition("="))
+        if not sep or family not in GPU_FAMILIES or name not in GPU_ROUTES:
+            raise ValueError(f"{item!r} is not FAMILY=ROUTE with FAMILY one of {', '.join(GPU_FAMILIES)} and ROUTE "
+                             f"one of {', '.join(GPU_ROUTES)}")
+        if name == "composed" and family != "reduction":
+            raise ValueError(f"{item!r}: hpccomm composes reductions only")
+        pairs[family] = name
+    return tuple(sorted(pairs.items()))
+
+
+_routes.__name__ = "route list"
+
+
 def _bool(raw: str) -> bool:
     value = raw.strip().lower()
     if value in ("1", "true", "yes", "on"):
@@ -120,6 +144,15 @@ OPTIONS: dict[str, Option] = {
             "and a mismatch raises on every rank naming both sides (torch's "
             "TORCH_DISTRIBUTED_DEBUG=DETAIL turns it on too). Costs one allgather per op.",
             ("OFF", "INFO", "DETAIL"),
+        ),
+        Option(
+            "HPCCOMM_MISMATCH_CHECK", _lower, "first",
+            "First (the default): the first call of each collective signature (op and byte count) on a "
+            "group is compared across its ranks, and a mismatch (different sizes, dtypes, ReduceOps or "
+            "roots) raises on every rank before any data moves; later calls with that signature run at "
+            "once (a set lookup). 'off': no comparison (an MPI error or wrong data, as MPI gives). Set "
+            "it alike on every rank. HPCCOMM_DEBUG=DETAIL compares every call.",
+            ("first", "off"),
         ),
         Option(
             "HPCCOMM_ASYNC_NONBLOCKING", _bool, False,
@@ -165,12 +198,22 @@ OPTIONS: dict[str, Option] = {
         ),
         Option(
             "HPCCOMM_GPU_TRANSPORT", _lower, "auto",
-            "How CUDA tensors travel (chosen per group and device, the reason logged at INFO): 'mpi' "
-            "hands device memory to a CUDA-aware MPI; 'nccl' delegates to torch's NCCL process group "
-            "(or CuPy's NCCL) built on hpccomm's key-value store; 'staged' copies through reused pinned "
-            "host buffers and runs the CPU op (slow, said once in the log); 'auto' takes CUDA-aware MPI "
-            "if the MPI library says it is, else NCCL, else refuses the op naming this variable.",
-            ("auto", "mpi", "nccl", "staged"),
+            "How CUDA tensors travel, per group, device and op family (the routes logged at INFO and shown by "
+            "hpccomm info; docs/gpu.md has the table). 'auto' chooses from every member's findings: reductions "
+            "through NCCL unless the CUDA-aware MPI reduces on the device, data movement and point-to-point "
+            "through CUDA-aware MPI; without CUDA-aware MPI, collectives through NCCL and point-to-point staged; "
+            "where NCCL cannot serve (ranks sharing a GPU), CUDA-aware MPI, else staged. 'mpi', 'nccl' "
+            "(torch's NCCL, or CuPy's) and 'staged' (copies through reused pinned host buffers) force one "
+            "transport for every op; what NCCL cannot take exactly goes to CUDA-aware MPI or staged. Also "
+            "hpccomm.gpu.set_transport(name, group).",
+            ("auto", "mpi", "composed", "nccl", "staged"),
+        ),
+        Option(
+            "HPCCOMM_GPU_ROUTES", _routes, (),
+            "The route of single op families of CUDA tensors, forced on top of HPCCOMM_GPU_TRANSPORT: "
+            "'reduction=composed,movement=nccl' (families: reduction, movement, p2p; routes: mpi, composed "
+            "(reductions only: hpccomm's ring over the MPI library's point-to-point messages), nccl, staged). "
+            "Also hpccomm.gpu.set_routes(group, reduction=...).",
         ),
         Option(
             "HPCCOMM_ADAPTER", _lower, "auto",
@@ -185,9 +228,10 @@ OPTIONS: dict[str, Option] = {
         ),
         Option(
             "HPCCOMM_GPU_BIND", _lower, "local_rank",
-            "Which GPU each rank uses when the world group is made: 'local_rank' calls "
-            "torch.cuda.set_device(local rank modulo the GPU count); 'none' leaves the current device "
-            "alone (bind it yourself, for example from CUDA_VISIBLE_DEVICES per rank).",
+            "Which GPU each rank uses: 'local_rank' calls torch.cuda.set_device(local rank modulo the GPU count) "
+            "when the process first uses CUDA (a CPU job never touches CUDA; a device the program set stands); "
+            "'none' leaves the current device alone (bind it yourself, for example from CUDA_VISIBLE_DEVICES "
+            "per rank).",
             ("local_rank", "none"),
         ),
         Option(

@@ -2,8 +2,8 @@
 call, without making it.
 
 A supported debugging aid (and what the tests ask instead of patching the op
-path): the op's checks run, its plan (hpccomm._ops.plan) is made and the form
-the call would take is decided (hpccomm._core.op_path.form), and both are
+path): the op's checks run, its plan (hpccomm._core.plan) is made and the form
+the call would take is decided (hpccomm._ops.op_path.form), and both are
 described.
 """
 from __future__ import annotations
@@ -11,10 +11,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from . import _mpi
-from ._core.op_path import form
-from ._ops.plan import AFTER, ARGS, BEFORE, CALL, ICALL, NBYTES, Stepped
+from ._core import signatures
+from ._core.plan import AFTER, ARGS, BEFORE, CALL, ICALL, NBYTES
+from ._ops.op_path import form
 from ._ops.table import OPS
-from ._torch import compat
+from . import _compat as compat
 from .errors import HpccommError
 
 
@@ -34,11 +35,14 @@ class Explained(NamedTuple):
     :param after: a step runs after it (a strided output's write-back,
         AVG's division, a list output copied out).
     :param nbytes: the bytes of this rank's input.
+    :param compared: the ranks compare the call before it runs (its signature
+        is new to the group, or debug mode is on: docs/troubleshooting.md).
 
     Example::
 
         Explained(op='all_reduce', where='here', call='Allreduce',
-                  buffers=('IN_PLACE', (94006168942784, 4)), before=False, after=False, nbytes=16)
+                  buffers=('IN_PLACE', (94006168942784, 4)), before=False, after=False, nbytes=16,
+                  compared=False)
     """
 
     op: str
@@ -48,6 +52,7 @@ class Explained(NamedTuple):
     before: bool
     after: bool
     nbytes: int
+    compared: bool = False
 
 
 def explain(op: str, *args, group=None, async_op: bool = False) -> Explained:
@@ -81,10 +86,9 @@ def explain(op: str, *args, group=None, async_op: bool = False) -> Explained:
     plan = info.plan(g, *args)
     where, nonblocking = form(g, info, plan, async_op)
     call = plan[ICALL] if nonblocking else plan[CALL]
-    if isinstance(call, Stepped):
-        call = call.call
     buffers = tuple("IN_PLACE" if a is _mpi.IN_PLACE else (a[0].address, a[1]) for a in plan[ARGS]
                     if a is _mpi.IN_PLACE or (isinstance(a, list) and len(a) == 3))
     mpi_call = type(getattr(call, "__self__", None)).__module__ == "mpi4py.MPI"  # else Python making several
     return Explained(info.name, where, call.__name__ if mpi_call else "", buffers, plan[BEFORE] is not None,
-                     plan[AFTER] is not None, plan[NBYTES])
+                     plan[AFTER] is not None, plan[NBYTES],
+                     not info.p2p and where != "posted" and signatures.compared(g, info.name, plan[NBYTES], args))

@@ -10,7 +10,7 @@ user's guide; this docstring says how it works.
 
 Detection.  A call involving a dead process fails with MPI_ERR_PROC_FAILED
 (MPI_ERR_PROC_FAILED_PENDING for a receive from any source).  The op path
-(``hpccomm._core.op_path.execute`` for collectives, ``hpccomm._core.work`` for
+(``hpccomm._core.execute`` for collectives, ``hpccomm._core.record`` for
 point-to-point completions) asks :func:`failure` to turn such an MPI error
 into :class:`RankFailure`; with the mode off nothing on the op path changes
 (the question is asked only in an ``except`` branch).  The first thread of a
@@ -58,7 +58,7 @@ from ._core import state
 from ._core.failures import (_NAME_WAIT, FailedRank, RankFailure, _describe, _failed_in, _live_groups, _lock,
                              _translate, is_failure, rank_failure, revoke_all)
 from ._start import creator
-from ._torch import compat
+from . import _compat as compat
 from .backend import BackendHpccomm
 from .errors import HpccommError
 
@@ -121,10 +121,10 @@ def _settle(groups) -> None:
     """Before the old groups go: their queued async ops run (and fail at
     once, their communicators being revoked), and point-to-point ops still
     pending on them stop being watched (their Works fail when waited on)."""
-    from ._core.comm_thread import engine
+    from ._core import comm_thread
 
     for g in groups:
-        engine.flush(g)
+        comm_thread.flush(g)
     for record in state.records():  # a posted point-to-point op is its own record
         if getattr(record, "kind", None) == "p2p":
             state.end(record.token)
@@ -268,7 +268,7 @@ def backend_shrink(backend, ranks_to_exclude, opts=None):
 def follow_mode() -> None:
     """After a group is made (hpccomm._torch.plugin): with fault tolerance on,
     ``dist.shrink_group`` (torch >= 2.14) registers the shrunk groups it makes
-    from hpccomm's Backend as hpccomm's (hpccomm._torch.compat.retype_shrunk_groups)."""
+    from hpccomm's Backend as hpccomm's (hpccomm._compat.retype_shrunk_groups)."""
     if state.failures.tolerant and compat.py_backend():
         compat.retype_shrunk_groups(lambda backend: isinstance(backend, BackendHpccomm))
 

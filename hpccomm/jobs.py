@@ -289,10 +289,10 @@ def mpi_plugin() -> str:
     without starting MPI): ``pmix`` (Open MPI) or ``pmi2`` (MPICH, Intel MPI).
     Raises :class:`JobsError` when there is no MPI library or it is of no
     family hpccomm knows."""
-    from . import _mpi
+    from ._mpi import library
     from .launcher import srun_mpi_plugin
 
-    probe = _mpi.probe()
+    probe = library.probe()
     if not probe.available:
         raise JobsError(f"no usable MPI library: {probe.reason}")
     plugin = srun_mpi_plugin(probe.library)

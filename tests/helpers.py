@@ -36,7 +36,7 @@ def hgroup(pg):
     """The hpccomm internals (a ``hpccomm._core.group.Group``) behind torch group
     ``pg``, on either adapter (torch 2.13's ProcessGroup, or torch >= 2.14's
     Backend inside torch's ProcessGroup)."""
-    from hpccomm._torch import compat
+    from hpccomm import _compat as compat
 
     g = compat.group_of(pg)
     assert g is not None, f"{pg!r} is not an hpccomm group"
@@ -111,7 +111,7 @@ def make_groups() -> list:
         ranks = shapes[name]
         pg = dist.new_group(ranks)  # every rank takes part, as torch requires
         out.append(TestGroup(name, ranks, pg if me in ranks else None))
-    from hpccomm._torch import compat
+    from hpccomm import _compat as compat
 
     if compat.py_backend():  # torch >= 2.14: every op also through torch's c10d Backend trampoline
         with setting("HPCCOMM_ADAPTER", "backend"):

@@ -114,7 +114,8 @@ torch_venv() {
 # The 2.13-wheel cell: hpccomm as users install it.  The sdist and the wheel are built from the checkout
 # (python -m build: the wheel from the sdist) into $wheel_cell/dist, the wheel is installed without -e in a
 # venv made afresh each run, with torch and the MPI, test and frameworks extras, and the tests run from a
-# copy of tests/, docs/ and pyproject.toml in $wheel_cell/run, where `import hpccomm` cannot find the checkout.
+# copy of tests/, docs/, pyproject.toml and README.md (tests/test_docs.py reads its code blocks too) in
+# $wheel_cell/run, where `import hpccomm` cannot find the checkout.
 wheel_cell=build/wheel-cell
 wheel_venv() {
     local dir=$1 version=$2 extra=$3 whl
@@ -128,7 +129,7 @@ wheel_venv() {
         sleep 15; pip_q "$dir" "torch==$version" "$whl[$extra,test,frameworks]" || return 1
     fi
     tar -cf - --exclude=__pycache__ --exclude=tests/logs --exclude=tests/torch_suite/out --exclude=docs/_build \
-        tests docs pyproject.toml \
+        tests docs pyproject.toml README.md \
         | tar -xf - -C "$wheel_cell/run" || return 1
     echo "$dir"
 }

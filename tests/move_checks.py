@@ -80,15 +80,19 @@ def count_limit(limit: int, group=None):
     """Lower ``group``'s (default the world's) per-call MPI count limit to
     ``limit`` (as a 2**31-element message would meet it) and record its MPI calls.
 
-    Yields the :class:`CallLog`; every member must enter it together."""
+    Yields the :class:`CallLog`; every member must enter it together.  (The
+    group's ``calls``, the MPI calls its plans hand over, bound once per group,
+    are bound to the log meanwhile too.)"""
+    from hpccomm._core.group import MPICalls
+
     g = hgroup(dist.group.WORLD if group is None else group)
-    old_limit, old_comm = g.max_count, g.comm
+    old_limit, old_comm, old_calls = g.max_count, g.comm, g.calls
     log = CallLog(old_comm)
-    g.max_count, g.comm = limit, log
+    g.max_count, g.comm, g.calls = limit, log, MPICalls(log, g.p2p)
     try:
         yield log
     finally:
-        g.max_count, g.comm = old_limit, old_comm
+        g.max_count, g.comm, g.calls = old_limit, old_comm, old_calls
 
 
 class Checks:

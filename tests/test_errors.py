@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import hpccomm
+import helpers
 from helpers import FLOAT8, R, FakeCudaTensor
 
 pytestmark = pytest.mark.mpi
@@ -606,18 +607,22 @@ def no_gpu_transport():
 
 
 @pytest.mark.parametrize("op", ["all_reduce", "all_gather_into_tensor"])
-def test_cuda_tensor_without_gpu_transport(world, no_gpu_transport, monkeypatch, op):
-    """With no GPU transport (HPCCOMM_GPU_TRANSPORT=auto), a CUDA tensor is
-    refused on every rank before any communication, naming the variable.
-    (Not broadcast: torch's own broadcast asks the fake tensor's GPU for its
-    compute capability.)"""
+@pytest.mark.parametrize("transport,what", [
+    ("mpi", r"CUDA tensors cannot be sent: HPCCOMM_GPU_TRANSPORT=mpi but the MPI library is not CUDA-aware\. Use a "
+            r"CUDA-aware MPI build \(see hpccomm info, \[gpu\]\), or set HPCCOMM_GPU_TRANSPORT=auto"),
+    ("nccl", r"CUDA tensors cannot be sent: HPCCOMM_GPU_TRANSPORT=nccl but NCCL is not available on every rank "
+             r"\(torch's NCCL: every rank lacks it; CuPy's: every rank lacks it\)\. Install a torch built with CUDA"),
+])
+def test_cuda_tensor_with_a_transport_that_cannot_serve(world, no_gpu_transport, op, transport, what):
+    """A forced GPU transport this machine lacks: a CUDA tensor is refused on
+    every rank before any communication, naming the variable and the fix
+    (``auto`` always serves: staging at worst).  (Not broadcast: torch's own
+    broadcast asks the fake tensor's GPU for its compute capability.)"""
     n, _ = _nr()
-    monkeypatch.delenv("HPCCOMM_GPU_TRANSPORT", raising=False)
     t = torch.arange(3.0).as_subclass(FakeCudaTensor)
     out = torch.zeros(3 * n).as_subclass(FakeCudaTensor)
     assert t.device.type == "cuda"
-    with refused(hpccomm.OpTypeError, op, r"CUDA tensors cannot be sent: no GPU transport: CUDA-aware MPI: no "
-                 r"\(injected: not CUDA-aware\); NCCL through torch: no .*Set HPCCOMM_GPU_TRANSPORT=staged", t, out):
+    with helpers.setting("HPCCOMM_GPU_TRANSPORT", transport), refused(hpccomm.OpTypeError, op, what, t, out):
         if op == "all_reduce":
             dist.all_reduce(t)
         else:

@@ -33,8 +33,9 @@ import torch.distributed as dist
 from mpilaunch import LAUNCH, no_orphans, require
 
 import hpccomm
-from hpccomm import _mpi, launcher
-from hpccomm._torch import compat
+from hpccomm import launcher
+from hpccomm._mpi import library
+from hpccomm import _compat as compat
 from hpccomm import fault_tolerance
 from hpccomm._core import failures
 from hpccomm._start import bootstrap
@@ -181,7 +182,7 @@ def check_refused(proc, took, n: int) -> None:
     log = f"exit status {proc.returncode}\n--- stdout\n{proc.stdout[-5000:]}\n--- stderr\n{proc.stderr[-5000:]}"
     got = dict(re.findall(r"^FT refused rank=(\d+) (.*)$", proc.stdout, re.MULTILINE))
     assert sorted(map(int, got)) == list(range(n)), log
-    expected = NO_ULFM.format(library=" ".join(_mpi.probe().library.split()))
+    expected = NO_ULFM.format(library=" ".join(library.probe().library.split()))
     assert set(got.values()) == {expected}, (got, expected)
     assert proc.returncode == 0 and took < JOB_S, log
     assert "FT phase=" not in proc.stdout, log
@@ -406,7 +407,7 @@ def test_elastic_example_loses_a_rank_in_ddp_backward(tmp_path):
                         "--kill-step", "6", tag=True)
     log = f"exit status {proc.returncode}\n--- stdout\n{proc.stdout[-5000:]}\n--- stderr\n{proc.stderr[-5000:]}"
     if not ULFM:
-        expected = "train_elastic: " + NO_ULFM.format(library=" ".join(_mpi.probe().library.split()))
+        expected = "train_elastic: " + NO_ULFM.format(library=" ".join(library.probe().library.split()))
         assert proc.returncode != 0 and took < JOB_S, log  # every rank exits 2
         for rank in range(4):
             assert mpi.lines_of(rank, proc.stderr) == [expected], (rank, log)
@@ -503,7 +504,7 @@ def test_torch_shrink_group_replaces_the_default_group(tmp_path):
             caught(exc, "torch")
         failure = hpccomm.rank_failure()
         t0 = time.monotonic()
-        if hpccomm._torch.compat.py_backend():
+        if hpccomm._compat.py_backend():
             dist.shrink_group(list(failure.ranks))
         else:
             try:

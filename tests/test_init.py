@@ -333,7 +333,7 @@ for round in range(3):
         report(**{f"double_init_{round}": str(exc)})
     world = dist.group.WORLD
     sub = dist.new_group(list(range(n)))
-    groups = [hpccomm._torch.compat.group_of(world), hpccomm._torch.compat.group_of(sub)]  # hpccomm's side of each
+    groups = [hpccomm._compat.group_of(world), hpccomm._compat.group_of(sub)]  # hpccomm's side of each
     comms = [hpccomm.mpi_comm(world), groups[0].p2p, hpccomm.mpi_comm(sub), groups[1].p2p]
     handles = [c.py2f() for c in comms]
     t = torch.full((2,), float(dist.get_rank() + 1))
@@ -598,7 +598,7 @@ def test_backend_entry_point_alone(tmp_path):
     point group and refuses the name (there, `import hpccomm` is needed)."""
     import torch
 
-    from hpccomm._torch import compat
+    from hpccomm import _compat as compat
 
     job = mpirun(2, worker(tmp_path, "entry_point", ENTRY_POINT), TORCH_DEVICE_BACKEND_AUTOLOAD=0,
                  MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port()).ok(2)

@@ -412,8 +412,8 @@ def test_is_mpi_available_does_not_start_mpi():
     """Checked in a fresh process: True here (mpi4py and the venv's MPI
     wheel), and mpi4py.MPI is not imported, so MPI is not initialised; the
     family and its launcher are found the same way."""
-    code = ("import sys, hpccomm; from hpccomm import _mpi; p = _mpi.probe(); f = _mpi.family(); "
-            "print(hpccomm.is_mpi_available(), 'mpi4py.MPI' in sys.modules, p.abi, f.name, _mpi.launcher_path(), "
+    code = ("import sys, hpccomm; from hpccomm._mpi import library; p = library.probe(); f = library.family(); "
+            "print(hpccomm.is_mpi_available(), 'mpi4py.MPI' in sys.modules, p.abi, f.name, library.launcher_path(), "
             "'mpi4py.MPI' in sys.modules); print(p.library)")
     first, library = _python(code).splitlines()[:2]
     mpi = require()
@@ -424,7 +424,7 @@ def test_is_mpi_available_does_not_start_mpi():
 
 def test_is_mpi_available_false_without_a_library(tmp_path):
     """MPI4PY_LIBMPI pointing at no library: False, with the reason."""
-    code = ("import sys, hpccomm; from hpccomm import _mpi; p = _mpi.probe(); "
+    code = ("import sys, hpccomm; from hpccomm._mpi import library; p = library.probe(); "
             "print(hpccomm.is_mpi_available(), 'mpi4py.MPI' in sys.modules); print(p.reason)")
     out = _python(code, MPI4PY_LIBMPI=str(tmp_path / "libnothing.so"))
     first, reason = out.splitlines()[:2]

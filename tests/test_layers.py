@@ -5,10 +5,13 @@ a layer, in order.  A module may import only modules listed before it (its
 package's ``__init__`` included): an import that climbs, at module level or
 inside a function, fails the test, and so does any circle (a circle always
 climbs somewhere).  A module missing from the map fails it too: a new module
-takes its place here.  The tools on top (:data:`TOOLS`) may import anything
-below, nothing imports them.  Three rules more, about what only one place may
+takes its place here.  Folders follow the layers too (:func:`folder_climbs`):
+each package inside hpccomm (``_core``, ``_ops`` ...) sits wholly below every
+folder or top-level module that imports from it, so no import between two
+folders runs back up and folders make no circle either.  The tools on top
+(:data:`TOOLS`) may import anything below, nothing imports them.  Three rules more, about what only one place may
 import: mpi4py only ``hpccomm._mpi`` (a tool inside a function, after hpccomm
-started MPI); torch's distributed internals only ``hpccomm._torch.compat``;
+started MPI); torch's distributed internals only ``hpccomm._compat``;
 ``torch.distributed`` itself only the modules that drive torch's own API.
 
 No MPI: the sources are read, not imported.
@@ -27,28 +30,30 @@ PKG = Path(hpccomm.__file__).resolve().parent
 #: Every module of hpccomm, by layer, bottom first (see the module docstring).
 MAP = {
     "foundation: errors, settings, the launcher's view, torch's symbols": [
-        "hpccomm.errors", "hpccomm.config", "hpccomm.launcher", "hpccomm._torch", "hpccomm._torch.compat"],
-    "the MPI layer": ["hpccomm._mpi"],
+        "hpccomm.errors", "hpccomm.config", "hpccomm.launcher", "hpccomm._compat"],
+    "the MPI layer": ["hpccomm._mpi", "hpccomm._mpi.library"],
     "run-time state and instruments": [
         "hpccomm._core", "hpccomm._core.state", "hpccomm._core.debug_mode", "hpccomm._core.trace",
         "hpccomm._core.gloo_exit"],
-    "core services: the comm thread, timeouts, signals, lost ranks, groups": [
-        "hpccomm._core.comm_thread", "hpccomm._core.watchdog", "hpccomm._core.signals", "hpccomm._core.failures",
-        "hpccomm._core.group"],
-    "op translation: one plan per op": [
-        "hpccomm._ops", "hpccomm._ops.plan", "hpccomm._ops.checks", "hpccomm._ops.staging", "hpccomm._ops.gather",
-        "hpccomm._ops.reduce", "hpccomm._ops.scatter", "hpccomm._ops.alltoall", "hpccomm._ops.p2p",
-        "hpccomm._ops.table"],
-    "the Work": ["hpccomm._core.work"],
+    "the op core: plans, the comm thread, the op record, the Work": [
+        "hpccomm._core.plan", "hpccomm._core.steps", "hpccomm._core.comm_thread", "hpccomm._core.signatures",
+        "hpccomm._core.failures", "hpccomm._core.execute", "hpccomm._core.record", "hpccomm._core.work"],
+    "core services: timeouts, signals, the exit, groups": [
+        "hpccomm._core.watchdog", "hpccomm._core.signals", "hpccomm._core.shutdown", "hpccomm._core.group"],
     "GPU transports": [
-        "hpccomm._gpu", "hpccomm._gpu.streams", "hpccomm._gpu.probe", "hpccomm._gpu.select", "hpccomm._gpu.cuda_mpi",
+        "hpccomm._gpu", "hpccomm._gpu.streams", "hpccomm._gpu.tensors", "hpccomm._gpu.nccl_wire", "hpccomm._gpu.probe",
+        "hpccomm._gpu.select", "hpccomm._gpu.cuda_mpi",
         "hpccomm._gpu.staged", "hpccomm._gpu.nccl_torch", "hpccomm._gpu.nccl_cupy", "hpccomm._gpu.dispatch"],
-    "the op path": ["hpccomm._core.op_path"],
+    "op translation (one plan per op) and the op path": [
+        "hpccomm._ops", "hpccomm._ops.checks", "hpccomm._ops.arguments", "hpccomm._ops.staging", "hpccomm._ops.gather",
+        "hpccomm._ops.reduce", "hpccomm._ops.composed", "hpccomm._ops.scatter", "hpccomm._ops.alltoall",
+        "hpccomm._ops.p2p", "hpccomm._ops.table", "hpccomm._ops.op_path"],
     "the torch adapters": [
-        "hpccomm._torch.methods", "hpccomm.barrier", "hpccomm.backend", "hpccomm.process_group"],
+        "hpccomm._methods", "hpccomm.barrier", "hpccomm.backend", "hpccomm.process_group"],
     "start-up": ["hpccomm._start", "hpccomm._start.bootstrap", "hpccomm._start.creator"],
     "the public API": ["hpccomm.init", "hpccomm.fault_tolerance", "hpccomm.debugging", "hpccomm.gpu"],
-    "how torch finds hpccomm, and the package": ["hpccomm._torch.plugin", "hpccomm"],
+    "how torch finds hpccomm, and the package": [
+        "hpccomm._torch", "hpccomm._torch.plugin", "hpccomm"],
 }
 
 #: Tools on top of the library (``python -m hpccomm.X``, ``hpccomm`` subcommands, the
@@ -58,7 +63,7 @@ TOOLS = ("hpccomm.__main__", "hpccomm._cli_info", "hpccomm.bench", "hpccomm.benc
          "hpccomm.jobs", "hpccomm.examples", "hpccomm.horovod")
 
 #: The modules that drive torch's own API (init, new groups, a shrink) and so import torch.distributed.
-TORCH_DISTRIBUTED = ("hpccomm._torch.compat", "hpccomm._start.creator", "hpccomm.init", "hpccomm.fault_tolerance")
+TORCH_DISTRIBUTED = ("hpccomm._compat", "hpccomm._start.creator", "hpccomm.init", "hpccomm.fault_tolerance")
 
 ORDER = [m for layer in MAP.values() for m in layer]
 
@@ -153,6 +158,39 @@ def violations(modules: dict, order: list, tools=TOOLS) -> list:
     return bad
 
 
+def folder_of(module: str, modules) -> str:
+    """The folder unit of ``module``: the package directly inside hpccomm that
+    holds it (``hpccomm._core`` for ``hpccomm._core.work``), or the module
+    itself when it sits in hpccomm's own folder (``hpccomm.errors``)."""
+    parts = module.split(".")
+    if len(parts) > 2 or any(m.startswith(module + ".") for m in modules):
+        return ".".join(parts[:2])
+    return module
+
+
+def folder_climbs(modules: dict, order: list, tools=TOOLS) -> list:
+    """Imports between folders that do not point down the map: an import of
+    a module of folder B by one of folder A (different folders, or
+    top-level modules) needs every module of B listed before every module
+    of A.  Tools are left out, as in :func:`violations`."""
+    place = {m: i for i, m in enumerate(order)}
+    tool = lambda m: any(_is(m, t) for t in tools)  # noqa: E731
+    span: dict = {}
+    for m in order:
+        unit = folder_of(m, modules)
+        low, high = span.get(unit, (place[m], place[m]))
+        span[unit] = (min(low, place[m]), max(high, place[m]))
+    bad = []
+    for module, line, target, _ in edges(modules):
+        if tool(module) or tool(target) or module not in place or target not in place:
+            continue
+        a, b = folder_of(module, modules), folder_of(target, modules)
+        if a != b and span[b][1] >= span[a][0]:
+            bad.append(f"{module}:{line} imports {target}: folder {b} (map places {span[b][0]}-{span[b][1]}) "
+                       f"does not sit below {a} ({span[a][0]}-{span[a][1]})")
+    return sorted(set(bad))
+
+
 def circles(graph: dict) -> list:
     """The import circles of ``graph`` (``{module: imported modules}``): one
     path around each strongly connected part of more than one module."""
@@ -188,21 +226,21 @@ def circles(graph: dict) -> list:
 
 def only_here_rules(modules: dict) -> list:
     """mpi4py only in hpccomm._mpi (a tool inside a function); torch's
-    distributed internals only in hpccomm._torch.compat; torch.distributed
+    distributed internals only in hpccomm._compat; torch.distributed
     only in the modules of :data:`TORCH_DISTRIBUTED` (and the tools)."""
     bad = []
     for module, source in modules.items():
         tool = is_tool(module)
         for line, name, top in imports_of(source, module, module == "hpccomm"):
             where = f"{module}:{line}"
-            if _is(name, "mpi4py") and module != "hpccomm._mpi" and (top or not tool):
+            if _is(name, "mpi4py") and not _is(module, "hpccomm._mpi") and (top or not tool):
                 bad.append(f"{where}: imports {name}; only hpccomm._mpi may import mpi4py"
                            + (" (a tool may, inside a function)" if tool else ""))
-            if _torch_internal(name) and module != "hpccomm._torch.compat":
-                bad.append(f"{where}: imports torch internals ({name}); only hpccomm._torch.compat may")
+            if _torch_internal(name) and module != "hpccomm._compat":
+                bad.append(f"{where}: imports torch internals ({name}); only hpccomm._compat may")
             if name == "torch.distributed" and not tool and module not in TORCH_DISTRIBUTED:
                 bad.append(f"{where}: imports torch.distributed; only {', '.join(TORCH_DISTRIBUTED)} may (the "
-                           "rest get torch's names from hpccomm._torch.compat)")
+                           "rest get torch's names from hpccomm._compat)")
     return bad
 
 
@@ -225,12 +263,18 @@ _TORCH_DIST_SUBMODULES = {"distributed_c10d", "rendezvous", "c10d_logger", "cons
 
 def test_every_module_has_its_place_and_imports_only_below():
     modules = sources()
-    assert "hpccomm._core.op_path" in modules and len(modules) > 50, sorted(modules)
+    assert "hpccomm._ops.op_path" in modules and len(modules) > 50, sorted(modules)
     found = edges(modules)
-    assert ("hpccomm._core.op_path", found[0][1], "hpccomm._core.work", True) in found or any(
-        m == "hpccomm._core.op_path" and t == "hpccomm._core.work" for m, _, t, _ in found), "relative imports unread"
+    assert any(m == "hpccomm._ops.op_path" and t == "hpccomm._core.work" for m, _, t, _ in found), \
+        "relative imports unread"
     bad = violations(modules, ORDER)
     assert not bad, "the map is broken:\n" + "\n".join(bad)
+
+
+def test_folders_follow_the_layers():
+    """No module imports from a folder that sits above (or beside) its own."""
+    bad = folder_climbs(sources(), ORDER)
+    assert not bad, "folders do not follow the layers:\n" + "\n".join(bad)
 
 
 def test_the_map_lists_only_modules_that_exist():
@@ -269,6 +313,22 @@ def test_a_module_off_the_map_and_a_tool_import_are_refused():
     assert "hpccomm.low:1 imports the tool hpccomm.demo; nothing in the library may" in found, found
 
 
+def test_a_folder_that_climbs_is_refused():
+    """Modules in order, but folder ``hpccomm.b`` both below and above ``hpccomm.a``: refused;
+    the same graph with folders that follow the layers passes."""
+    planted = {"hpccomm.b": "", "hpccomm.b.low": "", "hpccomm.a": "", "hpccomm.a.mid": "from ..b import low\n",
+               "hpccomm.b.high": "from ..a import mid\n", "hpccomm": ""}
+    order = ["hpccomm.b", "hpccomm.b.low", "hpccomm.a", "hpccomm.a.mid", "hpccomm.b.high", "hpccomm"]
+    assert violations(planted, order, tools=()) == []  # module by module, nothing climbs
+    found = folder_climbs(planted, order, tools=())
+    assert found and all("does not sit below" in f for f in found), found
+    assert any(f.startswith("hpccomm.a.mid:1 imports hpccomm.b.low: folder hpccomm.b") for f in found), found
+    assert any(f.startswith("hpccomm.b.high:1 imports hpccomm.a.mid: folder hpccomm.a") for f in found), found
+    planted["hpccomm.c.high"] = planted.pop("hpccomm.b.high")
+    order[4] = "hpccomm.c.high"
+    assert folder_climbs(planted, order, tools=()) == []
+
+
 def test_an_allowed_graph_passes():
     planted = {"hpccomm.low": "import os\n", "hpccomm.high": "def f():\n    from . import low\n", "hpccomm": ""}
     assert violations(planted, ["hpccomm.low", "hpccomm.high", "hpccomm"]) == []
@@ -277,11 +337,12 @@ def test_an_allowed_graph_passes():
 @pytest.mark.parametrize("module,line", [
     ("hpccomm._ops.reduce", "from ..process_group import ProcessGroupHpccomm"),
     ("hpccomm._ops.reduce", "from .. import process_group"),
-    ("hpccomm._mpi", "from ._core.group import Group"),
+    ("hpccomm._mpi", "from .._core.group import Group"),
     ("hpccomm.errors", "from .config import get"),
     ("hpccomm.init", "from . import bench"),
     ("hpccomm._ops.gather", "from ..demo import say"),
-    ("hpccomm._core.state", "def f():\n    from .op_path import run"),
+    ("hpccomm._core.state", "def f():\n    from .._ops.op_path import run"),
+    ("hpccomm._core.record", "from .._ops import checks"),
 ])
 def test_the_map_catches_a_planted_import(module, line):
     """Each kind of bad import, planted in a real module of the package, breaks the map."""

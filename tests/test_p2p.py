@@ -184,7 +184,7 @@ def test_batch_isend_irecv_both_directions(world, numel):
            dist.P2POp(dist.isend, to_next, nxt), dist.P2POp(dist.isend, to_prev, prev)]
     works = dist.batch_isend_irecv(ops)
     # torch >= 2.14 coalesces the batch for a backend that supports it (hpccomm does): one Work for all
-    assert len(works) == (1 if hpccomm._torch.compat.py_backend() else 4), works
+    assert len(works) == (1 if hpccomm._compat.py_backend() else 4), works
     for w in works:
         w.wait(LIMIT)
     assert torch.equal(from_prev, fill((numel,), torch.float32, prev, salt=1))
@@ -743,14 +743,14 @@ def test_send_recv_plans_and_records(world, groups):
     (copied out once it arrived), with the same results.  A short message received by a blocking
     recv is an error naming the op."""
     from hpccomm._core import state
-    from hpccomm._core.work import Request
+    from hpccomm._core.record import OpRecord
 
     def posted_on(e, call, t):
         assert (e.where, e.call, e.before, e.after) == ("posted", call, False, False), e
         assert [b[0] for b in e.buffers] == [t.data_ptr()], (e, t.data_ptr())
 
     def records(hg):
-        return [r for r in state.records() if isinstance(r, Request) and r.group is hg]
+        return [r for r in state.records() if isinstance(r, OpRecord) and r.group is hg]
 
     p = Problems()
     for tg in groups:

@@ -96,7 +96,7 @@ ALL_REDUCE_CASES = [(d, o) for d, o in CASES if not (d.is_complex and o == "PROD
 @pytest.mark.parametrize("dtype,opname", ALL_REDUCE_CASES, ids=[f"{str(d)[6:]}-{o}" for d, o in ALL_REDUCE_CASES])
 def test_all_reduce_matrix(world, groups, dtype, opname, async_op):
     """Blocking, and posted: async_op=True in the nonblocking MPI form
-    (HPCCOMM_ASYNC_NONBLOCKING) where the dtype has one (hpccomm._core.op_path).
+    (HPCCOMM_ASYNC_NONBLOCKING) where the dtype has one (hpccomm._ops.op_path).
     async_op=True on the comm thread runs the same op code as blocking, in
     another thread: tests/test_async.py covers that path."""
     for g in groups:

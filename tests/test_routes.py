@@ -24,7 +24,7 @@ from helpers import Problems, fill, hgroup, setting
 
 pytestmark = pytest.mark.mpi
 
-PY_BACKEND = hpccomm._torch.compat.py_backend()  # torch >= 2.14: a Python c10d Backend is possible
+PY_BACKEND = hpccomm._compat.py_backend()  # torch >= 2.14: a Python c10d Backend is possible
 CPU = torch.device("cpu")
 
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 import ast
 import os
 import pickle
-import os
 import re
 import threading
 import time
+from types import SimpleNamespace
+from datetime import timedelta
 from pathlib import Path
 from unittest import mock
 
@@ -27,7 +28,7 @@ import torch.distributed as dist
 import hpccomm
 import helpers
 from hpccomm import _mpi, config, errors
-from hpccomm._torch import compat
+from hpccomm import _compat as compat
 from hpccomm._core import group as _group
 from hpccomm._start import bootstrap
 from hpccomm._ops import checks, staging
@@ -636,6 +637,7 @@ def test_dead_local_peers_finds_gone_and_zombie_processes():
 def test_report_line_names_the_running_op_and_the_recorded_failure(monkeypatch):
     from hpccomm._core import signals
     from hpccomm._core import state
+    from hpccomm._core.record import OpRecord
 
     class Group:
         name, timeout = "WORLD", 60
@@ -660,31 +662,41 @@ def test_report_line_names_the_running_op_and_the_recorded_failure(monkeypatch):
     assert signals.report_line() == (
         "hpccomm: rank 1 of 4 ended by SIGTERM (the launcher ends the job) outside any hpccomm op; no failed "
         "rank known here (one on another node, or the job was cancelled: the launcher's message names it)")
-    state.begin(Group(), "all_gather", 7, 60)
+    state.watch(OpRecord.noted(Group(), "all_gather", 7, time.monotonic(), 60))
     state.record_failure("raised an uncaught KeyError (last op: barrier (op #6 on group 'WORLD'))")
     line = signals.report_line()
     assert line.startswith("hpccomm: rank 1 of 4 ended by SIGTERM (the launcher ends the job) while in all_gather "
                            "(op #7 on group 'WORLD', for 0.0 s); rank 1 raised an uncaught KeyError"), line
 
 
-def test_wait_returns_only_after_the_future_completed():
-    """A waiter that sees the Work done while another thread is between
+def test_wait_returns_only_after_the_future_completed(monkeypatch):
+    """A waiter that sees the op done while another thread is between
     marking it done and completing its future waits for the future:
     get_future().value() then never finds it incomplete (a race seen once as
-    a torch INTERNAL ASSERT in a test)."""
+    a torch INTERNAL ASSERT in a test).  The completing thread is the comm
+    thread, running a queued op (hpccomm._core.record)."""
+    import itertools
     import threading
 
+    from hpccomm._core import record as core_record
+    from hpccomm._core import state
     from hpccomm._core import work as core_work
 
-    class Pending:
-        engine_completes = True
+    class Group:  # what running a queued op reads of its group (no MPI: its plan calls no MPI)
+        name, rank, size, seq, queued, instrumented = "test", 0, 1, 0, 0, False
+        checks = SimpleNamespace(agreed=None)  # no first-call comparison (hpccomm._core.signatures)
+        _seqs = itertools.count(1)
 
-        def finish(self):
-            return None
+        def where(self, seq=None):
+            return f"op #{seq} on group 'test'"
 
+    monkeypatch.setattr(state, "last_group", [None])
     out = [torch.ones(2)]
-    work = core_work.Work(out, Pending(), "all_reduce (test)")
-    in_set_result, release = threading.Event(), threading.Event()
+    go, in_set_result, release = threading.Event(), threading.Event(), threading.Event()
+    plan = (lambda: go.wait(10), (), None, out, out, None, None, 0)  # blocks the comm thread until go
+    record = core_record.OpRecord(Group(), "all_reduce", plan)
+    work = core_work.pending(record, out)
+    record.queue((), True)
 
     class HeldFuture:  # holds the completing thread just before it completes the future
         def __init__(self, raw):
@@ -695,12 +707,11 @@ def test_wait_returns_only_after_the_future_completed():
             release.wait(10)
             self.raw.set_result(value)
 
-    work.get_future()  # the futures exist: completing the Work completes them
-    work._rawf = HeldFuture(work._rawf)
-    completer = threading.Thread(target=work._ran_on_engine)
-    completer.start()
+    work.get_future()  # the futures exist: completing the op completes them
+    record.raw = HeldFuture(record.raw)
+    go.set()
     assert in_set_result.wait(10)
-    assert work._done and not work.is_completed()  # marked done, future not yet complete
+    assert record.state == core_record.DONE and not work.is_completed()  # marked done, future not yet complete
     waited = threading.Event()
     waiter = threading.Thread(target=lambda: (work.wait(), waited.set()))
     waiter.start()
@@ -708,5 +719,145 @@ def test_wait_returns_only_after_the_future_completed():
     release.set()
     assert waited.wait(10)
     assert work.get_future().value() is out and work.is_completed()
-    completer.join()
     waiter.join()
+
+
+# -- the op record's states and who moves it (hpccomm._core.record) ------------------------------------------
+
+class FakeRequest:
+    """An MPI request completed when the test says (``finish()``), with ``error`` if given."""
+
+    def __init__(self, error=None):
+        self.finished, self.error = threading.Event(), error
+
+    def finish(self):
+        self.finished.set()
+
+    def Test(self, status=None):
+        if self.finished.is_set() and self.error is not None:
+            raise self.error
+        return self.finished.is_set()
+
+    def Wait(self, status=None):
+        assert self.finished.wait(30)
+        if self.error is not None:
+            raise self.error
+
+
+@pytest.fixture
+def self_group():
+    """A real hpccomm group of one rank (MPI_COMM_SELF); its plans below make no MPI call."""
+    g = _group.world(_mpi.mpi().COMM_SELF, name="self")
+    yield g
+    g.free()
+
+
+def _plan(call=lambda: None, icall=None, outputs=None, after=None):
+    return (call, (), icall, outputs, None, None, after, 0)
+
+
+def test_record_queued_submitted_running_done(self_group):
+    """A queued op: SUBMITTED while ops queued before it run, RUNNING (numbered) while
+    its plan runs on the comm thread, DONE once complete: its future's callbacks ran
+    there, once, and its Work reports success."""
+    from hpccomm._core import comm_thread, record as rec, state, work as core_work
+
+    gate, running, go = threading.Event(), threading.Event(), threading.Event()
+    first = rec.OpRecord(self_group, "barrier", _plan(lambda: gate.wait(30)))
+    first.queue((), True)
+    out = [torch.ones(1)]
+    second = rec.OpRecord(self_group, "all_reduce", _plan(lambda: (running.set(), go.wait(30)), outputs=out))
+    w = core_work.pending(second, out)
+    second.queue((), True)
+    assert second.state == rec.SUBMITTED and second.seq is None and second.describe() == "all_reduce (group 'self')"
+    ran = []
+    chained = w.get_future().then(lambda f: ran.append(threading.current_thread().name) or f.value())
+    gate.set()
+    assert running.wait(30)
+    assert second.state == rec.RUNNING and second.seq == self_group.seq and not w.is_completed()
+    go.set()
+    assert w.wait(timedelta(seconds=30)) and second.state == rec.DONE
+    assert chained.wait() is out and ran == [comm_thread.THREAD_NAME]
+    assert w.is_completed() and w.is_success() and w.exception() is None and w.result() is out
+    assert first.state == rec.DONE and self_group.queued == 0 and state.records() == []
+
+
+def test_record_queued_failed(self_group):
+    """A queued op whose plan raises: FAILED, its error named after the op, raised by
+    wait(), result() and the future; the group goes on."""
+    from hpccomm._core import record as rec, work as core_work
+
+    def broken():
+        raise RuntimeError("the plan broke")
+
+    r = rec.OpRecord(self_group, "all_reduce", _plan(broken))
+    w = core_work.pending(r, [])
+    r.queue((), True)
+    with pytest.raises(errors.HpccommError, match=r"hpccomm all_reduce \(op #\d+ on group 'self', rank 0/1\): "
+                                                  r"RuntimeError: the plan broke"):
+        w.wait()
+    assert r.state == rec.FAILED and w.is_completed() and not w.is_success() and w.exception() is r.error
+    with pytest.raises(RuntimeError, match="HpccommError: hpccomm all_reduce .*the plan broke"):  # (torch's wrapping)
+        w.get_future().wait()
+    ok = rec.OpRecord(self_group, "all_reduce", _plan())
+    ok.queue((), True)
+    ok.wait()
+    assert ok.state == rec.DONE
+
+
+def test_record_posted_running_timed_out_done(self_group):
+    """A posted op: RUNNING and watched from its post (numbered, a deadline), its
+    ``after`` step run once it completed; the watchdog's mark (TIMED_OUT) leaves it
+    running, and it still completes: DONE, no longer watched."""
+    from hpccomm._core import record as rec, state, work as core_work
+
+    req, steps = FakeRequest(), []
+    r = rec.OpRecord(self_group, "all_gather_into_tensor", _plan(icall=lambda: req, after=lambda: steps.append(1)))
+    w = core_work.pending(r, [])
+    r.post()
+    assert r.state == rec.RUNNING and r in state.records() and r.seq == self_group.seq and r.token is not None
+    with pytest.raises(TimeoutError, match=r"all_gather_into_tensor \(op #\d+ on group 'self', rank 0/1\): not "
+                                           r"complete after 0.01 s"):
+        w.wait(timedelta(milliseconds=10))
+    r.expired()  # (what the watchdog does when it reports it)
+    assert r.timed_out and r.state == rec.RUNNING and not w.is_completed()
+    req.finish()
+    assert w.wait() and r.state == rec.DONE and steps == [1] and r not in state.records()
+
+
+def test_record_posted_failed(self_group):
+    """A posted op whose request completes with an error: FAILED, named after the op,
+    no longer watched, its ``after`` step not run."""
+    from hpccomm._core import record as rec, state, work as core_work
+
+    req, steps = FakeRequest(RuntimeError("the request broke")), []
+    r = rec.OpRecord(self_group, "broadcast", _plan(icall=lambda: req, after=lambda: steps.append(1)))
+    w = core_work.pending(r, [])
+    r.post()
+    req.finish()
+    assert w.is_completed() and not w.is_success()
+    assert r.state == rec.FAILED and steps == [] and r not in state.records()
+    with pytest.raises(errors.HpccommError, match=r"hpccomm broadcast \(op #\d+ .*RuntimeError: the request broke"):
+        w.wait()
+
+
+def test_record_future_hands_a_posted_collective_to_the_comm_thread(self_group):
+    """Asking a posted collective's future changes its state, not its owner: the same
+    record goes to the comm thread, which completes it and runs the callbacks; ops
+    queued on the group meanwhile wait behind it."""
+    from hpccomm._core import comm_thread, record as rec, work as core_work
+
+    req, out = FakeRequest(), [torch.ones(1)]
+    r = rec.OpRecord(self_group, "all_reduce", _plan(icall=lambda: req, outputs=out))
+    w = core_work.pending(r, out)
+    r.post()
+    ran = []
+    fut = w.get_future().then(lambda f: ran.append(threading.current_thread().name))
+    assert r.by_comm_thread and self_group.queued == 1 and w._op is r
+    later = rec.OpRecord(self_group, "barrier", _plan())
+    later.queue((), True)  # behind it
+    assert later.state == rec.SUBMITTED
+    req.finish()
+    fut.wait()
+    later.wait()
+    assert r.state == rec.DONE and ran == [comm_thread.THREAD_NAME] and later.state == rec.DONE

@@ -1,6 +1,6 @@
 """hpccomm's methods that torch's C++ layer calls are kept out of TorchDynamo
 once Dynamo is imported, whichever is imported first, and importing hpccomm
-does not import Dynamo (about 1 s).  See hpccomm._torch.compat.hide_from_compiler;
+does not import Dynamo (about 1 s).  See hpccomm._compat.hide_from_compiler;
 tests/test_fsdp.py::test_compiled_ddp_matches_eager is the end-to-end test."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ CHECK = """
 import sys
 {first}
 from hpccomm import ProcessGroupHpccomm
-from hpccomm._core import op_path
+from hpccomm._ops import op_path
 from hpccomm._core.work import Work
 print("dynamo imported:", "torch._dynamo" in sys.modules)
 {then}

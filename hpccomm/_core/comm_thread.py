@@ -4,39 +4,23 @@ THE THREAD RULE.  Every thread hpccomm starts, and whether it may call MPI:
 
 | thread | calls MPI? | on which communicators, and what it does |
 |---|---|---|
-| the calling thread | yes | checks every op (a refusal raises before any communication); runs blocking collectives on the group's ``comm`` when the group has nothing queued; posts point-to-point ops on the group's ``p2p`` and, with ``HPCCOMM_ASYNC_NONBLOCKING=1``, small ``async_op=True`` collectives on ``comm`` (hpccomm._core.op_path), and tests and waits on those requests itself |
-| ``hpccomm-comm`` (this module; started at the first queued op, MPI_THREAD_MULTIPLE only) | yes | runs queued ops (``async_op=True`` collectives, and ops issued behind them) in issue order on each group's ``comm``; completes their Works and futures, so DDP's callbacks run here; tests the requests of posted ops whose future was asked for, until they complete |
+| the calling thread | yes | checks every op (a refusal raises before any communication); runs blocking collectives on the group's ``comm`` when the group has nothing queued (and their cross-rank checks on its ``checks``, hpccomm._core.signatures); posts point-to-point ops on the group's ``p2p`` and, with ``HPCCOMM_ASYNC_NONBLOCKING=1``, small ``async_op=True`` collectives on ``comm`` (hpccomm._ops.op_path), and tests and waits on those requests itself |
+| ``hpccomm-comm`` (this module; started at the first queued op, MPI_THREAD_MULTIPLE only) | yes | runs queued ops (``async_op=True`` collectives, and ops issued behind them) in issue order on each group's ``comm`` (their checks on its ``checks``); completes them, futures included, so DDP's callbacks run here; tests the posted ops whose future was asked for, until they complete |
 | ``hpccomm-watchdog`` (hpccomm._core.watchdog) | only MPI_Abort | ends an op that outlives its group's timeout, or that another rank refused |
 | ``hpccomm-signals`` (hpccomm._core.signals) | only MPI_Abort | one line when the launcher ends the rank with SIGTERM |
 | ``hpccomm-init-watch`` (hpccomm._mpi, while MPI_Init runs) | no | ends the process with a message if MPI_Init has not returned within the timeout |
 
-Why one communicator is never used by two threads at once: a group with
-queued ops is used by the comm thread only (a blocking op queues behind
-them and its caller waits; building a sub-communicator or freeing a
-communicator first drains the group's queue: :meth:`Engine.flush`); a waiter
-that runs its own queued op in the comm thread's place (:meth:`Engine.steal`)
-counts as the comm thread meanwhile; an MPI request (a posted op) is touched
-by one thread at a time, under its Work's lock.  Whether an op is posted or
-runs in the blocking form is decided from what is equal on every rank (op,
-``async_op``, dtype, ReduceOp, counts), never from which thread runs it: MPI
-never matches a nonblocking collective with a blocking one.
-
-Below MPI_THREAD_MULTIPLE only the calling thread calls MPI: queued ops run
-in the caller and complete before returning, a pending Work's future is
-completed by waiting in the caller when asked for, and the comm thread is
-never started; logged once, shown by ``hpccomm info``.  Fault tolerance's
-revocation (hpccomm.fault_tolerance) is the one exception to the one-owner rule:
-MPI_Comm_revoke exists to interrupt a communicator another thread is blocked
-in.  At exit (hpccomm._mpi, before MPI_Finalize) the queued ops run, the comm
-thread is stopped and joined, posted requests are settled (hpccomm._core.work),
-and then the watchdog is stopped and joined.
-
-One thread, not two: the comm thread also tests the posted requests whose
-futures were asked for (a separate progress thread did until this was
-measured: both are idle at the same moments, and a request tested between
-queued ops completes as soon as one tested in a thread of its own would,
-but for one queued op's duration).  It tests them with a back-off of up to
-1 ms while nothing else is queued; a submit wakes it at once.
+No communicator is used by two threads at once: a group with queued ops is
+the comm thread's alone (a blocking op queues behind them; a new
+sub-communicator or a free drains them first: ``flush``), a waiter running its
+queued op in the thread's place counts as the thread (``steal``), and a request
+is touched under its record's lock.  Below MPI_THREAD_MULTIPLE queued ops run
+in the caller and this thread never starts (logged once; ``hpccomm info``).
+Fault tolerance's revocation is the one exception: MPI_Comm_revoke exists to
+interrupt a communicator another thread is in.  The queue holds op records
+(hpccomm._core.record), used through their protocol only: ``run()``,
+``release()``, ``test()`` (watched posted ops, tested between queued ones with
+a back-off up to 1 ms) and ``group``.
 """
 from __future__ import annotations
 
@@ -50,93 +34,48 @@ from .. import _mpi
 
 log = logging.getLogger("hpccomm")
 
-
 _get_ident = threading.get_ident
 #: The comm thread's name (its track in hpccomm._core.trace's timeline).
 THREAD_NAME = "hpccomm-comm"
-_IDLE_MIN, _IDLE_MAX = 1e-5, 1e-3  # the back-off between tests of watched requests (seconds)
+_IDLE_MIN, _IDLE_MAX = 1e-5, 1e-3  # the back-off between tests of watched records (seconds)
 
 
 def latch():
-    """A closed latch: a plain lock, taken; ``release()`` opens it, and a
-    waiter ``acquire()``s then ``release()``s it (so every waiter passes).
-    Far cheaper than a ``threading.Event`` (a Python Condition per Event)."""
+    """A closed latch: a taken lock; ``release()`` opens it, a waiter
+    ``acquire()``s then ``release()``s it.  Far cheaper than a ``threading.Event``."""
     lock = _allocate_lock()
     lock.acquire()
     return lock
 
 
-def _nothing(job) -> None:
-    return None
+class _Mark:
+    """A queue entry that runs nothing: :meth:`CommThread.flush` waits until it has run."""
+
+    __slots__ = ("group", "latch", "release")
+
+    def __init__(self, group) -> None:
+        self.group, self.latch = group, latch()
+        self.release = self.latch.release
+
+    def run(self) -> None:
+        pass
 
 
-class Job:
-    """A queued op, and the :class:`hpccomm._core.work.Pending` of its Work:
-    ``run(job)`` communicates (in the comm thread, or in its waiter's place);
-    ``plan``, ``args`` and ``asynchronous`` are what the op path gave it to
-    run.  ``done``: a :func:`latch` opened once a job without a Work (a
-    flush) has run; a job with a Work lets the Work's waiters go."""
-
-    engine_completes = True  # the comm thread completes the Work (hpccomm._core.work)
-    token = None
-    done = None
-    error: Optional[BaseException] = None
-    work = None  # the Work to complete (set by whoever made it; let go of once complete)
-    seq = None  # the op's number, taken when it runs
-
-    def __init__(self, group, op: str, run, plan=None, args=(), asynchronous: bool = False) -> None:
-        self.group, self.op, self.run = group, op, run
-        self.plan, self.args, self.asynchronous = plan, args, asynchronous
-
-    def describe(self) -> str:
-        """What the Work is, for its messages: the op and, once it ran, its number."""
-        g = self.group
-        return f"{self.op} ({g.where(self.seq) if self.seq is not None else 'group ' + repr(g.name)})"
-
-    # -- the Pending protocol (its Work waits through the engine: Work._wait_for_engine) --
-    def test(self) -> bool:
-        if self.done is not None:
-            if self.done.acquire(False):
-                self.done.release()
-                return True
-            return False
-        return self.work is None or self.work._done
-
-    def wait(self, seconds) -> bool:
-        if self.done is None:
-            raise RuntimeError("a queued op's Work waits through the engine")
-        if self.done.acquire(True, -1 if seconds is None else seconds):
-            self.done.release()
-            return True
-        return False
-
-    def finish(self):
-        if self.error is not None:
-            raise self.error
-        return None
-
-
-class Engine:
-    """One FIFO queue and the thread that runs it (see the module docstring).
-
-    The queue, the thread's sleep, the watched Works and every group's
-    ``queued`` count are guarded by one plain lock; the thread sleeps on
-    another (released by the submitter that finds it asleep), so a submit
-    costs two lock operations, not a Python Condition.
-    """
+class CommThread:
+    """One FIFO queue of op records and its thread.  One plain lock guards the
+    queue, the thread's sleep, the watched records and every group's
+    ``queued``; the thread sleeps on another, released by a submitter that
+    finds it asleep (two lock operations, not a Python Condition)."""
 
     def __init__(self) -> None:
         self._queue: collections.deque = collections.deque()
         self._mutex = _allocate_lock()
         self._wake = latch()  # opened to wake the thread when it sleeps
-        self._sleeping = False
-        self._busy = False  # a job is running (on the comm thread, or taken by its waiter: steal)
+        self._sleeping = self._busy = self._stopping = False  # busy: an op runs (here, or in its waiter)
         self._thread: Optional[threading.Thread] = None
-        self._ident = None  # the thread's id while it runs
-        self._stealer = None  # the id of a waiter running its own job in the comm thread's place
+        self._ident = self._stealer = None  # the thread's id; a waiter's running its own op in its place
         self._usable: Optional[bool] = None
-        self._stopping = False
-        self._watched: list = []  # Works whose future was asked for: tested until they complete
+        self._watched: list = []  # posted ops whose future was asked for: tested until they complete
 
     def usable(self) -> bool:
         """Whether queued ops may run on the comm thread (MPI_THREAD_MULTIPLE granted)."""
@@ -148,58 +87,67 @@ class Engine:
                             "and complete before returning (no overlap)", level)
         return self._usable
 
-    def on_comm_thread(self) -> bool:
-        """Whether the caller is the comm thread (a callback it runs), or a
-        waiter standing in for it (:meth:`steal`)."""
+    def on_it(self) -> bool:
+        """Whether the caller is the comm thread (a callback it runs), or a waiter in its place."""
         ident = _get_ident()
         return ident == self._ident or ident == self._stealer
 
-    def steal(self, job: Job) -> bool:
-        """Run queued ``job`` in the calling thread, its waiter, in the comm
-        thread's place, if it is the only queued job and the comm thread is
-        idle; False (nothing done) otherwise.
-
-        Whoever runs it, the op is the next and only one on the queue, runs
-        alone, and its Work completes (callbacks included) before the group
-        counts as idle, exactly as on the comm thread; meanwhile the caller
-        counts as the comm thread (:meth:`on_comm_thread`), so ops issued by
-        callbacks run at once, as they would there.  A waiter would otherwise
-        sleep while the comm thread runs the op: taking it saves two thread
-        switches per op (an ``async_op=True`` op waited on at once).
-        """
-        with self._mutex:
-            queue = self._queue
-            if self._busy or len(queue) != 1 or queue[0] is not job:
-                return False
-            queue.popleft()
-            self._busy = True
-            self._stealer = _get_ident()
-        work = self._run(job)
-        with self._mutex:
-            self._busy = False
-            self._stealer = None
-            job.group.queued -= 1
-            self._wake_locked(queue)  # ops queued meanwhile, or Works to test: the comm thread takes them
-        work._release()  # another waiter of the Work
-        return True
-
-    def submit(self, job: Job) -> Job:
+    def submit(self, record) -> None:
+        """Queue ``record``: the thread runs it after every op queued before it."""
         with self._mutex:
             self._stopping = False
-            job.group.queued += 1
-            self._queue.append(job)
+            record.group.queued += 1
+            self._queue.append(record)
             if not self._busy:  # (busy: the thread, or the stealer, looks at the queue when done)
                 self._wake_locked(True)
-        return job
 
-    def watch(self, work) -> None:
-        """Test ``work`` (a Work whose future was asked for) on the comm
-        thread until it completes, so its future completes on its own."""
+    def steal(self, record) -> bool:
+        """Run queued ``record`` in its waiter (the caller) in the thread's
+        place if it is the only one queued and the thread idle (else False):
+        it runs and completes as on the thread, the caller counting as the
+        thread, saving two thread switches per op waited on at once."""
+        with self._mutex:
+            queue = self._queue
+            if self._busy or len(queue) != 1 or queue[0] is not record:
+                return False
+            queue.popleft()
+            self._busy, self._stealer = True, _get_ident()
+        record.run()
+        with self._mutex:
+            self._busy, self._stealer = False, None
+            record.group.queued -= 1
+            self._wake_locked(queue)  # ops queued meanwhile, or records to test: the thread takes them
+        record.release()  # another waiter of the op
+        return True
+
+    def watch(self, record) -> None:
+        """Test ``record`` (a posted op whose future was asked for) until it completes."""
         with self._mutex:
             self._stopping = False
-            if work not in self._watched:
-                self._watched.append(work)
+            if record not in self._watched:
+                self._watched.append(record)
             self._wake_locked(True)
+
+    def flush(self, group) -> None:
+        """Wait until ``group`` has no queued ops (before a collective that must not overlap them)."""
+        if group.queued:
+            mark = _Mark(group)
+            self.submit(mark)
+            mark.latch.acquire()
+            mark.latch.release()
+
+    def stop(self, seconds: float = 10.0) -> list:
+        """Stop the thread once its queue is empty (at exit), waiting at most
+        ``seconds``; the records it was still testing."""
+        with self._mutex:
+            self._stopping = True
+            if self._sleeping:
+                self._sleeping = False
+                self._wake.release()
+            thread, left = self._thread, list(self._watched)
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            thread.join(seconds)
+        return left
 
     def _wake_locked(self, needed) -> None:
         """(Mutex held) Wake the thread if it sleeps and ``needed``; start it if there is none."""
@@ -212,48 +160,10 @@ class Engine:
             self._thread = threading.Thread(target=self._loop, name=THREAD_NAME, daemon=True)
             self._thread.start()
 
-    def flush(self, group) -> None:
-        """Wait until ``group`` has no queued ops (before a collective that
-        must not overlap them, such as building a sub-communicator)."""
-        if group.queued:
-            job = Job(group, "", _nothing)
-            job.done = latch()
-            self.submit(job)
-            job.done.acquire()
-            job.done.release()
-
-    def stop(self, seconds: float = 10.0) -> list:
-        """Stop the comm thread once its queue is empty (at exit, before
-        MPI_Finalize); waits for it at most ``seconds``.  Returns the Works
-        it was still testing."""
-        with self._mutex:
-            self._stopping = True
-            if self._sleeping:
-                self._sleeping = False
-                self._wake.release()
-            thread, left = self._thread, list(self._watched)
-        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
-            thread.join(seconds)
-        return left
-
-    def _run(self, job: Job):
-        """Run ``job`` and complete its Work (callbacks included) before the
-        group counts as idle: ops that callbacks issue (DDP hooks) run now, in
-        the same place of the op sequence on every rank.  Returns the Work."""
-        try:
-            job.run(job)
-        except BaseException as exc:  # noqa: BLE001 - handed to the job's waiter
-            job.error = exc
-        work = job.work
-        if work is not None:
-            work._ran_on_engine()
-            job.work = None  # no Work <-> Job cycle left for the garbage collector
-        return work
-
     def _loop(self) -> None:
         try:
             self._serve()
-        except BaseException:  # never expected: the next submit starts a new thread instead of queuing forever
+        except BaseException:  # never expected: the next submit starts a new thread, not a queue forever
             with self._mutex:
                 self._thread = self._ident = None
             raise
@@ -264,21 +174,18 @@ class Engine:
         idle = _IDLE_MIN
         while True:
             with mutex:
-                watched = bool(self._watched)
+                watched, record = bool(self._watched), None
                 if queue and not self._busy:
-                    job = queue.popleft()
-                    self._busy = True
+                    record, self._busy = queue.popleft(), True
                 elif self._stopping and not queue:
                     self._thread = self._ident = None
                     return
                 else:
                     self._sleeping = True
-                    job = None
-            if job is None:
+            if record is None:
                 if not watched:
                     wake.acquire()  # until a submit, a watch or stop opens it
-                    continue
-                if not wake.acquire(True, idle):  # nothing submitted meanwhile: test the watched Works
+                elif not wake.acquire(True, idle):  # nothing submitted meanwhile: test the watched records
                     with mutex:
                         if self._sleeping:
                             self._sleeping = False
@@ -286,39 +193,24 @@ class Engine:
                             wake.acquire()  # opened just now by a submitter: close it again
                     idle = _IDLE_MIN if self._test_watched() else min(idle * 2, _IDLE_MAX)
                 continue
-            work = self._run(job)
+            record.run()
             with mutex:
                 self._busy = False
-                job.group.queued -= 1
-            # The waiter goes on only now: the group is idle again, so its next
-            # blocking op runs in the calling thread instead of queuing.
-            if work is None:
-                if job.done is not None:
-                    job.done.release()
-            else:
-                work._release()
+                record.group.queued -= 1
+            record.release()  # its waiters go on only now: the group is idle, their next blocking op runs there
 
     def _test_watched(self) -> bool:
-        """Test each watched Work once (completing those done, callbacks
-        included); True if any completed."""
+        """Test each watched record once (completing those done); True if any completed."""
         with self._mutex:
-            works = list(self._watched)
-        finished = [w for w in works if w._poll()]
+            records = list(self._watched)
+        finished = [r for r in records if r.test()]
         if finished:
             with self._mutex:
-                self._watched = [w for w in self._watched if w not in finished]
+                self._watched = [r for r in self._watched if r not in finished]
         return bool(finished)
 
 
-engine = Engine()
-
-
-def _drain_and_stop() -> None:
-    """At exit: every group's queued ops run, then the comm thread stops."""
-    for group in list(_mpi.live):
-        if getattr(group, "comm", None) is not None:
-            engine.flush(group)
-    engine.stop()
-
-
-_mpi.at_exit.append((0, _drain_and_stop))
+_the = CommThread()
+#: The comm thread's calls (see :class:`CommThread`): ``comm_thread.submit(record)`` ...
+usable, on_it, submit, steal, watch, flush, stop = (_the.usable, _the.on_it, _the.submit, _the.steal, _the.watch,
+                                                    _the.flush, _the.stop)

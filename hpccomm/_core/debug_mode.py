@@ -3,14 +3,14 @@ they are about to do, and a mismatch raises on every rank, naming both sides.
 
 On with ``HPCCOMM_DEBUG=DETAIL`` or torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL``;
 off by default, when it costs one attribute test per op.  The comparison is
-an allgather of a short description over the group's point-to-point
-communicator (a separate context from the op's own), in the thread that runs
+an allgather of a short description over the group's ``checks``
+communicator (a duplicate that only checks use, see hpccomm._core.signatures), in the thread that runs
 the op, so the check follows the op order.
 
 A rank whose own checks refuse the op still takes part, with its refusal:
 every rank then raises it, naming that rank (without debug mode such a
 refusal is announced through the store and the watchdog ends the job, see
-hpccomm._core.op_path).
+hpccomm._ops.op_path).
 
 Two things are compared: what must be equal on every rank (the op, dtypes,
 sizes that must match, root, ReduceOp and the op number), and what each rank
@@ -113,7 +113,7 @@ def check(group, op: str, args, seq: int, refused=None, asynchronous=None) -> No
     blocking one (the ranks would wait for each other forever)."""
     common, mine = describe(op, args, group.size)
     verdict = None if refused is None else (type(refused).__name__, str(refused))
-    everyone = group.p2p.allgather((seq, common, mine, verdict, asynchronous))
+    everyone = group.checks.comm.allgather((seq, common, mine, verdict, asynchronous))
     refusals = [(r, v) for r, (_, _, _, v, _) in enumerate(everyone) if v is not None]
     if refusals:
         r, (kind, text) = next(((r, v) for r, v in refusals if r == group.rank), refusals[0])
@@ -140,13 +140,13 @@ def check(group, op: str, args, seq: int, refused=None, asynchronous=None) -> No
             f"{', '.join(map(str, off))} async_op=False. Pass the same async_op on every rank: hpccomm may run an "
             "async collective as a nonblocking MPI call, which MPI never matches with a blocking one "
             "(torch's gloo and NCCL do not require this; MPI does)")
-    problem = _sizes_fit(group, [e[2] for e in everyone])
+    problem = sizes_fit(group, [e[2] for e in everyone])
     if problem:
         raise HpccommError(f"hpccomm debug: {common} (op #{seq} on group '{group.name}', rank {group.rank}/"
                            f"{group.size}): {problem}. The sizes each rank passes must fit together")
 
 
-def _sizes_fit(group, facts) -> str:
+def sizes_fit(group, facts) -> str:
     """What is wrong with the ranks' size facts (empty: nothing)."""
     if not facts or facts[0] is None or any(f is None or f[0] != facts[0][0] for f in facts):
         return ""

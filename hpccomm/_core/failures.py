@@ -28,9 +28,9 @@ import time
 from typing import NamedTuple, Optional
 
 from .. import _mpi
-from .._torch.compat import DistBackendError
+from .._compat import DistBackendError
 from ..errors import HpccommError
-from . import state
+from . import signatures, state
 
 #: How long a rank that saw only a revocation waits for MPI to say who died.
 _NAME_WAIT = 2.0
@@ -134,6 +134,19 @@ def failure(what: str, exc) -> Optional[RankFailure]:
     return error
 
 
+def mpi_error(what: str, exc, collective: bool = True) -> HpccommError:
+    """What MPI error ``exc`` in ``what`` (an op and its place) raises: a
+    :class:`RankFailure` when a rank died and fault tolerance is on
+    (:func:`failure`); else, for a collective, the job ends with the likely
+    cause said (hpccomm._core.signatures.mpi_failed: the other ranks may have
+    returned wrong data); for a point-to-point op, an
+    :class:`HpccommError` naming it."""
+    found = failure(what, exc) if state.failures.tolerant else None
+    if found is not None:
+        return found
+    return signatures.mpi_failed(what, exc) if collective else HpccommError(f"hpccomm {what}: MPI failed: {exc}")
+
+
 def meet(comm, ranks, tag: int) -> None:
     """Before MPI_Comm_create_group in fault-tolerance mode: the members of a
     new group (``ranks``, ranks of ``comm``) meet over point-to-point
@@ -141,7 +154,7 @@ def meet(comm, ranks, tag: int) -> None:
     all arrived), so that a member that died raises MPI_ERR_PROC_FAILED here.
     Open MPI 5.0.11's MPI_Comm_create_group fails at once on a death MPI
     already knows of, but never returns when a member dies while the others
-    wait in it (revoking ``comm`` does not end it either: tried).  Called by
+    wait in it (revoking ``comm`` does not end it either).  Called by
     the members only, on the thread that creates the group.
 
     :raises mpi4py.MPI.Exception: a member died (MPI_ERR_PROC_FAILED) or a
@@ -217,12 +230,12 @@ def rank_failure(exc: Optional[BaseException] = None) -> Optional[RankFailure]:
         return state.failures.first
 
 
-def from_pending(what: str, pending, error):
-    """For hpccomm._core.work: the error a point-to-point op completed with, as
-    :class:`RankFailure` when its MPI error says a process failed."""
-    exc = getattr(pending, "error", None)
-    if exc is None:
-        exc = getattr(error, "__cause__", None)
+def from_pending(what: str, error):
+    """For hpccomm._core.record: the error an op in flight completed with, as
+    :class:`RankFailure` when the MPI error behind it says a process failed."""
+    if isinstance(error, RankFailure):
+        return error
+    exc = getattr(error, "__cause__", None)
     found = failure(what, exc) if exc is not None else None
     return error if found is None else found
 
@@ -282,7 +295,7 @@ def _translate(group, comm) -> list:
 
 def revoke_all() -> None:
     """Revoke every hpccomm communicator of this rank (each group's
-    collective and point-to-point ones): every survivor's pending and later
+    collective, point-to-point and checks ones): every survivor's pending and later
     ops on them fail with MPI_ERR_REVOKED."""
     with _lock:
         state.failures.revoked = True
@@ -291,7 +304,7 @@ def revoke_all() -> None:
 
 
 def revoke(g) -> None:
-    for comm in (getattr(g, "comm", None), getattr(g, "p2p", None)):
+    for comm in (getattr(g, "comm", None), getattr(g, "p2p", None), getattr(getattr(g, "checks", None), "comm", None)):
         if comm is None:
             continue
         try:

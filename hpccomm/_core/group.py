@@ -15,10 +15,24 @@ import threading
 from typing import Optional, Sequence
 
 from .. import _mpi, config
-from . import debug_mode, state
+from . import comm_thread, debug_mode, shutdown, signatures, state
 
 _ids = itertools.count()
 _made: dict = {}  # global ranks -> groups of exactly those ranks this process made
+
+
+class MPICalls:
+    """The MPI calls plans hand over, bound once per group: ``calls.Allreduce``
+    is ``comm.Allreduce`` (binding a method makes an object, on every op
+    otherwise); ``Isend`` and ``Irecv`` are the point-to-point communicator's."""
+
+    __slots__ = ("Allreduce", "Iallreduce", "Bcast", "Ibcast", "Allgather", "Iallgather", "Allgatherv",
+                 "Reduce_scatter_block", "Ireduce_scatter_block", "Barrier", "Isend", "Irecv")
+
+    def __init__(self, comm, p2p) -> None:
+        for name in self.__slots__[:-2]:
+            setattr(self, name, getattr(comm, name))
+        self.Isend, self.Irecv = p2p.Isend, p2p.Irecv
 
 
 class Group:
@@ -27,17 +41,18 @@ class Group:
     ``global_ranks``: this group's members as ranks of the default (world)
     group, in group-rank order.  ``comm``: the communicator collectives run
     on; ``p2p``: a duplicate for user point-to-point traffic (never matches
-    hpccomm's own messages).
+    hpccomm's own messages); ``checks``: a duplicate that only the
+    cross-rank checks use (hpccomm._core.signatures, debug mode), in the
+    thread that runs the group's collectives; ``calls``: the calls plans
+    make on ``comm`` and ``p2p`` (:class:`MPICalls`).
     """
-
-    #: The op modules see host tensors only (a GPU transport's view of the group says False:
-    #: hpccomm._gpu.cuda_mpi.DeviceView), so they hand MPI host memory without asking each tensor.
-    host = True
 
     def __init__(self, comm, global_ranks: Sequence[int], name: str = "", store=None,
                  timeout=None, owns_comm: bool = True, tag_ub: Optional[int] = None) -> None:
         self.comm = comm
         self.p2p = comm.Dup()  # collective over comm's members only
+        signatures.attach(self)  # the checks communicator (also a Dup) and the first-call check's state
+        self.calls = MPICalls(comm, self.p2p)
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.global_ranks = list(global_ranks)
@@ -62,7 +77,7 @@ class Group:
         # tracing or per-op debug logging (the settings, read when the group is made)
         self._observed = bool(config.get("HPCCOMM_TRACE")) or config.get("HPCCOMM_LOG") == "DEBUG"
         self.debug = debug_mode.enabled()  # compare every collective across ranks first
-        # async ops of up to 64 KiB posted as nonblocking MPI collectives (hpccomm._core.op_path.form)
+        # async ops of up to 64 KiB posted as nonblocking MPI collectives (hpccomm._ops.op_path.form)
         self.nonblocking = config.get("HPCCOMM_ASYNC_NONBLOCKING")
         self.max_count = config.get("HPCCOMM_MAX_MPI_COUNT")
         self.tag_ub = _mpi.tag_ub() if tag_ub is None else tag_ub  # the largest tag MPI takes
@@ -70,6 +85,7 @@ class Group:
         self._lock = threading.Lock()
         _mpi.live.add(self)
         state.groups.add(self)
+        shutdown.register()  # its queued and posted ops are settled at exit
 
     def where(self, seq: int | None = None) -> str:
         """Context for error messages: op number, group and rank.  ``seq``
@@ -89,15 +105,14 @@ class Group:
 
     def free(self, flush: bool = True) -> None:
         """Free the communicators, after this group's queued ops ran (``flush``)."""
-        from .comm_thread import engine
-
         if self.comm is not None and flush:
-            engine.flush(self)
-        comm, p2p, self.comm, self.p2p = self.comm, self.p2p, None, None
+            comm_thread.flush(self)
+        comm, p2p, self.comm, self.p2p, self.calls = self.comm, self.p2p, None, None, None
         MPI = _mpi.mpi()
         if comm is None or MPI.Is_finalized():
             return
         p2p.Free()
+        signatures.detach(self)
         if self._owns_comm:
             comm.Free()
 
@@ -110,7 +125,7 @@ class Group:
     def debug(self, on: bool) -> None:
         self._debug = on
         #: Debug mode, tracing or per-op debug logging: the op path takes its instrumented branch
-        #: (hpccomm._core.op_path.execute); one attribute test on the latency-bound path.
+        #: (hpccomm._core.execute); one attribute test on the latency-bound path.
         self.instrumented = bool(on) or self._observed
 
     @property
@@ -155,7 +170,3 @@ def world(comm=None, store=None, timeout=None, name: str = "") -> Group:
     dup = base.Dup()
     return Group(dup, range(dup.Get_size()), name, store, timeout)
 
-
-def optional_free(group: Optional[Group]) -> None:
-    if group is not None:
-        group.free()

@@ -21,6 +21,7 @@ names it).  ``HPCCOMM_SIGNAL_REPORT=0`` leaves SIGTERM alone.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -29,6 +30,7 @@ import threading
 import time
 from .. import config
 from . import state
+from .watchdog import current
 
 _installed = False
 _lock = threading.Lock()
@@ -103,12 +105,38 @@ def _report_and_exit() -> None:
 
 
 def report_line() -> str:
-    running = state.current()
+    running = current()
     if running is not None:
         label = "p2p op" if running.kind == "p2p" else "op"
         where = (f"while in {running.name} ({label} #{running.seq} on group '{running.group.name}', "
                  f"for {time.monotonic() - running.start:.1f} s)")
     else:
         where = "outside any hpccomm op"
+    with quiet_stderr():  # the store may be gone with rank 0: torch's C++ warning and stack add nothing
+        who = state.who_failed()
     return (f"hpccomm: rank {state.world.rank} of {state.world.size} ended by SIGTERM (the launcher ends the "
-            f"job) {where}; {state.who_failed()}")
+            f"job) {where}; {who}")
+
+
+@contextlib.contextmanager
+def quiet_stderr():
+    """File descriptor 2 goes to /dev/null meanwhile.  For a store call made
+    while the job ends: when rank 0 (the store's host) is gone, torch's
+    TCPStore prints a warning with a 25-frame C++ stack trace
+    (``recvValue failed ... frame #0 ...``) straight to the descriptor, which
+    would bury the lines that say what happened; the call's own exception
+    still says it (``the key-value store on rank 0 does not answer``)."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        null = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        yield
+        return
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)

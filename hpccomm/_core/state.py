@@ -30,28 +30,13 @@ from typing import Optional
 _monotonic = time.monotonic
 
 
-class Op:
-    """An op this rank is in: ``kind`` is ``"collective"`` or ``"p2p"``;
-    ``peer`` the other rank of a point-to-point op (None: any source)."""
-
-    __slots__ = ("group", "name", "seq", "start", "deadline", "kind", "peer")
-
-    def __init__(self, group, name, seq, start, deadline, kind="collective", peer=None) -> None:
-        self.group, self.name, self.seq, self.start, self.deadline = group, name, seq, start, deadline
-        self.kind, self.peer = kind, peer
-
-    def where(self) -> str:
-        g = self.group
-        return g.where_p2p(self.seq) if self.kind == "p2p" else g.where(self.seq)
-
-
-#: token -> Op (or a posted op's own record, hpccomm._core.work.Request): the ops this rank is in now
-#: besides each group's running collective.
+#: token -> the record (hpccomm._core.record.OpRecord) of an op this rank is in now, besides each
+#: group's blocking collective: a posted op, or what else may hang (group creation, a debug check).
 watched: dict = {}
 ids = itertools.count()
-#: The groups whose collectives run here: each says which one it is in, if
-#: any, in ``group.running`` = ``(name, seq, start)``, and its latest in
-#: ``group.last`` (set by :func:`start`).  hpccomm._core.group adds every group.
+#: The groups whose collectives run here: each notes the blocking collective it
+#: is in, if any, in ``group.running`` = ``(name, seq, start)``, and its latest
+#: in ``group.last`` (set by :func:`start`).  hpccomm._core.group adds every group.
 groups = weakref.WeakSet()
 #: [the group whose op started last on this rank]
 last_group: list = [None]
@@ -61,12 +46,14 @@ def start(group, op: str, record=None) -> int:
     """Number op ``op`` of ``group`` and record it as running on this rank;
     returns its number.
 
-    ``record`` None: a collective that runs now in the calling thread,
-    recorded in ``group.running`` until :func:`finished`.  Else a posted op's
-    record (hpccomm._core.work.Request: a point-to-point op, ``kind`` ``"p2p"``,
-    numbered apart, or a collective), which gets its number, start time and
-    deadline (the group's timeout) and is watched until :func:`end` with its
-    ``token``.  Collectives are numbered in the thread that runs (or posts)
+    ``record`` None: a collective that runs now in the thread that calls
+    this (blocking), noted in ``group.running`` until :func:`finished` (no
+    record object is made for it: the watchdog sees the note as one,
+    hpccomm._core.watchdog.ops).  Else a posted op's record
+    (hpccomm._core.record.OpRecord: a point-to-point op, ``kind`` ``"p2p"``,
+    numbered apart, or a collective), which gets its number, start time,
+    deadline (the group's timeout) and ``token`` here, and is watched until
+    :func:`end`.  Collectives are numbered in the thread that runs (or posts)
     them, when it does: they run in the same order on every member, so they
     are numbered alike everywhere, whichever thread issued them; ``next()``
     on the counters is atomic under the GIL.
@@ -102,44 +89,33 @@ def finished(group) -> None:
     group.running = None
 
 
-def begin(group, name: str, seq: int, seconds: Optional[float], kind: str = "collective", peer=None) -> int:
-    """Record that this rank entered op ``name`` (point-to-point ops, group
-    creation, debug checks; the op path records collectives in
-    ``group.running`` itself); ``seconds`` its time limit (None: none).
-    Returns the token for :func:`end`."""
+def watch(record) -> int:
+    """Watch ``record`` (what else may hang: group creation, a debug check,
+    a shrink; it carries its own number, start and deadline) until
+    :func:`end` with the token returned."""
     token = next(ids)
-    now = time.monotonic()
-    watched[token] = Op(group, name, seq, now, now + seconds if seconds else None, kind, peer)
+    watched[token] = record
     return token
 
 
 def records() -> list:
-    """The records made by :func:`begin` and :func:`watch` still open (a snapshot)."""
+    """The records watched now (a snapshot): posted ops (:func:`start`) and :func:`watch`'s."""
     return list(watched.values())
 
 
 def end(token):
-    """The op of ``token`` (:func:`begin`, :func:`start`) is over; returns it (None if unknown)."""
+    """The op of ``token`` (:func:`start`, :func:`watch`) is over; returns it (None if unknown)."""
     return watched.pop(token, None)
 
 
-def running() -> list:
-    """The ops this rank is in now (a snapshot): the registered ones, and
-    each group's running collective (as an :class:`Op`)."""
-    ops = list(watched.values())
+def notes() -> list:
+    """``(group, (name, seq, start))`` of each blocking collective running now (a snapshot)."""
+    found = []
     for g in list(groups):
-        entry = getattr(g, "running", None)
-        if entry is not None:
-            name, seq, start = entry
-            seconds = getattr(g, "timeout_s", None)
-            ops.append(Op(g, name, seq, start, start + seconds if seconds else None))
-    return ops
-
-
-def current() -> Optional[Op]:
-    """The longest-running op on this rank, or None."""
-    ops = running()
-    return min(ops, key=lambda op: op.start) if ops else None
+        note = getattr(g, "running", None)
+        if note is not None:
+            found.append((g, note))
+    return found
 
 
 def last_op_text() -> str:
@@ -187,7 +163,7 @@ def failure_key() -> str:
 
 def refusal_key(g, kind: str, seq=None, from_rank=None, to_rank=None) -> str:
     """Where a rank announces that it refused an op the others may wait in
-    (hpccomm._core.op_path.refused): a collective by its number on the group, a
+    (hpccomm._ops.op_path.refused): a collective by its number on the group, a
     point-to-point op by its two world ranks."""
     if kind == "p2p":
         return f"hpccomm/refused/{g.key}/p2p/{from_rank}->{to_rank}"

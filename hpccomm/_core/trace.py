@@ -5,16 +5,15 @@ in memory.  When the world group is destroyed (``dist.destroy_process_group``,
 which every rank calls), rank 0 gathers every rank's records over MPI and
 writes one trace: a process per rank, a track per thread (the caller and the
 comm thread: a queued op that its waiter ran in the comm thread's place, see
-hpccomm._core.comm_thread.Engine.steal, is drawn on the comm thread's track, where it
+hpccomm._core.comm_thread.steal, is drawn on the comm thread's track, where it
 holds its place in the queue's order), clocks aligned to rank 0's by a ping exchange at start.  Open
 the file in https://ui.perfetto.dev or chrome://tracing to see which rank was
 late.  A job that ends without destroying the group writes ``FILE.rank<r>``
-per rank at exit instead (merge them with ``python -m hpccomm.trace FILE``).
+per rank at exit instead (merge them with ``python -m hpccomm._core.trace FILE``).
 """
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from typing import Optional

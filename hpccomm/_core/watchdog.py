@@ -1,8 +1,8 @@
 """Timeouts: a daemon thread that notices an op outliving its group's timeout.
 
-Every op registers itself in :mod:`hpccomm._core.state` while it runs: a
-collective while it communicates, a point-to-point op from the moment it is
-posted until it completes.  The ``hpccomm-watchdog`` thread wakes once a
+Every op is recorded in :mod:`hpccomm._core.state` while it runs: a
+blocking collective while it communicates, a posted op (its record,
+hpccomm._core.record) from the moment it is posted until it completes.  The ``hpccomm-watchdog`` thread wakes once a
 second; when an op has run longer than its group's timeout, the watchdog
 
 1. publishes in the group's key-value store which op this rank is stuck in,
@@ -33,7 +33,8 @@ import time
 from typing import Optional
 
 from .. import config
-from . import state
+from . import signatures, state
+from .record import OpRecord
 
 _GRACE = 3.0  # seconds to wait for the other ranks' reports
 _TICK = 1.0
@@ -50,20 +51,17 @@ class Watchdog:
         self._stopping = threading.Event()
 
     def begin(self, group, name: str, seq: int, kind: str = "collective", peer=None) -> int:
-        """Record op ``name`` of ``group`` as running (see :mod:`hpccomm._core.state`);
-        returns the token for :meth:`end`."""
-        seconds = group.timeout_s
-        token = state.begin(group, name, seq, seconds, kind, peer)
-        if seconds and self._thread is None:
+        """Watch ``name``, something of ``group`` that may hang outside an op
+        (group creation, a shrink), against the group's timeout, as op number
+        ``seq``; returns the token for :meth:`end`."""
+        token = state.watch(OpRecord.noted(group, name, seq, time.monotonic(), None, kind, peer))
+        if group.timeout_s and self._thread is None:
             self.start()
         return token
 
     @staticmethod
     def end(token) -> None:
         state.end(token)
-
-    def current(self):
-        return state.current()
 
     def start(self) -> None:
         """Start the watchdog thread (once): a group with a timeout exists."""
@@ -86,10 +84,11 @@ class Watchdog:
             thread.join(_JOIN)
 
     def _loop(self) -> None:
-        reported: dict = {}  # (group id, kind, seq, start) -> Op: already reported (timed out or refused)
+        reported: dict = {}  # (group id, kind, seq, start) -> record: already reported (timed out or refused)
+        noted: set = set()  # (group id, seq) of this rank's first-call checks noted in the store
         while not self._stopping.wait(_TICK):
             now = time.monotonic()
-            running = state.running()
+            running = ops()
             live = {}
             for op in running:
                 key = (id(op.group), op.kind, op.seq, op.start)
@@ -98,6 +97,7 @@ class Watchdog:
                     continue
                 if op.deadline is not None and now > op.deadline:
                     reported[key] = op
+                    op.expired()  # TIMED_OUT (hpccomm._core.record)
                     try:
                         self._expired(op)
                     except Exception as exc:  # noqa: BLE001 - the watchdog must outlive any one report
@@ -112,12 +112,12 @@ class Watchdog:
                 if self._stopping.is_set():
                     break
                 try:
-                    if self._peer_refused(op):
+                    if self._peer_refused(op) or signatures.watch(op, noted):  # (a check stuck against an op)
                         reported[(id(op.group), op.kind, op.seq, op.start)] = op
                 except Exception:  # noqa: BLE001 - the store may be gone (rank 0 dead): the timeout still holds
                     pass
 
-    def _expired(self, op: state.Op) -> None:
+    def _expired(self, op) -> None:
         g = op.group
         me = g.global_ranks[g.rank] if g.global_ranks else g.rank
         if op.kind == "p2p":
@@ -136,7 +136,7 @@ class Watchdog:
             state.record_failure(f"timed out in {what}")
             _mpi.abort(3)
 
-    def _peer_refused(self, op: state.Op) -> bool:
+    def _peer_refused(self, op) -> bool:
         """End the job if another rank announced it refused the op this rank
         waits in (its checks raised there; this rank's MPI call cannot end).
         True once reported."""
@@ -163,7 +163,7 @@ class Watchdog:
             _mpi.abort(4)
         return True
 
-    def _diagnose(self, op: state.Op) -> str:
+    def _diagnose(self, op) -> str:
         """Which members never arrived (a collective) or what the peer is
         doing (point-to-point), learned through the store."""
         g = op.group
@@ -184,7 +184,7 @@ class Watchdog:
         return (f"rank(s) {missing} never arrived (busy outside hpccomm, hung or dead); "
                 f"waiting in it: {sorted(g.global_ranks[r] for r in answers)}")
 
-    def _diagnose_p2p(self, op: state.Op) -> str:
+    def _diagnose_p2p(self, op) -> str:
         g = op.group
         store = g.store
         prefix = state.timeout_key(op, "")
@@ -207,7 +207,20 @@ class Watchdog:
                 "(busy outside hpccomm, hung or dead)")
 
 
-def _forget_report(op: state.Op) -> None:
+def ops() -> list:
+    """The ops this rank is in now (a snapshot), as records: those watched
+    (posted ops, group creation ...) and each group's blocking collective,
+    from its note (hpccomm._core.state)."""
+    return state.records() + [OpRecord.noted(g, name, seq, start) for g, (name, seq, start) in state.notes()]
+
+
+def current():
+    """The longest-running op on this rank (a record), or None."""
+    running = ops()
+    return min(running, key=lambda op: op.start) if running else None
+
+
+def _forget_report(op) -> None:
     """Delete this rank's report of a timed-out op that completed after all."""
     store = op.group.store
     if store is None:

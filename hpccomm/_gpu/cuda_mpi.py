@@ -19,59 +19,71 @@ twice the bytes on the wire).  Said once in the log, at INFO.
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
-from .._ops.plan import Stepped
 from .streams import CudaStreams
+from .tensors import tensors_in, translate
 
 log = logging.getLogger("hpccomm")
 
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def _translate(result, back):
-    """The op's result with each stand-in replaced by the user's tensor."""
-    if isinstance(result, torch.Tensor):
-        return back.get(id(result), result)
-    if isinstance(result, (list, tuple)):
-        return type(result)(_translate(r, back) for r in result)
-    return result
-
-
 class DeviceView:
     """A group as the op modules see it on the device path: the same group,
-    but its checks accept tensors of ``device_type``."""
+    but its checks accept tensors of ``device_type``; with ``ready`` (a
+    function), its communicators (the collectives' and the point-to-point
+    one) run ``ready()`` before every MPI call, so that a kernel the plan
+    itself launched (a contiguous copy, a concatenation, PREMUL_SUM's
+    scaling) is done before MPI reads the memory."""
 
-    host = False  # device memory: MPI buffers made with hpccomm._mpi.buffer
-
-    def __init__(self, group, device_type: str) -> None:
+    def __init__(self, group, device_type: str, ready=None) -> None:
         self._group = group
         self.device_type = device_type
+        if ready is not None:
+            self.comm = _Ordered(group.comm, ready)
+            self.p2p = _Ordered(group.p2p, ready)
+            self.calls = _Ordered(group.calls, ready)  # (the calls plans bind once per group)
 
     def __getattr__(self, name):
         return getattr(self._group, name)
 
 
-def tensors_in(args):
-    """Every tensor among an op's arguments (nested lists included), in order."""
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            yield a
-        elif isinstance(a, (list, tuple)):
-            yield from tensors_in(a)
+class _Ordered:
+    """A communicator whose MPI calls (mpi4py's capitalised methods) first run ``ready()``."""
+
+    __slots__ = ("_comm", "_ready")
+
+    def __init__(self, comm, ready) -> None:
+        self._comm, self._ready = comm, ready
+
+    def __getattr__(self, name):
+        attr = getattr(self._comm, name)
+        if not name[:1].isupper() or not callable(attr):
+            return attr
+        ready = self._ready
+
+        def ordered(*args, **kwargs):
+            ready()
+            return attr(*args, **kwargs)
+
+        return ordered
 
 
 class CudaAwareMPI:
     """Hands device memory to MPI; see the module's docstring."""
 
-    name = "mpi"
     delegates = False  # runs hpccomm's own plans (plan)
 
-    def __init__(self, device, reason: str, streams=None) -> None:
+    def __init__(self, device, reason: str, streams=None, composed: bool = False) -> None:
         self.device = device
         self.reason = reason
         self.streams = streams if streams is not None else CudaStreams()
+        #: reductions through hpccomm's composition (hpccomm._ops.composed: the route ``composed``)
+        self.composed = composed
+        self.name = "composed" if composed else "mpi"
         self._said_half = False
 
     def _widened(self, op, args):
@@ -87,7 +99,7 @@ class CudaAwareMPI:
             if isinstance(x, torch.Tensor):
                 if x.dtype not in _HALF:
                     return x
-                w = torch.empty_like(x, dtype=torch.float32, memory_format=torch.contiguous_format)
+                w = x.new_empty(x.shape, dtype=torch.float32)
                 pairs.append((x, w, copy_in, copy_back))
                 return w
             if isinstance(x, (list, tuple)):
@@ -99,39 +111,46 @@ class CudaAwareMPI:
     def plan(self, op, group, args):
         """``op``'s plan (hpccomm._ops.table) for device tensors ``args``: the op
         module's plan over a :class:`DeviceView` (its checks on the caller's
-        thread), an event marking the caller's stream, and steps that wait for
-        it before MPI reads, and leave no kernel pending when the op completes
-        (hpccomm._gpu.streams).  A point-to-point op is posted at once: the
-        caller's stream is waited for now.  Device plans keep the blocking form."""
+        thread; every MPI call it makes waits for the running thread's stream
+        first).  Run on the caller's thread, that is all it synchronises: the
+        caller's kernels and the op's own are on the stream each MPI call
+        waits for, and the kernels after MPI (AVG's division, write-backs) are
+        on the caller's stream, ahead of whatever it queues next.  Run on the
+        comm thread (``async_op=True``), it also waits for an event marking the
+        caller's stream at issue, and leaves no kernel pending on its own
+        stream when the op completes (hpccomm._gpu.streams).  A point-to-point
+        op is posted at once.  Device plans keep the blocking form."""
         pairs = []
-        if op.reducing and any(t.dtype in _HALF for t in tensors_in(args)):
-            args, pairs = self._widened(op, args)
-        call, cargs, icall, outputs, keep, before, after, nbytes = op.plan(DeviceView(group, "cuda"), *args)
-        outputs = _translate(outputs, {id(w): x for x, w, _, _ in pairs})
+        planner = op.composed if self.composed and op.composed is not None else op.plan
+        if planner is op.plan and op.reducing and any(t.dtype in _HALF for t in tensors_in(args)):
+            args, pairs = self._widened(op, args)  # (the composition reduces 16-bit floats with torch's kernels)
         streams, device = self.streams, self.device
-        if op.p2p:  # posted now, after the kernels this thread queued on the tensor
-            streams.synchronize(device)
+        view = DeviceView(group, "cuda", lambda: streams.synchronize(device))
+        call, cargs, icall, outputs, keep, before, after, nbytes = planner(view, *args)
+        outputs = translate(outputs, {id(w): x for x, w, _, _ in pairs})
+        if op.p2p:  # posted now (its MPI call waits for the stream), completed by its Work
             return (call, cargs, icall, outputs, keep, before, after, nbytes)
         event = streams.record(device)
-        if isinstance(call, Stepped):  # its steps run in ordered(), around the MPI call
-            call = call.call
+        issuer = threading.get_ident()
 
         def ordered(*mpi_args):
-            streams.wait(event)  # the caller's kernels producing the inputs are done
-            for x, w, copy_in, _ in pairs:
-                if copy_in:
-                    w.copy_(x)
-            if before is not None:
-                before()
-            streams.synchronize(device)  # the op's own kernels (copies, scaling) are done before MPI reads
+            elsewhere = threading.get_ident() != issuer  # (the comm thread, for async_op=True: another stream)
+            if elsewhere:
+                streams.wait(event)  # the caller's kernels producing the inputs are done
             try:
-                call(*mpi_args)
+                for x, w, copy_in, _ in pairs:
+                    if copy_in:
+                        w.copy_(x)
+                if before is not None:
+                    before()
+                call(*mpi_args)  # (each MPI call waits for the kernels before it first)
                 if after is not None:
                     after()
                 for x, w, _, back in pairs:
                     if back:
                         x.copy_(w)
             finally:
-                streams.synchronize(device)  # no kernel of the op is pending when it completes or fails
+                if elsewhere:
+                    streams.synchronize(device)  # no kernel of the op is pending on this thread's stream
 
         return (ordered, cargs, None, outputs, (keep, pairs), None, None, nbytes)

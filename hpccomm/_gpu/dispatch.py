@@ -1,28 +1,45 @@
-"""Routing CUDA tensors to a GPU transport, per group and device.
+"""Routing CUDA tensors to GPU transports, per group, device and op family.
 
-The op path (hpccomm._core.op_path) asks :func:`cuda_device` for every op that
-meets a device tensor: None (no CUDA tensor: hpccomm's CPU path), the one CUDA device
-of the call, or an :class:`~hpccomm.errors.OpValueError` for a call that
-mixes devices, raised before any communication.  :func:`transport` then
-gives the group's transport for that device, chosen once (see
-:mod:`hpccomm._gpu.select`): the members agree on it over the group's
-communicator (so no rank sends over MPI while another uses NCCL), the reason
-is logged at INFO, and the staged transport says so once at WARNING.
+The op path (hpccomm._ops.op_path) asks :func:`cuda_device` for every op that
+meets a device tensor: None (no CUDA tensor: hpccomm's CPU path), the one CUDA
+device of the call, or an :class:`~hpccomm.errors.OpValueError` for a call that
+mixes devices, raised before any communication.  :func:`route` then gives the
+transport that carries the call and, for NCCL, the call rewritten into what
+NCCL takes (:mod:`hpccomm._gpu.nccl_wire`):
+
+- a collective's route comes from the group's route table for that device
+  (:func:`hpccomm._gpu.select.route_table`), made at the group's first
+  collective on the device from every member's findings, exchanged over the
+  group's communicator, so every member computes the same table; its reason is
+  logged at INFO and staging is said once at WARNING;
+- a point-to-point op's route is chosen by the rank alone
+  (:func:`hpccomm._gpu.select.p2p_route`);
+- a call NCCL cannot take exactly goes to the group's fallback route (the
+  same decision on every rank: it depends on the op, dtype and ReduceOp).
+
+Each route and rewrite is logged once per kind; :func:`routes_of` and
+:func:`taken` say what was chosen and what ran (``hpccomm.gpu``).
+
+Binding ranks to GPUs (:func:`bind_later`) touches nothing of CUDA: it asks
+torch to run the binding when the process first initialises CUDA, so a CPU job
+never makes a CUDA context.
 """
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import weakref
 
 import torch
 
 from .. import config
-from .._core.work import done
-from .._torch import compat
+from .. import _compat as compat
+from .._core import comm_thread, work
 from ..errors import OpTypeError, OpValueError
-from . import probe, select
-from .cuda_mpi import CudaAwareMPI, DeviceView, tensors_in
+from . import nccl_wire, probe, select
+from .cuda_mpi import CudaAwareMPI, DeviceView
+from .tensors import tensors_in
 from .nccl_cupy import CupyNCCL
 from .nccl_torch import TorchNCCL
 from .staged import Staged
@@ -31,12 +48,17 @@ log = logging.getLogger("hpccomm")
 _Tensor = torch.Tensor
 
 _lock = threading.Lock()
-_transports: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Group -> {device: transport}
-_local: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Group -> {device: transport} (p2p, unconfirmed)
+_tables: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Group -> {device: Routes}
+_p2p: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Group -> {device: transport name}
+_made: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Group -> {(device, name): transport}
+_forced: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Group -> transport set by set_transport
+_forced_routes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Group -> routes set by set_routes
 _maps: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Group -> backend torch's string names for cuda
+_ran: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Group -> {op name: route that ran last}
+_said: set = set()  # route kinds already logged
 _caps = [None]
-_said_staged = [False]
-_binding: dict = {"device": None, "how": "not bound yet (no world group made)"}
+_node: dict = {"local_rank": 0, "local_size": 1}
+_binding: dict = {"device": None, "how": "not bound: no world group made"}
 
 
 # --------------------------------------------------------------------------
@@ -58,8 +80,7 @@ def cuda_device(group, op: str, args):
     """The CUDA device of the call's tensors, or None if it has none.
 
     Raises OpValueError when the call mixes devices (a CPU input and a CUDA
-    output, or two GPUs): checked before any communication.  Asked for every
-    op, so the CPU case is one attribute test per tensor.
+    output, or two GPUs): checked before any communication.
     """
     if not _any_cuda(args):
         return None  # no CUDA tensor: the CPU path (whose checks refuse other devices)
@@ -73,7 +94,7 @@ def cuda_device(group, op: str, args):
 
 
 # --------------------------------------------------------------------------
-# choosing and building a transport
+# findings
 # --------------------------------------------------------------------------
 
 def capabilities() -> select.Capabilities:
@@ -81,10 +102,31 @@ def capabilities() -> select.Capabilities:
     if _caps[0] is None:
         from .. import _mpi
 
-        _caps[0] = select.Capabilities(probe.probe_mpi_cuda(_mpi.mpi()),
-                                       probe.probe_nccl_torch(compat.torch_nccl_available),
-                                       probe.probe_nccl_cupy())
+        MPI = _mpi.mpi()
+        cuda_aware = probe.probe_mpi_cuda(MPI)
+        _caps[0] = select.Capabilities(cuda_aware, probe.probe_nccl_torch(compat.torch_nccl_available),
+                                       probe.probe_nccl_cupy(), *probe.probe_device_speed(MPI, cuda_aware))
     return _caps[0]
+
+
+def _identify(device) -> tuple:
+    """``((node, GPU), GPUs on the node)`` of ``device``: the GPU's UUID (so
+    ranks on one GPU are seen whatever their CUDA_VISIBLE_DEVICES); ``((), 0)``
+    where CUDA is not up (no GPU to tell apart)."""
+    if not torch.cuda.is_available():
+        return (), 0
+    props = torch.cuda.get_device_properties(device)
+    gpu = str(getattr(props, "uuid", "") or getattr(props, "pci_bus_id", "") or device.index)
+    return (socket.gethostname(), gpu), torch.cuda.device_count()
+
+
+#: Replaceable for tests without a GPU: ``device -> ((node, gpu), GPUs on the node)``.
+identify = _identify
+
+
+def requested(group) -> str:
+    """The transport asked for ``group``: hpccomm.gpu.set_transport's, else HPCCOMM_GPU_TRANSPORT."""
+    return _forced.get(group) or config.get("HPCCOMM_GPU_TRANSPORT")
 
 
 def note_backend_map(group, device_backends) -> None:
@@ -95,97 +137,146 @@ def note_backend_map(group, device_backends) -> None:
         _maps[group] = cuda.lower()
 
 
-def _agree(group, mine):
-    """Every member's ``(transport or None, error or None)``, over the group's communicator."""
-    from .._core.comm_thread import engine
+def forced_routes(group) -> tuple:
+    """The per-family routes forced for ``group``: hpccomm.gpu.set_routes's, else HPCCOMM_GPU_ROUTES."""
+    found = _forced_routes.get(group)
+    return found if found is not None else config.get("HPCCOMM_GPU_ROUTES")
 
-    if not engine.on_comm_thread():  # (on it, nothing else uses the communicator now)
-        engine.flush(group)  # the comm thread must not be in MPI on this communicator meanwhile
+
+def _facts(group, device) -> select.Facts:
+    where, _ = identify(device)
+    return select.Facts.of(requested(group), _maps.get(group), capabilities(), where, forced_routes(group))
+
+
+def _agree(group, mine):
+    """Every member's ``mine`` (picklable), over the group's communicator."""
+    if not comm_thread.on_it():  # (on it, nothing else uses the communicator now)
+        comm_thread.flush(group)  # the comm thread must not be in MPI on this communicator meanwhile
     return group.comm.allgather(mine)
 
 
 #: Replaceable for tests without MPI.
 agree = _agree
 
+
+# --------------------------------------------------------------------------
+# the route table and the transports
+# --------------------------------------------------------------------------
+
 BUILDERS = {
     select.MPI: lambda device, reason: CudaAwareMPI(device, reason),
+    select.COMPOSED: lambda device, reason: CudaAwareMPI(device, reason, composed=True),
     select.STAGED: lambda device, reason: Staged(device, reason),
     select.NCCL_TORCH: lambda device, reason: TorchNCCL(device, reason),
     select.NCCL_CUPY: lambda device, reason: CupyNCCL(device, reason),
 }
 
 
-def decide(group, op: str, caps: select.Capabilities, requested: str, mapped=None) -> select.Choice:
-    """The members' common choice, or OpTypeError on every member (same message)."""
-    try:
-        choice = select.choose(requested, caps, mapped)
-        mine = (choice.transport, None)
-    except select.NoTransport as exc:
-        choice, mine = None, (None, str(exc))
-    everyone = agree(group, mine)
-    failed = [(r, err) for r, (_, err) in enumerate(everyone) if err]
-    if failed:
-        rank, err = next(((r, e) for r, e in failed if r == group.rank), failed[0])  # this rank's own, if any
-        where = "" if rank == group.rank else f" (as rank {rank} reports)"
-        ranks = "" if len(failed) == len(everyone) else f" on rank(s) {[r for r, _ in failed]}"
-        raise OpTypeError(op, group.where(), f"CUDA tensors cannot be sent{ranks}{where}: {err}")
-    names = [t for t, _ in everyone]
-    if len(set(names)) > 1:
-        raise OpTypeError(op, group.where(), f"the ranks of this group chose different GPU transports "
-                          f"({', '.join(f'rank {r}: {n}' for r, n in enumerate(names))})",
-                          f"Give every rank the same {select.VARIABLE} and the same MPI and NCCL")
-    return choice
-
-
-def transport(group, op, device):
-    """The group's transport for ``device``, chosen on first use by ``op`` (an
-    entry of hpccomm._ops.table); raises OpTypeError.
-
-    A collective chooses with the members' agreement and the choice stays.
-    A point-to-point op involves only two members, so it cannot ask the
-    group: it chooses locally (from the same settings and findings) and its
-    transport is kept apart until the group's first collective on that device
-    confirms it (and then reuses it: an NCCL communicator is made once).
-
-    The module lock guards the tables only, never the agreement (a
-    collective): the comm thread may need the lock meanwhile (a DDP hook
-    issuing an op), and ops on one group never choose at once (a caller
-    drains the group's queued ops before agreeing, hpccomm._core.comm_thread).
-    """
-    per_group = _transports.get(group)
-    found = per_group.get(device) if per_group else None
+def table(group, op: str, device) -> select.Routes:
+    """The group's routes for ``device``, made at its first collective there
+    (every member calls it in the same op: a collective); OpTypeError on every
+    member, with the same message, when no route can serve."""
+    found = (_tables.get(group) or {}).get(device)
     if found is not None:
         return found
-    requested, mapped = config.get("HPCCOMM_GPU_TRANSPORT"), _maps.get(group)
-    if op.p2p:  # only some members of a group call it: no agreement (that is collective)
+    try:
+        mine = (_facts(group, device), None)
+    except Exception as exc:  # noqa: BLE001 - a broken probe: every member must hear why
+        mine = (None, f"{type(exc).__name__}: {exc}")
+    everyone = agree(group, mine)
+    failed = [(r, err) for r, (_, err) in enumerate(everyone) if err]
+    try:
+        if failed:
+            raise select.NoTransport("; ".join(f"rank {r}: {err}" for r, err in failed))
+        routes = select.route_table([f for f, _ in everyone])
+    except select.NoTransport as exc:
+        raise OpTypeError(op, group.where(), f"CUDA tensors cannot be sent: {exc}") from None
+    with _lock:
+        _tables.setdefault(group, {})[device] = routes
+    log.info("hpccomm: group '%s', %s: GPU routes %s (%s)", group.name, device, routes.summary(), routes.reason)
+    if select.STAGED in (routes.reduction, routes.movement) and "staged" not in _said:
+        _said.add("staged")
+        log.warning("hpccomm: CUDA collectives are staged through pinned host memory (%s): every op copies its "
+                    "tensors to the host and back; hpccomm info, [gpu], says what would make them faster",
+                    routes.reason)
+    return routes
+
+
+def _p2p_route(group, op: str, device) -> tuple:
+    """``(route, fallback)`` of this rank's point-to-point ops on ``device``, chosen alone."""
+    found = (_p2p.get(group) or {}).get(device)
+    if found is not None:
+        return found
+    mine = _facts(group, device)
+    _, gpus = identify(device)
+    try:
+        found = (select.p2p_route(mine, _node["local_size"], gpus), select.route_table([mine]).fallback)
+    except select.NoTransport as exc:
+        raise OpTypeError(op, group.where_p2p(), f"CUDA tensors cannot be sent: {exc}") from None
+    with _lock:
+        _p2p.setdefault(group, {})[device] = found
+    return found
+
+
+def transport_named(group, device, name: str):
+    """The group's transport ``name`` for ``device``, made once."""
+    key = (device, name)
+    made = (_made.get(group) or {}).get(key)
+    if made is None:
         with _lock:
-            local = _local.setdefault(group, {})
-            if device in local:
-                return local[device]
-        try:
-            choice = select.choose(requested, capabilities(), mapped)
-        except select.NoTransport as exc:
-            raise OpTypeError(op.name, group.where(), f"CUDA tensors cannot be sent: {exc}") from None
-        with _lock:
-            made = _local.setdefault(group, {}).setdefault(device, BUILDERS[choice.transport](device, choice.reason))
-    else:
-        choice = decide(group, op.name, capabilities(), requested, mapped)  # collective: no lock held
-        with _lock:
-            per_group = _transports.setdefault(group, {})
-            if device in per_group:
-                return per_group[device]
-            earlier = _local.setdefault(group, {}).pop(device, None)
-            made = earlier if earlier is not None and earlier.name == choice.transport else \
-                BUILDERS[choice.transport](device, choice.reason)
-            per_group[device] = made
-        if earlier is not None and earlier is not made:
-            _close(group, earlier)
-    log.info("hpccomm: group '%s', %s: GPU transport %s (%s)", group.name, device, made.name, choice.reason)
-    if made.name == select.STAGED and not _said_staged[0]:
-        _said_staged[0] = True
-        log.warning("hpccomm: CUDA tensors are staged through pinned host memory (%s=staged): every op copies "
-                    "its tensors to the host and back", select.VARIABLE)
+            per = _made.setdefault(group, {})
+            made = per.get(key)
+            if made is None:
+                made = per[key] = BUILDERS[name](device, f"route of group '{group.name}'")
     return made
+
+
+def route(group, op, device, args):
+    """``(transport, wire)`` for a call of ``op`` (an entry of
+    hpccomm._ops.table) with ``args`` on ``device``: ``wire`` (the call as NCCL
+    takes it, hpccomm._gpu.nccl_wire) when an NCCL transport takes it, else None
+    and the transport runs hpccomm's own plan.  Raises OpError before any
+    communication."""
+    if op.p2p:
+        name, fallback = _p2p_route(group, op.name, device)
+    else:
+        routes = table(group, op.name, device)
+        family = select.REDUCTION if op.reducing else select.MOVEMENT
+        name, fallback = routes.of(family), routes.fallback_for(family)
+    made = transport_named(group, device, name)
+    if not made.delegates:
+        _record(group, op.name, name, "")
+        return made, None
+    op.check(DeviceView(group, "cuda"), *args)  # the CPU path's checks: what it refuses, NCCL refuses alike
+    if op.p2p and op.name == "recv" and args[1] is None:
+        raise OpValueError(op.name, group.where_p2p(), "NCCL cannot receive from any source",
+                           f"Name the source rank, or leave {select.VARIABLE} at auto (point-to-point ops then go "
+                           "over MPI)")
+    wire = nccl_wire.rewrite(made.ability, op, args, group.rank, group.size)
+    if wire is None:  # nothing NCCL takes exactly: this call only, through the fallback
+        _record(group, op.name, fallback, f"{name} cannot take it exactly")
+        _say_once(group, device, op, args, f"{fallback} (this call: {name} has no exact form for it)")
+        return transport_named(group, device, fallback), None
+    _record(group, op.name, name, "; ".join(wire.forms))
+    if wire.forms:
+        _say_once(group, device, op, args, f"{name}, {'; '.join(wire.forms)}")
+    return made, wire
+
+
+def _record(group, op: str, name: str, how: str) -> None:
+    _ran.setdefault(group, {})[op] = f"{name} ({how})" if how else name
+
+
+def _say_once(group, device, op, args, how: str) -> None:
+    dtype = next(tensors_in(args)).dtype
+    redop = ""
+    if op.reducing:
+        redop = " " + str(compat.reduce_op_type(args[-1])).split(".")[-1]
+    key = (op.name, dtype, redop, how)
+    if key not in _said:
+        _said.add(key)
+        log.info("hpccomm: group '%s', %s: %s of %s%s goes through %s", group.name, device, op.name,
+                 str(dtype).replace("torch.", ""), redop, how)
 
 
 def future_devices(device, cuda=None):
@@ -196,21 +287,24 @@ def future_devices(device, cuda=None):
     return [device] if cuda.is_available() else None
 
 
-def check_only(group, op, args) -> None:
-    """The checks of ``op`` (an entry of hpccomm._ops.table) for a call a
-    delegating transport (NCCL) will run: its plan function, over the
-    group's device view, raises OpError before any communication (a plan
-    function never communicates; the plan is dropped)."""
-    op.plan(DeviceView(group, "cuda"), *args)
+def delegated(made, group, op: str, wire, opts):
+    """The Work of a call an NCCL transport takes, ``wire`` its rewritten form.
 
-
-def delegated(made, group, op: str, args, opts):
-    """The Work of a transport that takes the whole op (NCCL)."""
-    out = made.delegate(group, op, args, opts)
-    if isinstance(out, compat.WorkBase):
+    A call taken as it is returns NCCL's own Work.  A rewritten one runs its
+    copies in on the current stream, hands NCCL the wire tensors, makes the
+    current stream wait for NCCL's Work (a stream wait, not a host block) and
+    runs the steps after it there; its Work is complete from the host's view
+    (as NCCL's own), its future holds the user's tensors."""
+    for step in wire.before:
+        step()
+    out = made.delegate(group, op, wire.args, opts)
+    if wire.direct and isinstance(out, compat.WorkBase):
         return out
-    # enqueued on the caller's stream: done from the host's view, as NCCL's own
-    return done(out, future_devices(made.device))
+    if isinstance(out, compat.WorkBase):
+        out.wait()  # the current stream waits for NCCL: the steps after it see its result
+    for step in wire.after:
+        step()
+    return work.finished(wire.outputs, future_devices(made.device))
 
 
 def _close(group, made) -> None:
@@ -223,46 +317,113 @@ def _close(group, made) -> None:
 
 
 def release(group) -> None:
-    """Close the group's transports (its NCCL communicators) when it is destroyed."""
-    for table in (_transports, _local):
-        for made in (table.pop(group, None) or {}).values():
-            _close(group, made)
+    """Close the group's transports (its NCCL communicators) and forget its
+    routes (when it is destroyed, or its transport is set anew)."""
+    with _lock:
+        made = list((_made.pop(group, None) or {}).values())
+        _tables.pop(group, None)
+        _p2p.pop(group, None)
+        _ran.pop(group, None)
+    for m in made:
+        _close(group, m)
 
 
-def transports_of(group, p2p: bool = False) -> dict:
-    """``{device: (transport, reason)}`` chosen so far for ``group`` by a
-    collective (``p2p``: also those chosen by point-to-point ops alone, not
-    yet confirmed by a collective)."""
-    tables = [_transports] + ([_local] if p2p else [])
-    return {str(d): (t.name, t.reason) for table in tables for d, t in (table.get(group) or {}).items()}
+def set_transport(group, name) -> None:
+    """Force transport ``name`` (auto, mpi, composed, nccl, staged) for
+    ``group``'s CUDA ops from its next op on, or (None) go back to
+    HPCCOMM_GPU_TRANSPORT; the routes are made anew (hpccomm.gpu.set_transport)."""
+    choices = config.OPTIONS["HPCCOMM_GPU_TRANSPORT"].choices
+    if name is not None and name not in choices:
+        raise ValueError(f"hpccomm.gpu.set_transport: {name!r} is not one of {', '.join(choices)}")
+    release(group)
+    if name is None:
+        _forced.pop(group, None)
+    else:
+        _forced[group] = name
+
+
+def set_routes(group, routes: dict) -> None:
+    """Force the route of single op families (``{"reduction": "composed"}``)
+    for ``group`` from its next op on, on top of its transport; ``{}``: back
+    to HPCCOMM_GPU_ROUTES (hpccomm.gpu.set_routes)."""
+    try:
+        forced = config.OPTIONS["HPCCOMM_GPU_ROUTES"].parse(",".join(f"{k}={v}" for k, v in routes.items()))
+    except ValueError as exc:
+        raise ValueError(f"hpccomm.gpu.set_routes: {exc}") from None
+    release(group)
+    if forced:
+        _forced_routes[group] = forced
+    else:
+        _forced_routes.pop(group, None)
+
+
+def routes_of(group) -> dict:
+    """``{device: Routes}`` made so far for ``group`` by its collectives, and
+    ``{device: name}`` of its point-to-point ops under ``"p2p:<device>"``."""
+    out = {str(d): r for d, r in (_tables.get(group) or {}).items()}
+    out.update({f"p2p:{d}": n for d, (n, _) in (_p2p.get(group) or {}).items()})
+    return out
+
+
+def taken(group) -> dict:
+    """``{op name: route}``: the route the last CUDA call of each op took on ``group``."""
+    return dict(_ran.get(group) or {})
 
 
 # --------------------------------------------------------------------------
 # binding ranks to GPUs
 # --------------------------------------------------------------------------
 
-def bind(local_rank: int, local_size: int, cuda=None) -> dict:
-    """Make GPU ``local_rank % count`` this rank's current device
-    (HPCCOMM_GPU_BIND=local_rank, the default), or leave it (``none``).
-    Returns and remembers ``{"device": index or None, "how": sentence}``."""
+def bind_later(local_rank: int, local_size: int, cuda=None) -> dict:
+    """Arrange this rank's GPU binding (HPCCOMM_GPU_BIND=local_rank, the
+    default: GPU ``local_rank % count``) for when the process first
+    initialises CUDA, touching nothing of CUDA now; or leave it (``none``, or
+    CUDA already initialised: the device the user set stands).  Returns and
+    remembers ``{"device": index or None, "how": sentence}``."""
     cuda = torch.cuda if cuda is None else cuda
+    _node.update(local_rank=local_rank, local_size=local_size)
     mode = config.get("HPCCOMM_GPU_BIND")
     if mode == "none":
         found = {"device": None, "how": "HPCCOMM_GPU_BIND=none: left to the user"}
-    elif not cuda.is_available():
-        found = {"device": None, "how": "no GPU visible (torch.cuda.is_available() is False)"}
+    elif torch.version.cuda is None and cuda is torch.cuda:
+        found = {"device": None, "how": "a CPU-only torch: no GPU to bind"}
+    elif cuda.is_initialized():
+        index = cuda.current_device()
+        found = {"device": index, "how": f"CUDA was initialised before hpccomm's init: the current device "
+                                         f"(cuda:{index}) stands"}
     else:
-        count = cuda.device_count()
-        index = local_rank % count
-        cuda.set_device(index)
-        found = {"device": index, "how": f"local rank {local_rank} of {local_size} on this node, {count} GPU(s): "
-                                         f"torch.cuda.set_device({index})"}
-        if local_size > count:
-            log.warning("hpccomm: %d ranks share %d GPU(s) on this node: rank with local rank %d uses GPU %d "
-                        "(NCCL refuses two ranks on one GPU)", local_size, count, local_rank, index)
+        found = {"device": None, "how": f"not bound yet: local rank {local_rank} of {local_size} binds to GPU "
+                                        f"{local_rank} modulo the GPU count when this process first uses CUDA"}
+        compat.on_cuda_init(lambda: _bind_now(local_rank, local_size, cuda))
     _binding.clear()
     _binding.update(found)
     return dict(found)
+
+
+def _bind_now(local_rank: int, local_size: int, cuda) -> None:
+    """Run by torch as CUDA starts in this process (never raises: torch would wrap it)."""
+    try:
+        count = cuda.device_count()
+        index = local_rank % count
+        cuda.set_device(index)
+        how = (f"local rank {local_rank} of {local_size} on this node, {count} GPU(s): torch.cuda.set_device({index}) "
+               "when the process first used CUDA")
+        _binding.update(device=index, how=how)
+        if local_size > count:
+            log.warning("hpccomm: %d ranks share %d GPU(s) on this node: local rank %d uses GPU %d (NCCL cannot "
+                        "serve shared GPUs: collectives go over CUDA-aware MPI or staged)", local_size, count,
+                        local_rank, index)
+    except Exception as exc:  # noqa: BLE001
+        _binding.update(device=None, how=f"binding failed: {type(exc).__name__}: {exc}")
+
+
+def bind(cuda=None) -> dict:
+    """Bind now (``hpccomm.gpu.bind()``): initialises CUDA, which runs the
+    arranged binding; returns the binding."""
+    cuda = torch.cuda if cuda is None else cuda
+    if cuda.is_available():
+        cuda.init()
+    return binding()
 
 
 def binding() -> dict:

@@ -17,8 +17,9 @@ import logging
 
 import torch
 
-from .._torch.compat import RedOpType, reduce_op_type
+from .._compat import RedOpType, reduce_op_type
 from ..errors import OpTypeError, OpValueError
+from .nccl_wire import Ability
 
 log = logging.getLogger("hpccomm")
 
@@ -29,6 +30,11 @@ _DTYPES = {torch.float32: "NCCL_FLOAT32", torch.float64: "NCCL_FLOAT64", torch.f
 _OPS = {RedOpType.SUM: "NCCL_SUM", RedOpType.PRODUCT: "NCCL_PROD", RedOpType.MIN: "NCCL_MIN",
         RedOpType.MAX: "NCCL_MAX", RedOpType.AVG: "NCCL_AVG"}
 COVERED = ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "send", "recv")
+#: What CuPy's NCCL takes; hpccomm._gpu.nccl_wire rewrites the rest, and the calls it has no form for go to
+#: the group's fallback route (CUDA-aware MPI, else staged).
+ABILITY = Ability(dtypes=frozenset(_DTYPES), redops=frozenset(_OPS),
+                  avg=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
+                  premul=frozenset(), ops=frozenset(COVERED))
 
 
 def _import_nccl():
@@ -46,7 +52,8 @@ class CupyNCCL:
     """
 
     name = "nccl-cupy"
-    delegates = True  # takes the whole op, after hpccomm's checks
+    delegates = True  # takes the whole op, after hpccomm's checks, rewritten (hpccomm._gpu.nccl_wire)
+    ability = ABILITY
 
     def __init__(self, device, reason: str, nccl=None, bcast=None, stream=None) -> None:
         self.device = device
@@ -127,8 +134,8 @@ class CupyNCCL:
 
 
 def _mpi_bcast(group, obj):
-    from .._core.comm_thread import engine
+    from .._core import comm_thread
 
-    if not engine.on_comm_thread():
-        engine.flush(group)  # the comm thread must not be in MPI on this communicator meanwhile
+    if not comm_thread.on_it():
+        comm_thread.flush(group)  # the comm thread must not be in MPI on this communicator meanwhile
     return group.comm.bcast(obj, root=0)

@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import logging
 
-from .._torch import compat
+import torch
+
+from .. import _compat as compat
+from .._compat import RedOpType
 from ..errors import OpValueError
+from .nccl_wire import Ability
 
 log = logging.getLogger("hpccomm")
 
@@ -73,7 +77,9 @@ CALLS = {
     "all_gather_into_tensor_coalesced": lambda b, a, o: _coalesced(
         b, "allgather_into_tensor_coalesced", "_allgather_base", a[0], a[1], _options("allgather", o)),
     "gather": lambda b, a, o: b.gather(a[0], a[1], _options("gather", o, rootRank=a[2])),
-    "gather_single": lambda b, a, o: b.gather_single(a[0], a[1], _options("gather", o, rootRank=a[2])),
+    # (torch's NCCL group has no gather_single: a gather into the rows of the contiguous output)
+    "gather_single": lambda b, a, o: b.gather([list(a[0].reshape(b.size(), -1).unbind(0))] if b.rank() == a[2]
+                                              else [], [a[1]], _options("gather", o, rootRank=a[2])),
     "all_to_all_single": lambda b, a, o: b.alltoall_base(a[0], a[1], list(a[2] or []), list(a[3] or []),
                                                          _options("alltoall", o)),
     "all_to_all": lambda b, a, o: b.alltoall(a[0], a[1], _options("alltoall", o)),
@@ -82,11 +88,24 @@ CALLS = {
 }
 
 
+#: What torch's NCCL process group takes (its dtype map and ReduceOps, torch 2.13-2.15:
+#: ProcessGroupNCCL.cpp's getNcclDataType / getNcclReduceOp); hpccomm._gpu.nccl_wire rewrites the rest.
+ABILITY = Ability(
+    dtypes=frozenset({torch.int8, torch.uint8, torch.int32, torch.int64, torch.float16, torch.float32,
+                      torch.float64, torch.bfloat16, torch.bool}),
+    redops=frozenset({RedOpType.SUM, RedOpType.PRODUCT, RedOpType.MIN, RedOpType.MAX, RedOpType.AVG,
+                      RedOpType.PREMUL_SUM}),
+    avg=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
+    premul=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
+)
+
+
 class TorchNCCL:
     """Delegates CUDA ops to a ``ProcessGroupNCCL`` over the group's store."""
 
     name = "nccl"
-    delegates = True  # takes the whole op, after hpccomm's checks
+    delegates = True  # takes the whole op, after hpccomm's checks, rewritten (hpccomm._gpu.nccl_wire)
+    ability = ABILITY
 
     def __init__(self, device, reason: str, make_backend=None) -> None:
         self.device = device
@@ -106,10 +125,8 @@ class TorchNCCL:
         return self.backend
 
     def delegate(self, group, op: str, args, opts):
-        """NCCL's Work for ``op``; refuses what NCCL cannot do, before any communication."""
-        if op == "recv" and args[1] is None:
-            raise OpValueError(op, group.where(), "NCCL cannot receive from any source",
-                               "Name the source rank, or use CPU tensors (hpccomm's MPI path can)")
+        """NCCL's Work for ``op`` called with ``args`` as NCCL takes them
+        (hpccomm._gpu.nccl_wire.rewrite)."""
         call = CALLS.get(op)
         if call is None:
             raise OpValueError(op, group.where(), f"{op} has no NCCL form in hpccomm")

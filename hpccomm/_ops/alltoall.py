@@ -1,6 +1,6 @@
 """All-to-all: all_to_all_single (even and uneven splits) and all_to_all (lists).
 
-Each function here is one op's plan function (see :mod:`hpccomm._ops.plan`).
+Each function here is one op's plan function (see :mod:`hpccomm._core.plan`).
 """
 from __future__ import annotations
 
@@ -10,26 +10,32 @@ import math
 import torch
 
 from .. import _mpi
-from . import checks, staging
-from .plan import with_steps
+from . import arguments, checks, staging
 
 
 def _layout(counts):
     return list(counts), [0, *itertools.accumulate(counts)][:-1]
 
 
+def _unit(counts, displs, limit: int) -> int:
+    """The block of elements (1: one element) in which ``counts`` and their
+    offsets ``displs`` are described to MPI within ``limit``: past MPI's int
+    counts, the gcd of them all; 0 when none brings them under it."""
+    top = max([*counts, *displs, 0])
+    if top <= limit:
+        return 1
+    g = math.gcd(*counts, *displs)
+    return g if g and top // g <= limit else 0
+
+
 def _fits(counts, limit: int) -> str:
     """Why ``counts`` (laid end to end) cannot be described to MPI within
     ``limit`` (empty: they can)."""
     counts, displs = _layout(counts)
-    top = max([*counts, *displs, 0])
-    if top <= limit:
+    if _unit(counts, displs, limit):
         return ""
-    g = math.gcd(*counts, *displs)
-    if g and top // g <= limit:
-        return ""
-    return (f"a count or offset of {top} elements is past the MPI count limit {limit}, and the counts and "
-            "offsets (in elements) share no common block size that brings them under it")
+    return (f"a count or offset of {max([*counts, *displs, 0])} elements is past the MPI count limit {limit}, "
+            "and the counts and offsets (in elements) share no common block size that brings them under it")
 
 
 def _check_counts(group, op: str, scounts, rcounts) -> None:
@@ -44,32 +50,28 @@ def _check_counts(group, op: str, scounts, rcounts) -> None:
                                         "Use split sizes with a common factor, such as a row length"))
 
 
-def _spec(t: torch.Tensor, counts, displs, limit: int, group, op: str):
+def _spec(t: torch.Tensor, counts, displs, limit: int):
     """``[memory, (counts, displs), datatype]``; past MPI's int counts the unit
-    becomes a contiguous block of g elements (g = gcd of counts and displs).
-    Each rank picks its own unit: MPI matches type signatures, not datatypes."""
-    MPI = _mpi.mpi()
-    mem = _mpi.buffer(t)[0]
-    base = _mpi.mpi_type(t.dtype)
-    top = max([*counts, *displs, 0])
-    if top <= limit:
-        return [mem, (counts, displs), base], None
-    g = math.gcd(*counts, *displs)
-    if g == 0 or top // g > limit:
-        raise checks.OpValueError(op, group.where(), f"a count or offset of {top} elements is past the MPI count "
-                             f"limit {limit}, and the counts and offsets (in elements) share no common block "
-                             "size that brings them under it", "Use split sizes with a common factor, such as "
-                             "a row length")
-    unit = base.Create_contiguous(g).Commit()
-    return [mem, ([k // g for k in counts], [d // g for d in displs]), unit], unit
+    becomes a contiguous block of g elements (g = gcd of counts and displs;
+    :func:`_check_counts` refused counts that have none).  Each rank picks its
+    own unit: MPI matches type signatures, not datatypes.  Also the committed
+    block datatype to free afterwards, or None."""
+    spec = _mpi.buffer(t)
+    g = _unit(counts, displs, limit)
+    if g == 1:
+        spec[1] = (counts, displs)
+        return spec, None
+    unit = spec[2] = spec[2].Create_contiguous(g).Commit()
+    spec[1] = ([k // g for k in counts], [d // g for d in displs])
+    return spec, unit
 
 
-def _alltoallv(group, send, scounts, recv, rcounts, op):
+def _alltoallv(group, send, scounts, recv, rcounts):
     units = []  # committed block datatypes, freed even when the receive side is refused
     try:
-        sspec, unit = _spec(send, *_layout(scounts), group.max_count, group, op)
+        sspec, unit = _spec(send, *_layout(scounts), group.max_count)
         units.append(unit)
-        rspec, unit = _spec(recv, *_layout(rcounts), group.max_count, group, op)
+        rspec, unit = _spec(recv, *_layout(rcounts), group.max_count)
         units.append(unit)
         group.comm.Alltoallv(sspec, rspec)
     finally:
@@ -78,72 +80,39 @@ def _alltoallv(group, send, scounts, recv, rcounts, op):
                 t.Free()
 
 
-def _splits(group, op, t: torch.Tensor, splits, what: str):
-    rows = t.shape[0] if t.dim() else 1
-    row = t.numel() // rows if rows else 0
-    if not splits:
-        if rows % group.size:
-            raise checks.OpValueError(op, group.where(), f"{what} has {rows} rows, not divisible by the group size "
-                                 f"{group.size}", f"Pass {what}_split_sizes")
-        return [rows // group.size * row] * group.size
-    splits = list(splits)
-    if len(splits) != group.size:
-        raise checks.OpValueError(op, group.where(), f"{what}_split_sizes has {len(splits)} entries, expected "
-                             f"{group.size} (one per rank)")
-    if any(s < 0 for s in splits) or sum(splits) != rows:
-        raise checks.OpValueError(op, group.where(), f"{what}_split_sizes {splits} do not add up to {what}'s "
-                             f"{rows} rows (dim 0)")
-    return [s * row for s in splits]
-
-
 def all_to_all_single(group, output, input, output_splits, input_splits, op: str = "all_to_all_single"):
     checks.check_pair(group, op, output, input)
-    scounts = _splits(group, op, input, input_splits, "input")
-    rcounts = _splits(group, op, output, output_splits, "output")
+    scounts = checks.split_counts(group, op, input, input_splits, "input")
+    rcounts = checks.split_counts(group, op, output, output_splits, "output")
     _check_counts(group, op, scounts, rcounts)
 
-    send, before = staging.staged_input(input)
-    out, after = staging.staged_output(output)
-    if before is None and staging.overlaps(send, out):
-        send, before = staging.copy_apart(input)  # MPI forbids aliased send and receive buffers
+    if output.is_contiguous():
+        out, after = output, None
+    else:
+        out, after = staging.copy_out(output)
+    if input.is_contiguous() and not staging.overlaps(input, out):
+        send, before = input, None
+    else:  # strided, or aliased with the output: MPI forbids aliased buffers
+        send, before = staging.copy_in(input)
 
     def run():
-        _alltoallv(group, send, scounts, out, rcounts, op)
+        _alltoallv(group, send, scounts, out, rcounts)
 
-    return with_steps(run, (), None, [output], (input, output, send, out), before, after,
-                        input.numel() * input.element_size())
+    return (run, (), None, [output], (input, output, send, out), before, after,
+              input.numel() * input.element_size())
 
 
 def alltoall(group, outputs, inputs, op: str = "all_to_all"):
-    checks.check_list(group, op, outputs, group.size, "output_tensor_list")
-    checks.check_list(group, op, inputs, group.size, "input_tensor_list")
-    checks.check_tensors(group, op, inputs, "input_tensor_list")
-    checks.check_tensors(group, op, outputs, "output_tensor_list")
-    dtype = inputs[0].dtype
-    checks.check_same_dtype(group, op, inputs, dtype, "input_tensor_list")
-    checks.check_same_dtype(group, op, outputs, dtype, "output_tensor_list")
+    arguments.alltoall(group, outputs, inputs, op)
     _check_counts(group, op, [t.numel() for t in inputs], [t.numel() for t in outputs])
 
     scounts = [t.numel() for t in inputs]
     rcounts = [t.numel() for t in outputs]
-    send = staging.flat_view(inputs)
-    before = after = None
-    if send is None:
-        send = torch.empty(sum(scounts), dtype=dtype, device=inputs[0].device)
-
-        def before():
-            torch.cat([t.reshape(-1) for t in inputs], out=send)
-
-    recv = staging.flat_view(outputs)
-    if recv is None or staging.overlaps(send, recv):
-        recv = torch.empty(sum(rcounts), dtype=dtype, device=send.device)
-
-        def after():
-            for t, part in zip(outputs, torch.split(recv, rcounts)):
-                t.copy_(part.view(t.shape))
+    send, before = staging.joined(inputs, sum(scounts), inputs[0])
+    recv, after = staging.split(outputs, rcounts, inputs[0], send)
 
     def run():
-        _alltoallv(group, send, scounts, recv, rcounts, op)
+        _alltoallv(group, send, scounts, recv, rcounts)
 
-    return with_steps(run, (), None, outputs, (inputs, outputs, send, recv), before, after,
-                        sum(scounts) * send.element_size())
+    return (run, (), None, outputs, (inputs, outputs, send, recv), before, after,
+              sum(scounts) * send.element_size())

@@ -12,7 +12,7 @@ import torch
 
 from .. import _mpi
 from .._core import state
-from .._torch.compat import RedOpType, premul_sum_factor, reduce_op_type
+from .._compat import RedOpType, premul_sum_factor, reduce_op_type
 from ..errors import OpError, OpTypeError, OpValueError  # noqa: F401 - OpError for the op modules
 
 
@@ -30,7 +30,7 @@ _STRIDED = torch.strided
 
 
 class NotOnCPU(OpTypeError):
-    """A tensor on a device this path does not serve: hpccomm._core.op_path takes a
+    """A tensor on a device this path does not serve: hpccomm._ops.op_path takes a
     CUDA call to its GPU transport on catching it (so the CPU path pays
     nothing to learn that a call is on the CPU); to a direct caller it is the
     refusal it says."""
@@ -133,6 +133,29 @@ def rooted(group, op: str, root: int, side: str, lists, outer: str, what: str, l
     return None
 
 
+def check_own_slot(group, op: str, outputs, input) -> None:
+    """all_gather's list: this rank's own slot has the input's size (MPI
+    gathers this rank's input into it)."""
+    if outputs[group.rank].numel() != input.numel():
+        raise OpValueError(op, group.where(), f"tensor_list[{group.rank}] (this rank's slot) has "
+                           f"{outputs[group.rank].numel()} elements but the input has {input.numel()}")
+
+
+def message(group, op: str, tensors, peer, side: str, tag: int):
+    """A point-to-point op's checks: one tensor; ``peer`` a rank of the
+    group (``side`` as torch names it: ``"dst"``, ``"src"``), None for any
+    source; ``tag`` in MPI's range.  A refusal names this rank's next
+    point-to-point op.  Returns the tensor."""
+    try:
+        t = single(group, op, tensors)
+        if peer is not None:
+            check_root(group, op, peer, side)
+        check_tag(group, op, tag)
+    except OpError as exc:
+        raise type(exc)(exc.op, group.where_p2p(), exc.what, exc.fix) from None
+    return t
+
+
 def check_same_dtype(group, op: str, ts, dtype, what: str) -> None:
     for i, t in enumerate(ts):
         if t.dtype != dtype:
@@ -227,7 +250,7 @@ def reduction(group, op: str, dtype: torch.dtype, redop) -> Reduction:
     Example::
 
         r = reduction(group, "all_reduce", t.dtype, dist.ReduceOp.AVG)
-        comm.Allreduce(_mpi.IN_PLACE, _mpi.host_buffer(t), op=r.mop)
+        comm.Allreduce(_mpi.IN_PLACE, _mpi.buffer(t), op=r.mop)
     """
     try:  # the key is the enum's value: hashing torch's pybind enums costs more than a small op's checks
         code = redop.value if redop.__class__ is _R else redop.op.value
@@ -241,3 +264,46 @@ def reduction(group, op: str, dtype: torch.dtype, redop) -> Reduction:
     if factor is None:
         _REDUCTIONS[(dtype, code)] = answer
     return answer
+
+
+def split_counts(group, op, t: torch.Tensor, splits, what: str):
+    """The element counts of ``t``'s parts, one per rank: ``splits`` (rows of
+    dim 0, one per rank, adding up to ``t``'s rows), or equal parts (the rows
+    divisible by the group size); OpValueError otherwise."""
+    rows = t.shape[0] if t.dim() else 1
+    row = t.numel() // rows if rows else 0
+    if not splits:
+        if rows % group.size:
+            raise OpValueError(op, group.where(), f"{what} has {rows} rows, not divisible by the group size "
+                                 f"{group.size}", f"Pass {what}_split_sizes")
+        return [rows // group.size * row] * group.size
+    splits = list(splits)
+    if len(splits) != group.size:
+        raise OpValueError(op, group.where(), f"{what}_split_sizes has {len(splits)} entries, expected "
+                             f"{group.size} (one per rank)")
+    if any(s < 0 for s in splits) or sum(splits) != rows:
+        raise OpValueError(op, group.where(), f"{what}_split_sizes {splits} do not add up to {what}'s "
+                             f"{rows} rows (dim 0)")
+    return [s * row for s in splits]
+
+
+def sparse_sum(group, op: str, tensors, redop) -> torch.Tensor:
+    """A sparse all_reduce's checks: one sparse COO CPU tensor of a dtype that
+    sums, and ReduceOp.SUM (as gloo).  Returns the tensor."""
+    check_list(group, op, tensors, 1, "tensors")
+    t = tensors[0]
+    if not isinstance(t, torch.Tensor) or t.layout != torch.sparse_coo:
+        layout = getattr(t, "layout", type(t).__name__)
+        raise OpTypeError(op, group.where(), f"a sparse all_reduce needs a sparse COO tensor, got {layout}")
+    if t.dtype not in _mpi.DTYPES or _mpi.DTYPES[t.dtype].kind not in ("float", "half", "int", "complex"):
+        raise OpTypeError(op, group.where(), f"sparse tensors of dtype {t.dtype} cannot be summed")
+    if not t.is_cpu:
+        raise OpTypeError(op, group.where(), f"sparse tensor on {t.device}; sparse all_reduce moves CPU tensors")
+    try:
+        kind = reduce_op_type(redop)
+    except AttributeError:
+        raise OpTypeError(op, group.where(), f"{redop!r} is not a torch.distributed.ReduceOp") from None
+    if kind != _R.SUM:
+        raise OpTypeError(op, group.where(), f"sparse tensors reduce with ReduceOp.SUM only (as gloo), "
+                          f"not {str(kind).split('.')[-1]}", "Call .to_dense() first for other ReduceOps")
+    return t

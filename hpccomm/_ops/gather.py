@@ -1,7 +1,7 @@
 """Gathers: all_gather (lists, equal or different sizes), all_gather_into_tensor,
 gather, gather_single, and the coalesced forms.
 
-Each function here is one op's plan function (see :mod:`hpccomm._ops.plan`).
+Each function here is one op's plan function (see :mod:`hpccomm._core.plan`).
 """
 from __future__ import annotations
 
@@ -10,105 +10,90 @@ import itertools
 import torch
 
 from .. import _mpi
+from .._core.plan import sequence, steps
 from . import checks, staging
-from .plan import sequence, steps, with_steps
 
 
 def _displs(counts):
     return [0, *itertools.accumulate(counts)][:-1]
 
 
-def allgatherv(group, send: torch.Tensor, recv: torch.Tensor, counts):
-    """``(call, args)`` of the Allgather(v) of contiguous ``send`` into
-    contiguous ``recv`` (any shape) laid out by ``counts``: ``send`` is the
-    rank's own slot of ``recv`` (in place) or apart from it.  Past the count
-    limit ``call`` is a function in which every rank broadcasts its part,
-    chunked (``args`` empty)."""
-    comm = group.comm
-    in_place = send.numel() > 0 and send.data_ptr() == recv.data_ptr() + sum(counts[:group.rank]) * recv.element_size()
-    if max(counts, default=0) > group.max_count or sum(counts) > group.max_count:
-        displs = _displs(counts)
-        flat = recv.view(-1)
+def allgather(group, input: torch.Tensor, out: torch.Tensor, recv, offset: int, counts, outputs, after):
+    """The plan of the Allgather(v) of this rank's ``input`` into contiguous
+    ``out`` (``recv``: its MPI buffer), where this rank's slot starts
+    ``offset`` bytes in; ``counts``: every rank's part (elements, laid end to
+    end), None for equal parts; ``outputs``, ``after``: the plan's.
 
-        def run():
-            if not in_place:
-                flat[displs[group.rank]:displs[group.rank] + counts[group.rank]].copy_(send.view(-1))
-            for r in range(group.size):
-                for off, n in staging.chunks(counts[r], group.max_count):
-                    comm.Bcast(_mpi.buffer(flat, displs[r] + off, n), root=r)
+    This rank's part is read where it is: MPI_IN_PLACE when ``input`` is its
+    slot of ``out`` (FSDP's layout), ``input`` itself when contiguous and
+    apart from ``out``, else a copy made by the plan's ``before`` step
+    (strided, or aliased elsewhere in ``out``: MPI forbids aliased buffers).
+    The nonblocking form is there for equal parts only.  Past the count
+    limit every rank broadcasts its part, chunked (no nonblocking form)."""
+    mem = recv[0]
+    sendbuf = send = before = None
+    if input.is_contiguous():
+        part = _mpi.buffer(input)
+        here = part[0].address
+        if part[1] and here == mem.address + offset:
+            sendbuf = _mpi.IN_PLACE
+        elif not staging.overlap(here, part[0].nbytes, mem.address, mem.nbytes):
+            sendbuf, send = part, input
+    if sendbuf is None:
+        send, before = staging.copy_in(input)
+        part = sendbuf = _mpi.buffer(send)
+    keep, nbytes = (input, out, send), part[0].nbytes
+    total, size = recv[1], group.size
+    if total > group.max_count:
+        run = _bcasts(group, send, out, counts or [total // size] * size)
+        return (run, (), None, outputs, keep, before, after, nbytes)
+    calls = group.calls
+    if counts is None or counts.count(counts[0]) == size:
+        recv[1] = total // size  # mpi4py counts the receive side per rank
+        return (calls.Allgather, (sendbuf, recv), calls.Iallgather, outputs, keep, before, after, nbytes)
+    recv[1] = (counts, _displs(counts))
+    return (calls.Allgatherv, (sendbuf, recv), None, outputs, keep, before, after, nbytes)
 
-        return run, ()
-    sendbuf = _mpi.IN_PLACE if in_place else _mpi.buffer(send)
-    dtype = _mpi.mpi_type(recv.dtype)
-    mem = _mpi.buffer(recv)[0]
-    if len(set(counts)) <= 1:
-        return comm.Allgather, (sendbuf, [mem, counts[0] if counts else 0, dtype])
-    return comm.Allgatherv, (sendbuf, [mem, (counts, _displs(counts)), dtype])
+
+def _bcasts(group, send, out: torch.Tensor, counts):
+    """The blocking form of an all_gather past the count limit: this rank's
+    part into its slot (unless ``send`` is None: it is there), then every
+    rank broadcasts its part, chunked."""
+    comm, displs, flat = group.comm, _displs(counts), out.view(-1)
+
+    def run():
+        if send is not None:
+            flat[displs[group.rank]:displs[group.rank] + counts[group.rank]].copy_(send.view(-1))
+        for r in range(group.size):
+            for off, n in staging.chunks(counts[r], group.max_count):
+                comm.Bcast(_mpi.buffer(flat, displs[r] + off, n), root=r)
+
+    return run
 
 
 def all_gather_into_tensor(group, output, input, op: str = "all_gather_into_tensor"):
-    """all_gather_into_tensor's plan: MPI writes the output in place; the
-    input is read in place too when it is this rank's slot of the output
-    (MPI_IN_PLACE: FSDP's layout) or apart from it, and through a copy when it
-    overlaps the output elsewhere (MPI forbids aliased buffers) or is strided."""
+    """all_gather_into_tensor's plan: MPI writes the output in place, and
+    reads the input where it is when it can (:func:`allgather`)."""
     checks.check_pair(group, op, output, input, "output")
-    n = input.numel()
-    comm = group.comm
-    if group.host and output.is_contiguous() and input.is_contiguous():  # the common case: on the user's memory
-        send, recv = _mpi.host_buffer(input), _mpi.host_buffer(output)
-        if recv[1] <= group.max_count:
-            before, keep = None, (input, output)
-            mem = send[0]
-            nbytes = mem.nbytes
-            if n and mem.address == recv[0].address + group.rank * nbytes:
-                send = _mpi.IN_PLACE  # this rank's slot of the output
-            elif not staging.disjoint(mem, recv[0]):
-                copy, before = staging.copy_apart(input)  # aliased elsewhere than this rank's slot
-                send = _mpi.host_buffer(copy)
-                keep = (input, output, copy)
-            recv[1] = n  # mpi4py counts the receive side per rank
-            return with_steps(comm.Allgather, (send, recv), comm.Iallgather, [output], keep, before, None, nbytes)
-    out, after = staging.staged_output(output)
-    src, before = staging.staged_input(input)
-    own = n and before is None and src.data_ptr() == out.data_ptr() + group.rank * n * out.element_size()
-    if not own and before is None and staging.overlaps(src, out):
-        src, before = staging.copy_apart(input)  # aliased elsewhere than this rank's slot: MPI forbids it
-    keep = (input, output, src, out)
-    nbytes = n * input.element_size()
-    if output.numel() > group.max_count:
-        call, args = allgatherv(group, src, out, [n] * group.size)
-        return with_steps(call, args, None, [output], keep, before, after, nbytes)
+    if output.is_contiguous():
+        out, after = output, None
+    else:
+        out, after = staging.copy_out(output)
     recv = _mpi.buffer(out)
-    recv[1] = n  # mpi4py counts the receive side per rank
-    return with_steps(comm.Allgather, (_mpi.IN_PLACE if own else _mpi.buffer(src), recv), comm.Iallgather,
-                        [output], keep, before, after, nbytes)
+    return allgather(group, input, out, recv, group.rank * (recv[0].nbytes // group.size), None, [output], after)
 
 
 def all_gather(group, output_lists, inputs, op: str = "all_gather"):
     """all_gather's plan (a list of outputs, one per rank, sizes may differ):
     received in place when the outputs are laid end to end in one storage,
-    else into one buffer then copied out."""
+    else into one buffer then copied out; no nonblocking form (hpccomm._ops.table)."""
     input = checks.single(group, op, inputs, "input_tensors", "input")
     outputs = checks.per_rank(group, op, output_lists, "output_tensor_lists", "tensor_list", input)
-    if outputs[group.rank].numel() != input.numel():
-        raise checks.OpValueError(op, group.where(), f"tensor_list[{group.rank}] (this rank's slot) has "
-                             f"{outputs[group.rank].numel()} elements but the input has {input.numel()}")
+    checks.check_own_slot(group, op, outputs, input)
     counts = [t.numel() for t in outputs]
-    send, before = staging.staged_input(input)
-    flat = staging.flat_view(outputs)
-    if flat is not None and not (before is None and staging.overlaps(send, flat)
-                                 and send.data_ptr() != outputs[group.rank].data_ptr()):
-        recv, after = flat, None  # the outputs are one buffer: zero-copy
-    else:
-        recv = torch.empty(sum(counts), dtype=input.dtype, device=input.device)
-
-        def after():
-            for t, part in zip(outputs, torch.split(recv, counts)):
-                t.copy_(part.view(t.shape))
-
-    call, args = allgatherv(group, send, recv, counts)
-    return with_steps(call, args, None, output_lists, (input, outputs, send, recv), before, after,
-                        input.numel() * input.element_size())
+    recv, after = staging.split(outputs, counts, input)
+    offset = sum(counts[:group.rank]) * input.element_size()
+    return allgather(group, input, recv, _mpi.buffer(recv), offset, counts, output_lists, after)
 
 
 def all_gather_coalesced(group, output_lists, inputs, op: str = "all_gather_coalesced"):
@@ -149,7 +134,10 @@ def gather_single(group, output, input, root: int, op: str = "gather_single"):
     if group.rank != root:
         return _gather_send(group, input, root, [output])
     checks.check_pair(group, op, output, input, "output")
-    out, write_back = staging.staged_output(output)
+    if output.is_contiguous():
+        out, write_back = output, None
+    else:
+        out, write_back = staging.copy_out(output)
     flat, n = out.view(-1), input.numel()
     parts = [flat[r * n:(r + 1) * n] for r in range(group.size)]  # views laid end to end: received in place
     return _gather_recv(group, input, root, parts, [output], write_back)
@@ -158,7 +146,10 @@ def gather_single(group, output, input, root: int, op: str = "gather_single"):
 def _gather_send(group, input, root, outputs):
     """A non-root's part of gather: its input to ``root``."""
     comm, limit = group.comm, group.max_count
-    send, before = staging.staged_input(input)
+    if input.is_contiguous():
+        send, before = input, None
+    else:
+        send, before = staging.copy_in(input)
     n = input.numel()
 
     def run():
@@ -168,17 +159,18 @@ def _gather_send(group, input, root, outputs):
         else:
             comm.Gatherv(_mpi.buffer(send), None, root=root)
 
-    return with_steps(run, (), None, outputs, (input, send), before, None, n * input.element_size())
+    return (run, (), None, outputs, (input, send), before, None, n * input.element_size())
 
 
 def _gather_recv(group, input, root, outputs, result, write_back=None):
     """The root's part of gather: every rank's input into ``outputs`` (then ``write_back``)."""
     comm, limit = group.comm, group.max_count
-    send, before = staging.staged_input(input)
+    if input.is_contiguous():
+        send, before = input, None
+    else:
+        send, before = staging.copy_in(input)
     counts = [t.numel() for t in outputs]
-    flat = staging.flat_view(outputs)
-    direct = flat is not None and not staging.overlaps(send, flat)
-    recv = flat if direct else torch.empty(sum(counts), dtype=input.dtype, device=input.device)
+    recv, copy_out = staging.split(outputs, counts, input, send)
     displs = _displs(counts)
 
     def run():
@@ -189,12 +181,9 @@ def _gather_recv(group, input, root, outputs, result, write_back=None):
                     for off, k in staging.chunks(counts[r], limit):
                         comm.Recv(_mpi.buffer(recv, displs[r] + off, k), source=r, tag=0)
         else:
-            mem = _mpi.buffer(recv)[0]
-            comm.Gatherv(_mpi.buffer(send), [mem, (counts, displs), _mpi.mpi_type(recv.dtype)], root=root)
+            spec = _mpi.buffer(recv)
+            spec[1] = (counts, displs)
+            comm.Gatherv(_mpi.buffer(send), spec, root=root)
 
-    def after():
-        for t, part in zip(outputs, torch.split(recv, counts)):
-            t.copy_(part.view(t.shape))
-
-    return with_steps(run, (), None, result, (input, outputs, send, recv), before,
-                        steps(None if direct else after, write_back), input.numel() * input.element_size())
+    return (run, (), None, result, (input, outputs, send, recv), before, steps(copy_out, write_back),
+            input.numel() * input.element_size())

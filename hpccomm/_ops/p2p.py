@@ -1,10 +1,11 @@
 """Point-to-point: send, recv (from a rank or any source), and barrier.
 
-Each function here is one op's plan function (see :mod:`hpccomm._ops.plan`).
-Sends and receives have no blocking form: hpccomm._core.op_path posts them
+Each function here is one op's plan function (see :mod:`hpccomm._core.plan`).
+Sends and receives have no blocking form: hpccomm._ops.op_path posts them
 (MPI_Isend/MPI_Irecv on the group's private point-to-point communicator, so
 they never match hpccomm's own internal messages) and returns a pending
-Work; hpccomm._core.work checks what a receive got when it completes.
+Work; the op's record (hpccomm._core.record) checks what a receive got when
+it completes.
 
 A tensor always travels as ONE MPI message.  Past the per-call count limit
 (``group.max_count``) it is described by a derived datatype whose count fits,
@@ -47,66 +48,50 @@ def _post_large(start, t: torch.Tensor, limit: int, *rest):
     """Post ``start(message, *rest)`` for all of contiguous ``t`` (more than
     ``limit`` elements) as one message, described by a derived datatype."""
     n = t.numel()
-    MPI = _mpi.mpi()
     made: list = []
     try:
         datatype, count = _cover(_mpi.mpi_type(t.dtype), n, limit, t.element_size(), made)
         datatype.Commit()
-        mem = MPI.buffer.fromaddress(t.data_ptr(), n * t.element_size())
-        return start([mem, count, datatype], *rest)
+        return start([_mpi.buffer(t)[0], count, datatype], *rest)
     finally:
         for d in made:  # MPI keeps what a pending request still uses
             d.Free()
 
 
-def _relabelled(group, exc):
-    """``exc`` (a check's refusal) naming this rank's next point-to-point op."""
-    return type(exc)(exc.op, group.where_p2p(), exc.what, exc.fix)
-
-
-def _message(group, t: torch.Tensor, icall, peer, tag, receive: bool):
-    """``(icall, args, keep, after)`` posting all of ``t`` (a checked tensor)
-    as one message: on its own memory when contiguous, else through a
-    contiguous copy (a send's copy taken now: the send is posted now; a
-    receive's written back once it arrived)."""
-    if t.is_contiguous() and group.host and t.numel() <= group.max_count:  # the common case: on the tensor's memory
-        return icall, (_mpi.host_buffer(t), peer, tag), t, None
-    if receive:
-        buf, after = staging.staged_output(t)
-    else:
-        buf, after = staging.contiguous(t), None
+def _message(group, op: str, tensors, peer, side: str, tag: int, icall, source):
+    """The plan posting ``tensors[0]`` as one message (``icall``: the group's
+    ``Isend`` or ``Irecv``) to or from ``source`` (``peer``, or MPI's
+    ANY_SOURCE).  Its checks first: one tensor; ``peer`` a rank of the group
+    (``side`` as torch names it), None for any source; ``tag`` in MPI's
+    range; a refusal names this rank's next point-to-point op.  The tensor's
+    own memory when contiguous, else a contiguous copy: a send's taken now
+    (it is posted now), a receive's written back once it arrived."""
+    t = checks.message(group, op, tensors, peer, side, tag)
+    buf, after = t, None
+    if not t.is_contiguous():
+        if side == "src":
+            buf, after = staging.copy_out(t)
+        else:
+            buf = t.contiguous()
+    keep = t if buf is t else (t, buf)
+    nbytes = t.numel() * t.element_size()
     if buf.numel() <= group.max_count:
-        return icall, (_mpi.host_buffer(buf) if group.host else _mpi.buffer(buf), peer, tag), (t, buf), after
-    return partial(_post_large, icall, buf, group.max_count), (peer, tag), (t, buf), after
+        return (None, (_mpi.buffer(buf), source, tag), icall, tensors, keep, None, after, nbytes)
+    return (None, (source, tag), partial(_post_large, icall, buf, group.max_count), tensors, keep, None, after, nbytes)
 
 
 def send(group, tensors, dst: int, tag: int, op: str = "send"):
     """send's plan: ``tensors[0]`` to group rank ``dst`` (MPI_Isend)."""
-    try:
-        t = checks.single(group, op, tensors)
-        checks.check_root(group, op, dst, "dst")
-        checks.check_tag(group, op, tag)
-    except checks.OpError as exc:
-        raise _relabelled(group, exc) from None
-    icall, args, keep, after = _message(group, t, group.p2p.Isend, dst, tag, False)
-    return (None, args, icall, tensors, keep, None, after, t.numel() * t.element_size())
+    return _message(group, op, tensors, dst, "dst", tag, group.calls.Isend, dst)
 
 
 def recv(group, tensors, src, tag: int, op: str = "recv"):
     """recv's plan: into ``tensors[0]`` from group rank ``src`` (None: any
     source; MPI_Irecv).  What arrives is checked when it completes."""
-    try:
-        t = checks.single(group, op, tensors)
-        if src is not None:  # (None: any source)
-            checks.check_root(group, op, src, "src")
-        checks.check_tag(group, op, tag)
-    except checks.OpError as exc:
-        raise _relabelled(group, exc) from None
-    source = _mpi.mpi().ANY_SOURCE if src is None else src
-    icall, args, keep, after = _message(group, t, group.p2p.Irecv, source, tag, True)  # (True: a receive)
-    return (None, args, icall, tensors, keep, None, after, t.numel() * t.element_size())
+    return _message(group, op, tensors, src, "src", tag, group.calls.Irecv,
+                    _mpi.mpi().ANY_SOURCE if src is None else src)
 
 
 def barrier(group, op: str = "barrier"):
     """barrier's plan: MPI_Barrier."""
-    return (group.comm.Barrier, (), None, [], None, None, None, 0)
+    return (group.calls.Barrier, (), None, [], None, None, None, 0)

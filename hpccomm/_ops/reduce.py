@@ -1,27 +1,27 @@
 """Reductions: all_reduce, reduce, reduce_scatter and their coalesced forms.
 
-Each function here is one op's plan function (see :mod:`hpccomm._ops.plan`):
-it checks every argument and returns the op's plan; hpccomm._core.op_path runs it.
+Each function here is one op's plan function (see :mod:`hpccomm._core.plan`):
+it checks every argument and returns the op's plan; hpccomm._ops.op_path runs it.
 
-AVG and PREMUL_SUM reduce with SUM plus a local step (divide after, multiply
-before), as NCCL does; float16/bfloat16 reduce through a user-defined MPI op
-that computes in that dtype (see ``_mpi.DTYPES``), which has no nonblocking
-form.
+AVG and PREMUL_SUM reduce with SUM plus a local step (divide after,
+:func:`hpccomm._ops.staging.averaged`; multiply before,
+:func:`hpccomm._ops.staging.scaled`), as NCCL does; float16/bfloat16 reduce
+through a user-defined MPI op that computes in that dtype (see
+``_mpi.DTYPES``), which has no nonblocking form.
 """
 from __future__ import annotations
 
 import math
-from functools import partial
 
 import torch
 
 from .. import _mpi
-from .._torch.compat import RedOpType, reduce_op_type
+from .._core.plan import NBYTES, blocking, sequence
+from .._core.plan import run as run_plan
 from ..errors import HpccommError
 from . import checks, staging
-from .plan import ARGS, CALL, KEEP, NBYTES, blocking, sequence, steps, with_steps
+from .gather import allgather
 
-_R = RedOpType
 _FLATTEN_BYTES = 1 << 18  # coalesced ops below this total go as one message
 # Open MPI's allreduce allocates scratch memory of up to half the message (a 1 GiB
 # float32 all_reduce peaked at 1.5x the tensor above baseline, raw mpi4py as well):
@@ -59,27 +59,24 @@ def all_reduce(group, tensors, redop, op: str = "all_reduce"):
             return all_reduce_sparse(group, tensors, redop, op)
         raise
     r = checks.reduction(group, op, t.dtype, redop)
-    comm = group.comm
-    if r.factor is None and group.host and t.is_contiguous():  # the common case: in place on the user's memory
-        buf = _mpi.host_buffer(t)
-        nbytes = buf[0].nbytes
-        if buf[1] <= group.max_count and nbytes <= _ALLREDUCE_PIECE_BYTES:
-            plan = (comm.Allreduce, (_mpi.IN_PLACE, buf, r.mop), comm.Iallreduce if r.nonblocking else None, tensors, t,
-                    None, None, nbytes)
-            return with_steps(*plan[:6], partial(staging.finish_average, t, group.size), nbytes) if r.average else plan
-    work, write_back = staging.staged_output(t)  # a strided tensor: MPI reduces a contiguous copy
-    before = None if work is t else partial(work.copy_, t)
+    # in place on the tensor's memory when it is contiguous, else on a contiguous copy
+    if t.is_contiguous():
+        work, before, after = t, None, None
+    else:
+        work, before, after = staging.copy_inout(t)
     send = None
     if r.factor is not None:  # PREMUL_SUM reduces a scaled copy: should MPI fail, the tensor is as it was
         send, before = staging.scaled(t, r.factor)
-    after = steps(partial(staging.finish_average, work, group.size) if r.average else None, write_back)
-    nbytes = t.numel() * t.element_size()
-    keep = (t, work, send)
-    if t.numel() > group.max_count or nbytes > _ALLREDUCE_PIECE_BYTES:
-        return with_steps(_pieces(group, work, r, send), (), None, tensors, keep, before, after, nbytes)
-    sendbuf = _mpi.IN_PLACE if send is None else _mpi.buffer(send)
-    return with_steps(comm.Allreduce, (sendbuf, _mpi.buffer(work), r.mop),
-                        comm.Iallreduce if r.nonblocking else None, tensors, keep, before, after, nbytes)
+    if r.average:
+        after = staging.averaged(work, group.size, after)
+    recv = _mpi.buffer(work)
+    nbytes = recv[0].nbytes
+    keep = t if work is t and send is None else (t, work, send)
+    if recv[1] > group.max_count or nbytes > _ALLREDUCE_PIECE_BYTES:
+        return (_pieces(group, work, r, send), (), None, tensors, keep, before, after, nbytes)
+    calls = group.calls
+    return (calls.Allreduce, (_mpi.IN_PLACE if send is None else _mpi.buffer(send), recv, r.mop),
+            calls.Iallreduce if r.nonblocking else None, tensors, keep, before, after, nbytes)
 
 
 def all_reduce_coalesced(group, tensors, redop, op: str = "all_reduce_coalesced"):
@@ -96,7 +93,7 @@ def all_reduce_coalesced(group, tensors, redop, op: str = "all_reduce_coalesced"
     plans = []
     for ts in by_dtype.values():
         if len(ts) > 1 and sum(t.numel() for t in ts) * ts[0].element_size() <= _FLATTEN_BYTES:
-            flat = torch.empty(sum(t.numel() for t in ts), dtype=ts[0].dtype, device=ts[0].device)
+            flat = ts[0].new_empty(sum(t.numel() for t in ts))
             inner = all_reduce(group, [flat], redop, op)
 
             def gather_in(ts=ts, flat=flat):
@@ -108,8 +105,7 @@ def all_reduce_coalesced(group, tensors, redop, op: str = "all_reduce_coalesced"
                     t.copy_(flat[off:off + t.numel()].view(t.shape))
                     off += t.numel()
 
-            plans.append(with_steps(inner[CALL], inner[ARGS], None, tensors, (inner[KEEP], ts), gather_in,
-                                      scatter_out, inner[NBYTES]))
+            plans.append(sequence([inner], tensors, gather_in, scatter_out, inner[NBYTES]))
         else:
             plans.extend(all_reduce(group, [t], redop, op) for t in ts)
     return sequence(plans, tensors)
@@ -122,30 +118,36 @@ def reduce(group, tensors, root: int, redop, op: str = "reduce"):
     checks.check_root(group, op, root, "dst")
     r = checks.reduction(group, op, t.dtype, redop)
     comm, limit = group.comm, group.max_count
-    if group.rank == root:
-        work, write_back = staging.staged_output(t)
-        before = None if work is t else partial(work.copy_, t)
+    if group.rank == root:  # (in place as all_reduce)
+        if t.is_contiguous():
+            work, before, after = t, None, None
+        else:
+            work, before, after = staging.copy_inout(t)
         send = None
         if r.factor is not None:
             send, before = staging.scaled(t, r.factor)
-        after = steps(partial(staging.finish_average, work, group.size) if r.average else None, write_back)
+        if r.average:
+            after = staging.averaged(work, group.size, after)
 
         def run():
             for off, n in staging.chunks(work.numel(), limit):
                 sendbuf = _mpi.IN_PLACE if send is None else _mpi.buffer(send, off, n)
                 comm.Reduce(sendbuf, _mpi.buffer(work, off, n), op=r.mop, root=root)
 
-        return with_steps(run, (), None, tensors, (t, work, send), before, after, t.numel() * t.element_size())
+        return (run, (), None, tensors, (t, work, send), before, after, t.numel() * t.element_size())
     if r.factor is not None:
         send, before = staging.scaled(t, r.factor)
     else:
-        send, before = staging.staged_input(t)
+        if t.is_contiguous():
+            send, before = t, None
+        else:
+            send, before = staging.copy_in(t)
 
     def run():
         for off, n in staging.chunks(send.numel(), limit):
             comm.Reduce(_mpi.buffer(send, off, n), None, op=r.mop, root=root)
 
-    return with_steps(run, (), None, tensors, (t, send), before, None, t.numel() * t.element_size())
+    return (run, (), None, tensors, (t, send), before, None, t.numel() * t.element_size())
 
 
 def _reduce_scatter_blocks(group, send: torch.Tensor, out: torch.Tensor, r):
@@ -162,19 +164,19 @@ def _reduce_scatter_blocks(group, send: torch.Tensor, out: torch.Tensor, r):
     return run
 
 
-def _reduce_scatter_plan(group, send, out, r, before, after, outputs, keep):
-    """The plan of MPI_Reduce_scatter_block of contiguous ``send`` (size × n)
-    into contiguous ``out`` (n)."""
-    n = out.numel()
-    nbytes = send.numel() * send.element_size()
+def _reduce_scatter_plan(group, send, spec, out, recv, r, before, after, outputs, keep):
+    """The plan of MPI_Reduce_scatter_block of contiguous ``send`` (``spec``:
+    its MPI buffer; size × n elements) into contiguous ``out`` (``recv``: its
+    MPI buffer; n elements), with AVG's step after it."""
+    n = recv[1]
+    if r.average:
+        after = staging.averaged(out, group.size, after)
     if n > group.max_count:
-        return with_steps(_reduce_scatter_blocks(group, send, out, r), (), None, outputs, keep, before, after,
-                            nbytes)
-    sendspec = _mpi.buffer(send)
-    sendspec[1] = n  # mpi4py counts the send side per block
-    comm = group.comm
-    return with_steps(comm.Reduce_scatter_block, (sendspec, _mpi.buffer(out), r.mop),
-                        comm.Ireduce_scatter_block if r.nonblocking else None, outputs, keep, before, after, nbytes)
+        return (_reduce_scatter_blocks(group, send, out, r), (), None, outputs, keep, before, after, spec[0].nbytes)
+    spec[1] = n  # mpi4py counts the send side per block
+    calls = group.calls
+    return (calls.Reduce_scatter_block, (spec, recv, r.mop), calls.Ireduce_scatter_block if r.nonblocking else None,
+            outputs, keep, before, after, spec[0].nbytes)
 
 
 def reduce_scatter_tensor(group, output, input, redop, op: str = "reduce_scatter_tensor"):
@@ -182,24 +184,23 @@ def reduce_scatter_tensor(group, output, input, redop, op: str = "reduce_scatter
     in place when both are contiguous and apart; else through copies."""
     checks.check_pair(group, op, output, input, "input")
     r = checks.reduction(group, op, input.dtype, redop)
-    if r.factor is None and group.host and input.is_contiguous() and output.is_contiguous():
-        send, recv = _mpi.host_buffer(input), _mpi.host_buffer(output)
-        n = recv[1]
-        if n <= group.max_count and staging.disjoint(send[0], recv[0]):  # the common case: on the user's memory
-            send[1] = n  # mpi4py counts the send side per block
-            comm = group.comm
-            plan = (comm.Reduce_scatter_block, (send, recv, r.mop), comm.Ireduce_scatter_block if r.nonblocking else None,
-                    [output], (input, output), None, None, send[0].nbytes)
-            return with_steps(*plan[:6], partial(staging.finish_average, output, group.size), plan[7]) if r.average else plan
-    if r.factor is not None:
-        send, before = staging.scaled(input, r.factor)
+    if output.is_contiguous():
+        out, after = output, None
     else:
-        send, before = staging.staged_input(input)
-        if before is None and staging.overlaps(send, output):
-            send, before = staging.copy_apart(input)  # MPI forbids aliased send and receive buffers
-    out, write_back = staging.staged_output(output)
-    after = steps(partial(staging.finish_average, out, group.size) if r.average else None, write_back)
-    return _reduce_scatter_plan(group, send, out, r, before, after, [output], (input, output, send, out))
+        out, after = staging.copy_out(output)
+    recv = _mpi.buffer(out)
+    send, before, spec = input, None, None
+    if r.factor is not None:  # PREMUL_SUM reduces a scaled copy
+        send, before = staging.scaled(input, r.factor)
+    elif input.is_contiguous():
+        spec = _mpi.buffer(input)
+        if staging.overlap(spec[0].address, spec[0].nbytes, recv[0].address, recv[0].nbytes):
+            spec = None  # aliased with the output: MPI forbids aliased buffers
+    if spec is None:
+        if before is None:  # (strided, or aliased)
+            send, before = staging.copy_in(input)
+        spec = _mpi.buffer(send)
+    return _reduce_scatter_plan(group, send, spec, out, recv, r, before, after, [output], (input, output, send, out))
 
 
 def reduce_scatter(group, outputs, input_lists, redop, op: str = "reduce_scatter"):
@@ -209,20 +210,13 @@ def reduce_scatter(group, outputs, input_lists, redop, op: str = "reduce_scatter
     inputs = checks.per_rank(group, op, input_lists, "input_tensor_lists", "input_list", output, "output",
                              "Every input must have the output's size")
     r = checks.reduction(group, op, output.dtype, redop)
-    factor = r.factor
-    send = staging.flat_view(inputs)
-    before = None
-    if send is None or factor is not None or staging.overlaps(send, output):
-        send = torch.empty(output.numel() * group.size, dtype=output.dtype, device=output.device)
-
-        def before(send=send):
-            torch.cat([t.reshape(-1) for t in inputs], out=send)
-            if factor is not None:
-                staging.premultiplied(send, factor, inplace=True)
-
-    out, write_back = staging.staged_output(output)
-    after = steps(partial(staging.finish_average, out, group.size) if r.average else None, write_back)
-    return _reduce_scatter_plan(group, send, out, r, before, after, outputs, (inputs, output, send, out))
+    if output.is_contiguous():
+        out, after = output, None
+    else:
+        out, after = staging.copy_out(output)
+    send, before = staging.joined(inputs, output.numel() * group.size, output, out, r.factor)
+    return _reduce_scatter_plan(group, send, _mpi.buffer(send), out, _mpi.buffer(out), r, before, after, outputs,
+                                (inputs, output, send, out))
 
 
 def reduce_scatter_tensor_coalesced(group, outputs, inputs, redop, op: str = "reduce_scatter_tensor_coalesced"):
@@ -236,26 +230,9 @@ def all_reduce_sparse(group, tensors, redop, op: str = "all_reduce"):
     coalesced indices and values are gathered, summed and coalesced; the
     result is copied into the user's tensor (a sparse copy, which takes the
     sum's indices).  Only SUM, as gloo."""
-    checks.check_list(group, op, tensors, 1, "tensors")
-    t = tensors[0]
-    if not isinstance(t, torch.Tensor) or t.layout != torch.sparse_coo:
-        layout = getattr(t, "layout", type(t).__name__)
-        raise checks.OpTypeError(op, group.where(), f"a sparse all_reduce needs a sparse COO tensor, got {layout}")
-    if t.dtype not in _mpi.DTYPES or _mpi.DTYPES[t.dtype].kind not in ("float", "half", "int", "complex"):
-        raise checks.OpTypeError(op, group.where(), f"sparse tensors of dtype {t.dtype} cannot be summed")
-    if not t.is_cpu:
-        raise checks.OpTypeError(op, group.where(), f"sparse tensor on {t.device}; sparse all_reduce moves CPU tensors")
-    try:
-        kind = reduce_op_type(redop)
-    except AttributeError:
-        raise checks.OpTypeError(op, group.where(), f"{redop!r} is not a torch.distributed.ReduceOp") from None
-    if kind != _R.SUM:
-        raise checks.OpTypeError(op, group.where(), f"sparse tensors reduce with ReduceOp.SUM only (as gloo), "
-                            f"not {str(kind).split('.')[-1]}", "Call .to_dense() first for other ReduceOps")
+    t = checks.sparse_sum(group, op, tensors, redop)
 
     def run():
-        from .gather import allgatherv
-
         local = t.coalesce()
         indices = local.indices().contiguous()  # int64 [sparse_dim, nnz]
         values = local.values().contiguous()  # [nnz, *dense sizes]
@@ -272,8 +249,8 @@ def all_reduce_sparse(group, tensors, redop, op: str = "all_reduce"):
         gathered_idx = torch.empty(sum(nnzs), indices.shape[0], dtype=torch.int64)
         for send, recv, counts in ((indices.t().contiguous(), gathered_idx, [n * indices.shape[0] for n in nnzs]),
                                    (values, all_values, [n * row for n in nnzs])):
-            call, args = allgatherv(group, send, recv, counts)
-            call(*args)
+            offset = sum(counts[:group.rank]) * send.element_size()
+            run_plan(allgather(group, send, recv, _mpi.buffer(recv), offset, counts, None, None))
         all_indices.copy_(gathered_idx.t())
         total = torch.sparse_coo_tensor(all_indices, all_values, t.shape, dtype=t.dtype).coalesce()
         t.copy_(total)

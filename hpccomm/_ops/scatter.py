@@ -1,14 +1,11 @@
 """Rooted distribution: broadcast and scatter.
 
-Each function here is one op's plan function (see :mod:`hpccomm._ops.plan`).
+Each function here is one op's plan function (see :mod:`hpccomm._core.plan`).
 """
 from __future__ import annotations
 
-import torch
-
 from .. import _mpi
 from . import checks, staging
-from .plan import with_steps
 
 
 def broadcast(group, tensors, root: int, op: str = "broadcast"):
@@ -17,24 +14,30 @@ def broadcast(group, tensors, root: int, op: str = "broadcast"):
     others); past the count limit in chunks."""
     t = checks.single(group, op, tensors)
     checks.check_root(group, op, root, "src")
-    comm = group.comm
-    if group.host and t.is_contiguous():  # the common case: one call on the user's memory
-        buf = _mpi.host_buffer(t)
-        if buf[1] <= group.max_count:
-            return (comm.Bcast, (buf, root), comm.Ibcast, tensors, t, None, None, buf[0].nbytes)
-    before = after = None
-    if group.rank == root:
-        buf, before = staging.staged_input(t)
-    else:
-        buf, after = staging.staged_output(t)
-    nbytes = t.numel() * t.element_size()
-    if t.numel() > group.max_count:
-        def run():
-            for off, n in staging.chunks(buf.numel(), group.max_count):
-                comm.Bcast(_mpi.buffer(buf, off, n), root=root)
+    buf, before, after = t, None, None  # a contiguous tensor: MPI reads or writes its own memory
+    if not t.is_contiguous():  # a copy sent from on the root, written back on the others
+        if group.rank == root:
+            buf, before = staging.copy_in(t)
+        else:
+            buf, after = staging.copy_out(t)
+    spec = _mpi.buffer(buf)
+    nbytes = spec[0].nbytes
+    keep = t if buf is t else (t, buf)
+    if spec[1] > group.max_count:
+        return (_bcast_chunks(group, buf, root), (), None, tensors, keep, before, after, nbytes)
+    calls = group.calls
+    return (calls.Bcast, (spec, root), calls.Ibcast, tensors, keep, before, after, nbytes)
 
-        return with_steps(run, (), None, tensors, (t, buf), before, after, nbytes)
-    return with_steps(comm.Bcast, (_mpi.buffer(buf), root), comm.Ibcast, tensors, (t, buf), before, after, nbytes)
+
+def _bcast_chunks(group, buf, root: int):
+    """The blocking form of a broadcast past the count limit: in chunks."""
+    comm = group.comm
+
+    def run():
+        for off, n in staging.chunks(buf.numel(), group.max_count):
+            comm.Bcast(_mpi.buffer(buf, off, n), root=root)
+
+    return run
 
 
 def scatter(group, outputs, input_lists, root: int, op: str = "scatter"):
@@ -52,7 +55,10 @@ def _big(group, n: int) -> bool:
 def _scatter_recv(group, output, root, outputs):
     """A non-root's part of scatter: its slot from ``root``."""
     comm, n = group.comm, output.numel()
-    out, after = staging.staged_output(output)
+    if output.is_contiguous():
+        out, after = output, None
+    else:
+        out, after = staging.copy_out(output)
 
     def run():
         if _big(group, n):
@@ -61,21 +67,18 @@ def _scatter_recv(group, output, root, outputs):
         else:
             comm.Scatter(None, _mpi.buffer(out), root=root)
 
-    return with_steps(run, (), None, outputs, (output, out), None, after, n * output.element_size())
+    return (run, (), None, outputs, (output, out), None, after, n * output.element_size())
 
 
 def _scatter_send(group, output, inputs, root, outputs):
     """The root's part of scatter: read in place when the inputs are laid end
     to end in one storage, else concatenated."""
     comm, n = group.comm, output.numel()
-    out, after = staging.staged_output(output)
-    send = staging.flat_view(inputs)
-    before = None
-    if send is None or staging.overlaps(send, out):
-        send = torch.empty(n * group.size, dtype=output.dtype, device=output.device)
-        if inputs:
-            def before():
-                torch.cat([t.reshape(-1) for t in inputs], out=send)
+    if output.is_contiguous():
+        out, after = output, None
+    else:
+        out, after = staging.copy_out(output)
+    send, before = staging.joined(inputs, n * group.size, output, out)
 
     def run():
         if _big(group, n):
@@ -91,4 +94,4 @@ def _scatter_send(group, output, inputs, root, outputs):
             sendbuf[1] = n  # mpi4py reads an explicit count as the count per rank, not the total
             comm.Scatter(sendbuf, _mpi.buffer(out), root=root)
 
-    return with_steps(run, (), None, outputs, (inputs, output, send, out), before, after, n * output.element_size())
+    return (run, (), None, outputs, (inputs, output, send, out), before, after, n * output.element_size())

@@ -1,9 +1,11 @@
 """Staging: where MPI reads and writes when it cannot use a tensor's own memory.
 
-A contiguous CPU tensor goes to MPI zero-copy; these helpers make the copies
-the torch API's shape forces (a strided tensor, an aliased input, a list laid
+A contiguous CPU tensor goes to MPI zero-copy: each plan function takes the
+tensor itself when it is contiguous (and apart from what the same call
+writes), the one place it decides so.  These helpers make the copies the torch
+API's shape forces otherwise (a strided tensor, an aliased input, a list laid
 out apart, PREMUL_SUM's scaled input) and the plan steps that fill them when
-the op runs and copy results back (hpccomm._ops.plan).
+the op runs and copy results back (hpccomm._core.plan).
 """
 from __future__ import annotations
 
@@ -12,83 +14,95 @@ from typing import Sequence
 
 import torch
 
-
-_UNSIGNED_WIDE = (torch.uint16, torch.uint32, torch.uint64)
-
-
-def premultiplied(t: torch.Tensor, factor, inplace: bool) -> torch.Tensor:
-    """``t * factor`` for PREMUL_SUM, in ``t`` when allowed, else in a new tensor."""
-    if isinstance(factor, torch.Tensor):  # NCCL's form is a 1-element tensor: make it a scalar
-        factor = factor.to(device=t.device, dtype=t.dtype).reshape(())
-    if inplace:
-        return t.mul_(factor)
-    # contiguous, whatever t's strides, on t's own memory kind
-    return torch.mul(t, factor, out=torch.empty_like(t, memory_format=torch.contiguous_format))
+from .._core.plan import steps
+from .._core.steps import finish_average, overlap, overlaps  # noqa: F401 - the op modules' steps, here too
 
 
-def finish_average(t: torch.Tensor, n: int) -> None:
-    """Divide a SUM by the group size: integers truncate toward zero, as NCCL's AVG."""
-    if t.dtype.is_floating_point or t.dtype.is_complex:
-        t.div_(n)
-    elif t.dtype in _UNSIGNED_WIDE:  # torch has no integer division for these; numpy does
-        host = t if t.device.type == "cpu" else t.cpu()  # a device tensor: divide a host copy
-        a = host.numpy()
-        a //= n
-        if host is not t:
-            t.copy_(host)
-    else:
-        t.copy_(torch.div(t, n, rounding_mode="trunc"))
 
 
-def contiguous(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when MPI can use its memory, else a contiguous copy (made now)."""
-    return t if t.is_contiguous() else t.contiguous()
+def _factor(t: torch.Tensor, factor):
+    """PREMUL_SUM's factor as ``t`` can be multiplied by it (NCCL's form is a
+    1-element tensor: made a scalar of ``t``'s dtype and device)."""
+    if isinstance(factor, torch.Tensor):
+        return factor.to(t).reshape(())
+    return factor
 
 
-def out_buffer(t: torch.Tensor) -> torch.Tensor:
-    """Where MPI writes a result for ``t``: ``t`` itself, or a fresh contiguous
-    tensor whose data :func:`write_back` copies into ``t`` afterwards."""
-    return t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
-
-
-def write_back(user: torch.Tensor, staged: torch.Tensor) -> None:
-    if staged is not user:
-        user.copy_(staged)
-
-
-def staged_input(t: torch.Tensor):
-    """``(buffer, before)``: where MPI reads ``t`` from, and the plan step
-    that fills it when the op runs (None: ``t`` itself, contiguous)."""
-    if t.is_contiguous():
-        return t, None
-    buf = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+def copy_in(t: torch.Tensor):
+    """``(buffer, before)``: a contiguous buffer of ``t``'s size that MPI reads,
+    and the plan step filling it from ``t`` when the op runs: for a strided
+    ``t``, or one aliased with what the same call writes (MPI forbids
+    aliased buffers).  A plan function takes ``t`` itself when it is
+    contiguous (and apart): zero copy."""
+    buf = t.new_empty(t.shape)
     return buf, partial(buf.copy_, t)
 
 
-def staged_output(t: torch.Tensor):
-    """``(buffer, after)``: where MPI writes ``t``'s result, and the plan step
-    that copies it into ``t`` once it is there (None: ``t`` itself)."""
-    if t.is_contiguous():
-        return t, None
-    buf = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+def copy_out(t: torch.Tensor):
+    """``(buffer, after)``: a contiguous buffer that MPI writes ``t``'s result
+    into, and the plan step copying it into strided ``t`` once it is there."""
+    buf = t.new_empty(t.shape)
     return buf, partial(t.copy_, buf)
 
 
-def copy_apart(t: torch.Tensor):
-    """``(buffer, before)``: a contiguous buffer of ``t``'s size and the plan
-    step copying ``t`` into it when the op runs (MPI forbids aliased buffers)."""
-    buf = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-    return buf, partial(buf.copy_, t)
+def copy_inout(t: torch.Tensor):
+    """``(buffer, before, after)``: a contiguous copy of strided ``t`` that MPI
+    reads and writes in place, the step filling it and the step copying it back."""
+    buf = t.new_empty(t.shape)
+    return buf, partial(buf.copy_, t), partial(t.copy_, buf)
+
+
+def averaged(out: torch.Tensor, n: int, then=None):
+    """The step after an AVG reduction into ``out``: the SUM divided by the
+    group size ``n`` (:func:`finish_average`), then ``then`` (a staged
+    output's copy back, or None)."""
+    return steps(partial(finish_average, out, n), then)
+
+
+def joined(ts: Sequence[torch.Tensor], total: int, like: torch.Tensor, avoid=None, factor=None):
+    """``(buffer, before)``: where MPI reads the list ``ts`` from as one
+    buffer of ``total`` elements: their own storage when they are laid end to
+    end (:func:`flat_view`) apart from ``avoid`` (what the same call writes),
+    else a new buffer that ``before`` fills.  ``factor``: PREMUL_SUM's, which
+    the new buffer is multiplied by (the user's tensors are left as they are)."""
+    flat = flat_view(ts) if factor is None else None
+    if flat is not None and (avoid is None or not overlaps(flat, avoid)):
+        return flat, None
+    buf = like.new_empty(total)
+    if not ts:
+        return buf, None
+
+    def before():
+        torch.cat([t.reshape(-1) for t in ts], out=buf)
+        if factor is not None:
+            buf.mul_(_factor(buf, factor))
+
+    return buf, before
+
+
+def split(ts: Sequence[torch.Tensor], counts, like: torch.Tensor, avoid=None):
+    """``(buffer, after)``: where MPI writes the list ``ts`` (``counts``
+    elements each) as one buffer: their own storage when laid end to end
+    apart from ``avoid`` (what the same call reads), else a new buffer that
+    ``after`` copies out into them."""
+    flat = flat_view(ts)
+    if flat is not None and (avoid is None or not overlaps(avoid, flat)):
+        return flat, None
+    buf = like.new_empty(sum(counts))
+
+    def after():
+        for t, part in zip(ts, torch.split(buf, counts)):
+            t.copy_(part.view(t.shape))
+
+    return buf, after
 
 
 def scaled(t: torch.Tensor, factor):
     """``(buffer, before)``: PREMUL_SUM's ``t * factor`` in a new contiguous
     buffer, computed when the op runs (the user's tensor is left as it is
     should MPI fail)."""
-    if isinstance(factor, torch.Tensor):  # NCCL's form is a 1-element tensor: make it a scalar
-        factor = factor.to(device=t.device, dtype=t.dtype).reshape(())
     buf = torch.empty_like(t, memory_format=torch.contiguous_format)
-    return buf, partial(torch.mul, t, factor, out=buf)
+    return buf, partial(torch.mul, t, _factor(t, factor), out=buf)
 
 
 def flat_view(ts: Sequence[torch.Tensor]):
@@ -107,27 +121,9 @@ def flat_view(ts: Sequence[torch.Tensor]):
             return None
         ptr += t.numel() * size
     total = sum(t.numel() for t in full)
-    base = torch.empty(0, dtype=first.dtype, device=first.device)
+    base = first.new_empty(0)
     base.set_(first.untyped_storage(), first.storage_offset(), (total,), (1,))
     return base
-
-
-def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the memory of ``a`` and ``b`` intersects."""
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    a1 = a0 + a.numel() * a.element_size()
-    b1 = b0 + b.numel() * b.element_size()
-    return a0 < b1 and b0 < a1
-
-
-def disjoint(a, b) -> bool:
-    """Whether MPI buffers (``mpi4py.MPI.buffer``) ``a`` and ``b`` share no
-    byte (:func:`overlaps` for the buffers of :func:`hpccomm._mpi.host_buffer`,
-    without asking the tensors again)."""
-    a0, b0 = a.address, b.address
-    return a0 + a.nbytes <= b0 or b0 + b.nbytes <= a0 or not a.nbytes or not b.nbytes
 
 
 def chunks(count: int, limit: int):

@@ -16,7 +16,7 @@ from typing import Optional
 
 from .. import _mpi, config, launcher
 from .._core import gloo_exit, state
-from .._torch import compat
+from .. import _compat as compat
 from ..errors import ConfigError, HpccommError, InitError
 
 log = logging.getLogger("hpccomm")

@@ -12,13 +12,13 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from .. import _compat as compat
 from .. import _mpi, config
-from .._core import failures, signals, state, trace
+from .. import BACKEND_NAME
+from .._core import comm_thread, failures, signals, state, trace
 from .._core import group as _group
-from .._core.comm_thread import engine
 from .._core.watchdog import watchdog
 from .._gpu import dispatch
-from .._torch import BACKEND_NAME, compat
 from ..backend import BackendHpccomm
 from ..errors import ConfigError, InitError
 from ..process_group import ProcessGroupHpccomm
@@ -36,7 +36,7 @@ def _tag(ranks) -> int:
 
 def create(opts, backend_options=None):
     """The creator torch calls for every hpccomm group, on member ranks only;
-    returns the adapter this torch takes (:func:`hpccomm.compat.make_adapter`)."""
+    returns the adapter this torch takes (:func:`make_adapter`)."""
     ranks = list(opts.global_ranks_in_group)
     if not ranks:  # the default (world) group
         group = _world_group(opts)
@@ -75,7 +75,7 @@ def _world_group(opts) -> _group.Group:
     group = _group.Group(comm, range(comm.Get_size()), store=opts.store, timeout=opts.timeout)
     group.is_world = True
     state.set_world_group(group)
-    dispatch.bind(started.info.local_rank, started.info.local_size)
+    dispatch.bind_later(started.info.local_rank, started.info.local_size)  # nothing of CUDA touched now
     _install_excepthook(comm.Get_rank(), comm.Get_size())
     signals.install(comm, opts.store)
     trace.start(comm)
@@ -91,7 +91,7 @@ def _subgroup(opts, ranks) -> _group.Group:
     world = state.world.group
     creating = _Creating(ranks, opts)
     if world is not None and not world.freed:
-        engine.flush(world)  # the comm thread must be done with the parent communicator
+        comm_thread.flush(world)  # the comm thread must be done with the parent communicator
         parent = world.comm
     else:  # the default group is not hpccomm: its ranks must be MPI_COMM_WORLD's
         _members_agree(opts, ranks, creating)

@@ -1,16 +1,7 @@
-"""The torch-facing side: what torch calls, and every version-sensitive torch symbol.
+"""How torch finds hpccomm: :mod:`~hpccomm._torch.plugin` (entry points, the
+``mpi://`` rendezvous), at the top of the map.  Importing this package imports
+nothing of torch.
 
-- :mod:`~hpccomm._torch.compat`: every torch symbol whose place or form differs
-  between the supported torch versions;
-- :mod:`~hpccomm._torch.methods`: torch's op methods (``allreduce``,
-  ``all_gather_single`` ...) mapped onto the op path, shared by the two adapters
-  (:mod:`hpccomm.process_group`, :mod:`hpccomm.backend`);
-- :mod:`~hpccomm._torch.plugin`: how torch finds hpccomm (entry points, the
-  ``mpi://`` rendezvous).
-
-Importing this package imports nothing of torch.
+torch's own symbols, version by version, are :mod:`hpccomm._compat`'s (at the
+bottom).
 """
-
-#: The backend name registered with torch:
-#: ``dist.init_process_group(hpccomm.BACKEND_NAME)`` is ``dist.init_process_group("hpccomm")``.
-BACKEND_NAME = "hpccomm"

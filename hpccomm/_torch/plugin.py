@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 
-from . import BACKEND_NAME
+from .. import BACKEND_NAME
 
 
 _registering = [False]  # True while register() runs (it may import torch, whose autoload calls back)
@@ -36,7 +36,7 @@ def register() -> None:
     (see the module docstring).  Idempotent; MPI is not started."""
     _registering[0] = True
     try:
-        from . import compat
+        from .. import _compat as compat
 
         if not compat.distributed_available():
             return

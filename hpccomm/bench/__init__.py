@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 import hpccomm
 
-from . import backends, floor, report
+from . import backends, estimate, floor, report
 from .ops import DTYPES, OPS, REDOPS, Row, make_case, parse_ops, sizes, stats, type_name
 from .ops import algbw as _algbw
 from .ops import busbw as _busbw
@@ -49,9 +49,14 @@ def parse_bytes(text: str) -> int:
 def add_arguments(p) -> None:
     g = p.add_argument_group("sweep (nccl-tests' flags where they exist)")
     g.add_argument("--ops", default="all", help="comma list or 'all': " + ", ".join(OPS) + " (default all)")
-    g.add_argument("-b", "--min-bytes", type=parse_bytes, default=8, help="smallest size (default 8)")
-    g.add_argument("-e", "--max-bytes", type=parse_bytes, default=64 << 20, help="largest size (default 64M)")
-    g.add_argument("-f", "--factor", type=int, default=2, help="size multiplier between steps (default 2)")
+    g.add_argument("--full", action="store_true",
+                   help="the whole nccl-tests sweep: 8 B to 64 MiB, x2 (many minutes: the estimate says how many); "
+                        "default: 8 B to 16 MiB, x8 (about a minute on 2 cores)")
+    g.add_argument("-b", "--min-bytes", type=parse_bytes, default=None, help="smallest size (default 8)")
+    g.add_argument("-e", "--max-bytes", type=parse_bytes, default=None,
+                   help="largest size (default 16M; 64M with --full)")
+    g.add_argument("-f", "--factor", type=int, default=None,
+                   help="size multiplier between steps (default 8; 2 with --full)")
     g.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size (default 20)")
     g.add_argument("-w", "--warmup", type=int, default=5, help="untimed iterations first (default 5)")
     g.add_argument("-d", "--dtype", default="float32",
@@ -105,6 +110,19 @@ def main(argv=None) -> int:
     return run(p.parse_args(argv))
 
 
+#: The sizes swept: (smallest, largest, factor) by default (about a minute) and with --full (nccl-tests').
+QUICK, FULL = (8, 16 << 20, 8), (8, 64 << 20, 2)
+
+
+def resolve_sweep(args) -> None:
+    """Fill in the sizes not given on the command line: the default sweep's,
+    or the whole nccl-tests sweep's with ``--full``."""
+    lo, hi, factor = FULL if args.full else QUICK
+    args.min_bytes = lo if args.min_bytes is None else args.min_bytes
+    args.max_bytes = hi if args.max_bytes is None else args.max_bytes
+    args.factor = factor if args.factor is None else args.factor
+
+
 def _fail(rank: int, message: str) -> int:
     if rank == 0:
         print(f"hpccomm bench: {message}", file=sys.stderr, flush=True)
@@ -119,6 +137,7 @@ def run(args) -> int:
     try:
         specs = parse_ops(args.ops)
         dtypes = [DTYPES[d.strip()] if d.strip() in DTYPES else _bad_dtype(d) for d in args.dtype.split(",")]
+        resolve_sweep(args)
         size_list = sizes(args.min_bytes, args.max_bytes, args.factor)
         others = [b.strip() for b in args.compare.split(",") if b.strip()]
         for b in others:
@@ -171,6 +190,23 @@ def route_name() -> str:
     return name
 
 
+def _cases(plan, kinds, modes, backend_names, args) -> list:
+    """``(bytes, backends)`` of every case the sweep runs (for :func:`estimate.seconds`):
+    ``bytes`` its size, doubled for a reduction (it computes as it moves), ``backends`` how
+    many backends run it (the floor runs a few ops only)."""
+    cases = []
+    for dtype, spec, nbytes in plan:
+        item = torch.empty((), dtype=dtype).element_size()
+        size = count_for(spec, nbytes, item, 2) * item
+        for _kind in kinds:
+            for mode in modes:
+                for placement in spec.placements:
+                    running = sum(1 for b in backend_names if b != "floor" or floor.supported(
+                        spec.name, placement, mode == "async", dtype, args.redop) is None)
+                    cases.append((size * (2 if spec.reduces else 1), running))  # a reduction computes too
+    return cases
+
+
 def _bad_dtype(name: str):
     raise ValueError(f"unknown dtype {name!r}; choose from {', '.join(DTYPES)}")
 
@@ -193,6 +229,45 @@ class _Progress:
         if self.on:
             sys.stderr.write("\r\x1b[K")
             sys.stderr.flush()
+
+
+def _scope(plan, size_list, backend_names) -> str:
+    """``"11 ops x 8 sizes (8 B .. 16 MiB) x 4 backends"``: what the sweep covers."""
+    ops = len({(d, s.name) for d, s, _ in plan})
+
+    def b(x: int) -> str:
+        for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+            if x >= 1 << shift and x % (1 << shift) == 0:
+                return f"{x >> shift} {unit}"
+        return f"{x} B"
+
+    return (f"{ops} op{'s' if ops != 1 else ''} x {len(size_list)} size{'s' if len(size_list) != 1 else ''} "
+            f"({b(size_list[0])} .. {b(size_list[-1])}) x {len(backend_names)} backend"
+            f"{'s' if len(backend_names) != 1 else ''}, estimated")
+
+
+class _Clock:
+    """One line per finished (dtype, op) on rank 0: how long it took, and how
+    long the rest should take (the estimate's share of what is left, scaled by
+    how the estimate has fared so far)."""
+
+    def __init__(self, shares: dict, on: bool) -> None:
+        self.shares, self.on, self.t0 = shares, on, time.monotonic()
+        self.last, self.done_share, self.count = self.t0, 0.0, 0
+
+    def done(self, key) -> None:
+        if key is None or key not in self.shares:
+            return
+        now = time.monotonic()
+        self.count += 1
+        self.done_share += self.shares[key]
+        left = sum(self.shares.values()) - self.done_share
+        pace = (now - self.t0) / self.done_share if self.done_share > 0 else 1.0
+        if self.on:
+            dtype, op = key
+            print(f"# [{self.count}/{len(self.shares)}] {op} ({type_name(dtype)}) done in {now - self.last:.1f} s; "
+                  f"{now - self.t0:.0f} s so far, about {left * pace:.0f} s left", flush=True)
+        self.last = now
 
 
 def _sweep(args, specs, dtypes, size_list, others, rank: int, n: int) -> int:
@@ -222,6 +297,12 @@ def _sweep(args, specs, dtypes, size_list, others, rank: int, n: int) -> int:
     per_step = len(modes) * len(backend_names) * len(kinds)
     progress = _Progress(sum(len(s.placements) for _, s, _ in plan) * per_step,
                          rank == 0 and sys.stderr.isatty())
+    # the estimate, per (dtype, op): what the progress lines measure against
+    shares: dict = {}
+    for entry in plan:
+        shares[entry[0], entry[1].name] = shares.get((entry[0], entry[1].name), 0.0) + \
+            estimate.seconds(_cases([entry], kinds, modes, backend_names, args), args) - estimate.START
+    expected = estimate.START + sum(shares.values())
     skipped = [s.name for s in specs if n < s.min_ranks]
     meta = {"hpccomm": hpccomm.__version__, "torch": torch.__version__, "ranks": n,
             "mpi": MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0],
@@ -239,13 +320,18 @@ def _sweep(args, specs, dtypes, size_list, others, rank: int, n: int) -> int:
               f"# #wrong = wrong elements in every checked result: each warm-up op and one op per sample\n"
               f"# algbw = size / time, busbw = algbw x nccl-tests' factor; GB/s = 1e9 B/s\n"
               f"# route: {meta['route']}" + ("; the floor takes the same route" if "floor" in others else "")
-              + (f"\n# skipped (need more ranks): {', '.join(skipped)}" if skipped else ""), flush=True)
+              + (f"\n# skipped (need more ranks): {', '.join(skipped)}" if skipped else "")
+              + f"\n# {_scope(plan, size_list, backend_names)}: {estimate.say(expected)} on a 2-core machine "
+              f"(docs/benchmarks.md)" + ("" if args.full else "; --full: the whole nccl-tests sweep"),
+              flush=True)
     rows: list = []
     pending: list = []  # rows of the (dtype, op) being swept, printed when it ends
     key = None
+    clock = _Clock(shares, rank == 0 and not args.quiet)
     for dtype, spec, nbytes in plan:
         if key != (dtype, spec.name):
             _flush(pending, rank, args, others)
+            clock.done(key)
             pending, key = [], (dtype, spec.name)
         item = torch.empty((), dtype=dtype).element_size()
         count = count_for(spec, nbytes, item, n)
@@ -264,6 +350,7 @@ def _sweep(args, specs, dtypes, size_list, others, rank: int, n: int) -> int:
                     del cases
     progress.clear()
     _flush(pending, rank, args, others)
+    clock.done(key)
     compare = report.compare_rows(rows, others) if others else []
     wrong = sum(r.wrong for r in rows)
     if rank == 0:

@@ -166,7 +166,7 @@ class FloorGroup(_FloorOps, dist.ProcessGroup):
 
 def _backend_class():
     """:class:`FloorBackend`, made on first use: torch 2.13's ``Backend`` cannot be subclassed from Python."""
-    from hpccomm._torch import compat as _compat
+    from hpccomm import _compat
 
     global FloorBackend
     if FloorBackend is None:
@@ -233,7 +233,7 @@ def _create(opts, backend_options=None):
 def route_of(group=None) -> str:
     """``"backend"`` when hpccomm serves ``group`` (default: the default group)
     with its c10d Backend adapter, else ``"pg"``."""
-    from hpccomm._torch import compat as _compat
+    from hpccomm import _compat
 
     pg = dist.group.WORLD if group is None else group
     if getattr(pg, "_g", None) is not None:  # hpccomm's ProcessGroup adapter is the group itself
@@ -245,7 +245,7 @@ def new_group(ranks=None, route=None):
     """A floor group over ``ranks`` (default every rank), by ``route``
     (``"pg"``, ``"backend"``; default: the route of hpccomm's default
     group).  Called by every rank, as ``dist.new_group``."""
-    from .._torch.compat import register_backend
+    from .._compat import register_backend
 
     route = route_of() if route is None else route
     if route not in ROUTES:

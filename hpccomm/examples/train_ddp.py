@@ -144,7 +144,7 @@ def wrap(args, model: nn.Module, backend: str, group, fsdp: bool):
     on a 1-D mesh of the backend (the mesh's group)."""
     if not fsdp:
         return DDP(model, process_group=group, bucket_cap_mb=args.bucket_cap_mb), group
-    from hpccomm._torch.compat import fully_shard as _fully_shard
+    from hpccomm._compat import fully_shard as _fully_shard
 
     fully_shard = _fully_shard()
     override = {} if backend == "hpccomm" else {"backend_override": {0: backend}}

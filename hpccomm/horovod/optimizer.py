@@ -28,7 +28,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from .._torch import compat as _compat
+from .. import _compat
 from . import basics
 from .compression import Compression
 from .ops.allgather import sparse_allreduce_async

@@ -2,7 +2,7 @@
 
 torch calls a backend by method names (``allreduce``, ``all_gather_single``,
 ...) with option objects.  :class:`TorchOps` unpacks the options and calls
-:func:`hpccomm._core.op_path.run` with the op's entry in :mod:`hpccomm._ops.table`.
+:func:`hpccomm._ops.op_path.run` with the op's entry in :mod:`hpccomm._ops.table`.
 The two adapters that torch sees are thin classes over it:
 
 - ``hpccomm.process_group.ProcessGroupHpccomm``: a ``ProcessGroup`` subclass
@@ -11,20 +11,20 @@ The two adapters that torch sees are thin classes over it:
   dispatched by torch's C++ ``PyBackend`` trampoline).
 
 Which one torch gets is decided once, by feature test
-(:func:`hpccomm._torch.compat.py_backend`).  Every subclass holds its group's MPI
+(:func:`hpccomm._compat.py_backend`).  Every subclass holds its group's MPI
 side in ``self._g`` (a :class:`hpccomm._core.group.Group`).
 """
 from __future__ import annotations
 
 import types
 
-from .. import _mpi
-from .._core import failures, op_path, trace
-from .._core.comm_thread import engine
-from .._gpu import dispatch
-from .._ops import table
-from . import BACKEND_NAME, compat
-from .compat import ReduceOp
+from . import _mpi
+from ._core import comm_thread, failures, trace
+from ._gpu import dispatch
+from ._ops import op_path, table
+from . import _compat as compat
+from . import BACKEND_NAME
+from ._compat import ReduceOp
 
 _SUM = ReduceOp.SUM
 
@@ -126,7 +126,7 @@ class TorchOps:
         """Free this group's MPI communicators and transports (torch's destroy_process_group calls it)."""
         g = self._g
         if g.comm is not None and g.is_world:
-            engine.flush(g)
+            comm_thread.flush(g)
             trace.finish(g.comm)  # every rank destroys the world: gather the trace now
         dispatch.release(g)
         g.free()

@@ -186,6 +186,16 @@ OPTION_CLASSES = {
 }
 
 
+def on_cuda_init(fn) -> None:
+    """Run ``fn`` when this process first initialises CUDA (at once if it
+    has): torch's queue of calls deferred to CUDA's start
+    (``torch.cuda._lazy_call``, in torch since 1.x), so nothing of CUDA is
+    touched before the program itself uses it."""
+    import torch
+
+    torch.cuda._lazy_call(fn)
+
+
 def torch_nccl_available() -> bool:
     """Whether this torch was built with NCCL (``dist.is_nccl_available()``)."""
     return bool(dist.is_nccl_available())
@@ -357,7 +367,8 @@ def retype_shrunk_groups(is_ours) -> None:
 def _counter_salts_names() -> bool:
     """Whether torch salts a hashed group name (``use_local_synchronization``)
     with its per-process group counter (torch >= 2.14), which such a creation
-    then advances on the members only.  A pure call, no state changed."""
+    then advances on the members only.  Asked by trying both counters, and
+    the counter put back."""
     from torch.distributed import distributed_c10d as c10d
 
     hash_ranks = getattr(c10d, "_hash_ranks_to_str", None)
@@ -395,6 +406,8 @@ class members_only_naming:
     def __enter__(self):
         from torch.distributed import distributed_c10d as c10d
 
+        if not _salted:  # asked once, when the first such group is made (not at import)
+            _salted.append(_counter_salts_names())
         if not _salted[0]:
             self.saved = None
             return self
@@ -411,4 +424,4 @@ class members_only_naming:
             c10d._world.group_count = self.saved
 
 
-_salted = [_counter_salts_names()]
+_salted: list = []  # [whether torch salts the names: _counter_salts_names()]

@@ -1,0 +1,345 @@
+"""The op record: one object per op in flight, from its start to its completion.
+
+A blocking collective run in the calling thread needs none: it completes
+inside its call, noted meanwhile in ``group.running`` (hpccomm._core.state).
+Every other op has one :class:`OpRecord`: the comm thread's queue entry (a
+queued op), the holder of its MPI request (a posted op), the watchdog's
+record (its number and deadline), and what its Work waits on
+(hpccomm._core.work).  It is started one of two ways, :meth:`~OpRecord.queue`
+or :meth:`~OpRecord.post`, and completed by the comm thread (a queued op, or
+a posted collective once its future was asked for: :meth:`~OpRecord.future`
+changes its state, never its owner), else by whoever waits on it or tests it.
+
+| state | meaning | moved there by |
+|---|---|---|
+| SUBMITTED | queued on the comm thread, not numbered yet | the op path (``queue``) |
+| RUNNING | numbered, communicating: its blocking form runs, or its request is posted | the thread running it: the comm thread, its waiter in its place (``running``), the caller posting it (``post``) |
+| TIMED_OUT | RUNNING past its group's timeout, reported: a mark (``expired``); it may still complete (``HPCCOMM_ON_TIMEOUT=warn``) | the watchdog |
+| DONE | complete: outputs in place, future completed, its callbacks run | whoever completes it, under its lock (``_complete``) |
+| FAILED | complete with an error, which ``wait()`` and the future raise | the same |
+
+Its lock: one thread at a time touches its MPI request, and it completes
+once.  A failed op's future fails where C++ sees it: ``set_exception`` only
+stores the exception as the value, so the future torch sees is chained on a
+raw one whose callback raises (``_result_or_raise``).  The record keeps its
+plan, and with it the op's tensors and buffers, until it completes.
+"""
+from __future__ import annotations
+
+import time
+from _thread import allocate_lock as _allocate_lock
+
+import torch
+
+from .. import _mpi
+from .._compat import hide_from_compiler
+from ..errors import HpccommError
+from . import comm_thread, failures, state, trace
+from .execute import execute
+from .plan import AFTER, ARGS, BEFORE, ICALL, NBYTES, OUTPUTS
+
+SUBMITTED, RUNNING, DONE, FAILED = range(4)  # (state >= DONE: complete)
+
+
+class OpRecord:
+    """Op ``name`` of ``group`` with ``plan`` (hpccomm._core.plan); ``kind``
+    ``"collective"``, ``"p2p"`` (``peer``: the other rank, None for any) or
+    ``"batch"`` (torch's coalesced point-to-point ops: ``parts``);
+    ``devices``: the CUDA devices its future names.  ``seq``, ``start``,
+    ``deadline``, ``token``: given by hpccomm._core.state when numbered."""
+
+    __slots__ = ("group", "name", "plan", "kind", "peer", "devices", "state", "lock", "by_comm_thread", "seq",
+                 "start", "deadline", "token", "args", "asynchronous", "req", "status", "error", "source",
+                 "timed_out", "parts", "traced", "latch", "fut", "raw")
+
+    def __init__(self, group, name: str, plan, kind: str = "collective", peer=None, devices=None) -> None:
+        self.group = group
+        self.name = name
+        self.plan = plan
+        self.kind = kind
+        self.peer = peer
+        self.devices = devices
+        self.state = SUBMITTED
+        self.lock = _allocate_lock()
+        self.by_comm_thread = self.timed_out = False
+        self.seq = self.start = self.deadline = self.token = self.req = self.status = self.error = None
+        self.source = -1
+        self.parts = ()
+        self.traced = 0
+        self.latch = self.fut = self.raw = None  # a queued op's waiters' latch, its futures: made when needed
+
+    @classmethod
+    def noted(cls, group, name: str, seq: int, start: float, seconds=None, kind="collective", peer=None):
+        """A RUNNING record, for the watchdog, of what runs without one (a
+        blocking collective's note, group creation); ``seconds``: its limit
+        (None: its group's)."""
+        record = cls(group, name, None, kind, peer)
+        seconds = getattr(group, "timeout_s", None) if seconds is None else seconds
+        record.seq, record.start, record.state = seq, start, RUNNING
+        record.deadline = start + seconds if seconds else None
+        return record
+
+    @classmethod
+    def batch(cls, group, parts, description: str):
+        """A batch of point-to-point ops' records: complete when every part is."""
+        record = cls(group, description, None, "batch")
+        record.parts, record.state = tuple(parts), RUNNING
+        return record
+
+    # -- two ways to start it (the op path) ---------------------------------
+    def queue(self, args, asynchronous: bool) -> None:
+        """Queue it: the comm thread runs its plan's blocking form after the
+        group's earlier queued ops (torch's ``args`` and ``async_op``: debug
+        mode compares them)."""
+        self.args, self.asynchronous, self.by_comm_thread = args, asynchronous, True
+        comm_thread.submit(self)
+
+    def post(self) -> None:
+        """Post it here: numbered and watched, its plan's ``before`` step, its
+        nonblocking MPI call.  An error raises (an MPI one naming the op),
+        nothing left watched."""
+        g, plan = self.group, self.plan
+        if self.name == "recv":
+            self.status = _mpi.status()
+        state.start(g, self.name, self)
+        if g.instrumented and self.kind == "collective" and trace.active():
+            self.traced = trace.now_ns()
+        try:
+            before = plan[BEFORE]
+            if before is not None:
+                before()
+            self.req = plan[ICALL](*plan[ARGS])
+        except BaseException as exc:
+            state.end(self.token)
+            if not _mpi.is_error(exc):
+                raise
+            raise failures.mpi_error(self.describe(), exc, self.kind == "collective") from exc
+        self.state = RUNNING
+        if g.coalescing is not None and self.kind == "p2p":  # torch's coalescing window collects it
+            g.coalescing.append(self)
+
+    # -- what the comm thread calls (hpccomm._core.comm_thread) ---------------
+    def run(self) -> None:
+        """Run it here (the comm thread, or its waiter in its place): a queued
+        op's plan, or a posted op's request waited for; complete it,
+        callbacks included, before the group counts as idle (so ops they
+        issue run at one point of the op order on every rank)."""
+        error = None
+        try:
+            if self.req is not None:
+                self.req.Wait(self.status)
+            else:
+                execute(self.group, self.name, self.plan, self.args, self, self.asynchronous)
+        except BaseException as exc:  # noqa: BLE001 - handed to its waiters
+            error = exc
+        with self.lock:
+            if self.state < DONE:
+                self._complete(error, False)
+
+    def running(self, seq: int) -> None:
+        """(hpccomm._core.execute) A queued op was numbered ``seq`` and runs."""
+        self.seq, self.state = seq, RUNNING
+
+    def release(self) -> None:
+        """Let its waiters go (after :meth:`run`, once the group counts as idle)."""
+        if self.latch is not None:
+            self.latch.release()
+
+    def test(self) -> bool:
+        """Progress without blocking: True once complete (``is_completed()``;
+        the comm thread, for a posted op whose future was asked for)."""
+        if self.state >= DONE:
+            return self.fut is None or self.fut.done()  # (its future completes a moment after its state)
+        if self.by_comm_thread or not self.lock.acquire(False):
+            return False  # the comm thread completes it, or a waiter holds it and will
+        try:
+            if self.state < DONE:
+                try:
+                    if self._done_now():
+                        self._complete()
+                except Exception as exc:  # noqa: BLE001 - it completed with an error
+                    self._complete(exc)
+            return self.state >= DONE
+        finally:
+            self.lock.release()
+
+    # -- what the watchdog reads ----------------------------------------------
+    def expired(self) -> None:
+        """The watchdog reported it past its group's timeout (TIMED_OUT)."""
+        self.timed_out = True
+
+    def where(self) -> str:
+        if self.seq is None:
+            return f"group {self.group.name!r}"  # a queued op is numbered when it runs
+        return self.group.where_p2p(self.seq) if self.kind == "p2p" else self.group.where(self.seq)
+
+    def describe(self) -> str:
+        """What it is, for messages: ``all_reduce (op #3 on group '0', rank 1/4)``."""
+        return self.name if self.kind == "batch" else f"{self.name} ({self.where()})"
+
+    # -- what its Work asks (hpccomm._core.work) ------------------------------
+    def wait(self, seconds=None) -> None:
+        """Block until complete, at most ``seconds`` (then TimeoutError; None:
+        no limit); raise its error, if any."""
+        if self.state < DONE:
+            if self.by_comm_thread:
+                self._wait_queued(seconds)
+            else:
+                with self.lock:
+                    if self.state < DONE and not self.by_comm_thread:
+                        try:
+                            if seconds is not None:
+                                if not self._poll(seconds):
+                                    raise TimeoutError(f"hpccomm {self.describe()}: not complete after {seconds:g} s")
+                            elif self.req is not None:
+                                self.req.Wait(self.status)
+                            else:
+                                for p in self.parts:  # (their errors: _finish raises the first)
+                                    p.wait_quietly()
+                        except TimeoutError:
+                            raise
+                        except Exception as exc:  # noqa: BLE001 - it completed with an error
+                            self._complete(exc)
+                        else:
+                            self._complete()
+                if self.state < DONE:  # handed to the comm thread meanwhile (future())
+                    return self.wait(seconds)
+        if self.fut is not None and not self.fut.done():  # another thread completes its future now: wait
+            self.wait_quietly(future=True)
+        if self.error is not None:
+            raise self.error
+
+    def wait_quietly(self, future: bool = False) -> None:
+        """Wait without raising: for it (a batch's part), or for its future."""
+        try:
+            self.fut.wait() if future else self.wait()
+        except Exception:  # noqa: BLE001 - raised where it is asked for
+            pass
+
+    def future(self) -> torch.futures.Future:
+        """Its future (made on the first ask; its value the outputs).  A posted
+        collective is handed to the comm thread, which completes it at its
+        place in the group's op order (callbacks run there on every rank
+        alike); a posted point-to-point op is tested there until it
+        completes; on the comm thread, or below MPI_THREAD_MULTIPLE, it
+        completes here."""
+        if self.fut is None:
+            with self.lock:  # not while another thread completes it
+                if self.fut is None:
+                    raw = torch.futures.Future(devices=self.devices) if self.devices else torch.futures.Future()
+                    self.raw, self.fut = raw, raw.then(self._result_or_raise)
+                    if self.state >= DONE:
+                        raw.set_result(None)
+        if self.state < DONE and not self.by_comm_thread:
+            if self.kind == "collective" and comm_thread.usable():
+                with self.lock:  # not while a waiter is in the request
+                    handed = self.state < DONE and not self.by_comm_thread
+                    self.by_comm_thread = self.by_comm_thread or handed
+                if handed:
+                    comm_thread.submit(self)
+            elif comm_thread.on_it() or not comm_thread.usable():
+                self.wait_quietly()  # (the future carries its error)
+            else:
+                comm_thread.watch(self)
+        return self.fut
+
+    def _result_or_raise(self, _raw):
+        if self.error is not None:
+            raise self.error
+        return self.plan[OUTPUTS] if self.plan is not None else None
+
+    # -- inside -------------------------------------------------------------
+    def _wait_queued(self, seconds) -> None:
+        """Run it here if it is the only one queued and the comm thread idle
+        (:func:`hpccomm._core.comm_thread.steal`), else sleep on its latch,
+        opened once it completed."""
+        if seconds is None and comm_thread.steal(self):
+            return
+        with self.lock:
+            latch = None if self.state >= DONE else self.latch
+            if latch is None and self.state < DONE:
+                latch = self.latch = comm_thread.latch()
+        if latch is not None:
+            if not latch.acquire(True, -1 if seconds is None else seconds):
+                raise TimeoutError(f"hpccomm {self.describe()}: not complete after {seconds:g} s")
+            latch.release()  # open for any other waiter
+
+    def _done_now(self) -> bool:
+        """Whether its request (a batch: every part) completed; its MPI error raises."""
+        return all(p.test() for p in self.parts) if self.parts else self.req.Test(self.status)
+
+    def _poll(self, seconds) -> bool:
+        """:meth:`_done_now` until True, or False once ``seconds`` passed."""
+        deadline, idle = time.monotonic() + seconds, 1e-6
+        while not self._done_now():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(idle)
+            idle = min(idle * 2, 1e-3)
+        return True
+
+    def _complete(self, error=None, release: bool = True) -> None:
+        """Complete it (lock held; it completed, or failed with ``error``): its
+        last step, its error named after it, its future and callbacks;
+        ``release``: open a queued op's latch now (else the comm thread does)."""
+        try:
+            self._finish(error)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+            if state.failures.tolerant:  # a rank died (fault-tolerance mode): hpccomm.RankFailure
+                exc = failures.from_pending(self.describe(), exc)
+            if isinstance(exc, Exception) and not isinstance(exc, HpccommError):
+                wrapped = HpccommError(f"hpccomm {self.describe()}: {type(exc).__name__}: {exc}")
+                wrapped.__cause__ = exc
+                exc = wrapped
+            self.error, self.state = exc, FAILED
+        else:
+            self.state = DONE
+        if self.raw is not None:
+            self.raw.set_result(None)  # runs _result_or_raise, then the callbacks chained on the future
+        if release and self.latch is not None:
+            self.latch.release()  # after the callbacks: ops they issued come before the waiter's next op
+
+    def _finish(self, error) -> None:
+        """Raise ``error`` (a batch: its parts' first); a posted op's watch
+        ends and it is drawn first, and on success a receive's count is
+        checked and the plan's ``after`` step runs."""
+        if self.req is None:
+            error = error or next((p.error for p in self.parts if p.error is not None), None)
+            if error is not None:
+                raise error
+            return
+        state.end(self.token)
+        if self.traced and trace.active():  # drawn from its post to its completion, on any thread
+            trace.active().record(self.name, self.group.name, self.seq, self.plan[NBYTES], self.traced,
+                                  trace.now_ns())
+        if error is not None:
+            raise self._failure(error) if _mpi.is_error(error) else error
+        if self.status is not None:
+            self.source = self.peer if self.peer is not None else self.status.Get_source()
+            message = self.plan[ARGS][0]
+            if message.__class__ is list:  # [memory, count, MPI datatype]: what the tensor holds
+                n, datatype = message[1], message[2]
+            else:  # (past the count limit: a derived datatype described the tensor's elements)
+                tensor = self.plan[OUTPUTS][0]
+                n, datatype = tensor.numel(), _mpi.mpi_type(tensor.dtype)
+            got = self.status.Get_elements(datatype)
+            if got != n:
+                raise HpccommError(f"hpccomm {self.describe()}: received {got} elements from rank {self.source} "
+                                   f"but the tensor has {n}; only its first {got} elements were written. {_SAME}")
+        after = self.plan[AFTER]
+        if after is not None:
+            after()
+
+    def _failure(self, exc) -> HpccommError:
+        """The error of a request that completed with MPI error ``exc``."""
+        if self.status is not None and exc.Get_error_class() == _mpi.mpi().ERR_TRUNCATE:
+            source = self.peer if self.peer is not None else self.status.Get_source()
+            return HpccommError(f"hpccomm {self.describe()}: the message from rank {source} is larger than the "
+                                f"tensor ({self.plan[OUTPUTS][0].numel()} elements); the tensor may be partly "
+                                f"overwritten. {_SAME}")
+        return failures.mpi_error(self.describe(), exc, self.kind == "collective")
+
+
+_SAME = "Sender and receiver must pass tensors with the same number of elements"
+# The future's callback runs inside torch's C++ layer: kept out of torch.compile.
+hide_from_compiler(OpRecord, ["_result_or_raise"])

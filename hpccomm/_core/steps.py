@@ -1,0 +1,33 @@
+"""The arithmetic and the memory test the plans' steps share, on the op
+modules' side (hpccomm._ops.staging) and on the GPU transports' (the NCCL
+rewrites, hpccomm._gpu.nccl_wire): one definition below both."""
+from __future__ import annotations
+
+import torch
+
+_UNSIGNED_WIDE = (torch.uint16, torch.uint32, torch.uint64)
+
+
+def finish_average(t: torch.Tensor, n: int) -> None:
+    """Divide a SUM by the group size: integers truncate toward zero, as NCCL's AVG."""
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        t.div_(n)
+    elif t.dtype in _UNSIGNED_WIDE:  # torch has no integer division for these; numpy does
+        host = t if t.device.type == "cpu" else t.cpu()  # a device tensor: divide a host copy
+        a = host.numpy()
+        a //= n
+        if host is not t:
+            t.copy_(host)
+    else:
+        t.copy_(torch.div(t, n, rounding_mode="trunc"))
+
+
+def overlap(a: int, a_bytes: int, b: int, b_bytes: int) -> bool:
+    """Whether ``a_bytes`` bytes from address ``a`` and ``b_bytes`` from ``b`` intersect
+    (the addresses of MPI buffers, ``buf.address``, or tensors, ``t.data_ptr()``)."""
+    return a < b + b_bytes and b < a + a_bytes and a_bytes > 0 and b_bytes > 0  # (empty memory overlaps nothing)
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory of contiguous tensors ``a`` and ``b`` intersects."""
+    return overlap(a.data_ptr(), a.nbytes, b.data_ptr(), b.nbytes)
