@@ -1,11 +1,26 @@
 """The arithmetic and the memory test the plans' steps share, on the op
-modules' side (hpccomm._ops.staging) and on the GPU transports' (the NCCL
-rewrites, hpccomm._gpu.nccl_wire): one definition below both."""
+modules' side (hpccomm._ops.staging, the composed reductions) and on the GPU
+transports' (the NCCL rewrites, hpccomm._gpu.nccl_wire): one definition below
+both."""
 from __future__ import annotations
 
 import torch
 
 _UNSIGNED_WIDE = (torch.uint16, torch.uint32, torch.uint64)
+#: The signed integer type of each width in bytes.
+SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def signed_view(t: torch.Tensor) -> torch.Tensor:
+    """The signed integer view of ``t``'s bits, of its width: an unsigned
+    SUM, PRODUCT or bitwise op gives the same bits on it (two's complement)."""
+    return t.view(SIGNED[t.element_size()])
+
+
+def sign_flipped(s: torch.Tensor) -> torch.Tensor:
+    """Signed ``s`` with its sign bit flipped (a new tensor): the unsigned
+    order of the bits as the signed order, for MIN and MAX, and back."""
+    return torch.bitwise_xor(s, torch.iinfo(s.dtype).min)
 
 
 def finish_average(t: torch.Tensor, n: int) -> None:

@@ -39,13 +39,13 @@ from typing import Callable, Optional
 
 import torch
 
-from .._core.steps import finish_average, overlaps
+from .._core.steps import SIGNED, finish_average, overlaps, sign_flipped, signed_view
 from .._compat import ReduceOp, RedOpType, reduce_op_type, premul_sum_factor
+from .tensors import tensors_in
 
 _R = RedOpType
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _UNSIGNED = (torch.uint8, getattr(torch, "uint16", None), getattr(torch, "uint32", None),
              getattr(torch, "uint64", None))
 #: bool's ReduceOps as the uint8 ops NCCL has (torch's meaning: SUM is OR, PRODUCT is AND).
@@ -107,19 +107,13 @@ def _canonical(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride() == strides else t.as_strided(t.shape, strides, t.storage_offset())
 
 
-def _signed_view(t: torch.Tensor) -> torch.Tensor:
-    return t.view(_SIGNED[t.element_size()])
-
-
 def _flip(t: torch.Tensor) -> torch.Tensor:
     """Unsigned order as signed order: the signed view with its sign bit flipped (a new tensor)."""
-    s = _signed_view(t)
-    return torch.bitwise_xor(s, torch.iinfo(s.dtype).min)
+    return sign_flipped(signed_view(t))
 
 
 def _unflip(t: torch.Tensor, wire: torch.Tensor) -> None:
-    s = _signed_view(t)
-    s.copy_(torch.bitwise_xor(wire, torch.iinfo(s.dtype).min))
+    signed_view(t).copy_(sign_flipped(wire))
 
 
 def _back(t: torch.Tensor, wire: torch.Tensor) -> None:
@@ -166,10 +160,10 @@ def reduction_form(ability: Ability, dtype: torch.dtype, kind: RedOpType, factor
         return Form("native", _same, kind, average)
     if dtype.is_floating_point:
         return None
-    signed = _SIGNED[_size(dtype)]
+    signed = SIGNED[_size(dtype)]
     if dtype in _UNSIGNED and signed in ability.dtypes:
         if kind in (_R.SUM, _R.PRODUCT):
-            return Form(f"{_name(dtype)} {kind.name} on its {_name(signed)} view", _signed_view, kind, average)
+            return Form(f"{_name(dtype)} {kind.name} on its {_name(signed)} view", signed_view, kind, average)
         return Form(f"{_name(dtype)} {kind.name} on its {_name(signed)} view, sign bit flipped", _same, kind,
                     average, convert=_flip, converted=signed, back=_unflip)
     if _size(dtype) == 2 and torch.int32 in ability.dtypes:
@@ -214,14 +208,6 @@ class Wire:
 _SLOT_IN_OUTPUT = {"all_gather_into_tensor": "output", "reduce_scatter_tensor": "input"}
 
 
-def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (list, tuple)):
-        for y in x:
-            yield from _tensors(y)
-
-
 def _in_place_slot(op: str, output: torch.Tensor, input: torch.Tensor, rank: int) -> bool:
     whole = _SLOT_IN_OUTPUT.get(op)
     if whole is None or not (output.is_contiguous() and input.is_contiguous()):
@@ -242,7 +228,7 @@ def rewrite(ability: Ability, op, args: tuple, rank: int, size: int) -> Optional
         redop = args[-1]
         kind = reduce_op_type(redop)
         factor = premul_sum_factor(redop) if kind == _R.PREMUL_SUM else None
-        dtype = next(_tensors(args[0])).dtype
+        dtype = next(tensors_in(args[:1])).dtype
         form = reduction_form(ability, dtype, kind, factor)
         if form is None:
             return None
@@ -254,7 +240,7 @@ def rewrite(ability: Ability, op, args: tuple, rank: int, size: int) -> Optional
     first = op.first
     if op.name == "reduce" and args[1] != rank:
         first = "in"
-    writes = [t for t in _tensors(args[0])] if first != "in" else []
+    writes = list(tensors_in(args[:1])) if first != "in" else []
 
     def wire(t: torch.Tensor, reads: bool, written: bool) -> torch.Tensor:
         base = t

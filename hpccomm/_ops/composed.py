@@ -35,13 +35,13 @@ import torch
 from .. import _mpi
 from .._compat import RedOpType
 from .._core.plan import blocking, sequence
+from .._core.steps import sign_flipped, signed_view
 from . import checks, staging
 
 _R = RedOpType
 #: The tag of the ring's messages on the group's collective communicator (user messages travel on
 #: the group's point-to-point communicator: they never meet).
 TAG = 0x4843
-_SIGNED = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 _WIDE_UNSIGNED = tuple(d for d in (getattr(torch, n, None) for n in ("uint16", "uint32", "uint64")) if d is not None)
 _BOOL = {_R.SUM: _R.MAX, _R.PRODUCT: _R.MIN}
 
@@ -57,14 +57,12 @@ def combiner(dtype: torch.dtype, kind: RedOpType):
     if dtype == torch.bool:
         view, kind = (lambda t: t.view(torch.uint8)), _BOOL.get(kind, kind)
     elif dtype in _WIDE_UNSIGNED:
-        signed = _SIGNED[torch.empty(0, dtype=dtype).element_size()]
-        view, flip = (lambda t: t.view(signed)), kind in (_R.MIN, _R.MAX)
+        view, flip = signed_view, kind in (_R.MIN, _R.MAX)
     kernel = _KERNELS[kind]
     if flip:
         def combine(acc, other):
-            a, b = view(acc), view(other)
-            low = torch.iinfo(a.dtype).min
-            a.copy_(torch.bitwise_xor(kernel(torch.bitwise_xor(a, low), torch.bitwise_xor(b, low)), low))
+            a = view(acc)
+            a.copy_(sign_flipped(kernel(sign_flipped(a), sign_flipped(view(other)))))
     elif view is not None:
         def combine(acc, other):
             a = view(acc)
