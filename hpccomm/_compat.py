@@ -72,6 +72,32 @@ def reduce_op_type(op) -> "RedOpType":
     return op.op
 
 
+#: The kind's value of PREMUL_SUM, whose factor varies from call to call (never part of a cache key).
+PREMUL_SUM_CODE = int(RedOpType.PREMUL_SUM.value)
+
+
+def _code_by_attribute(op) -> int:
+    return int(op.value if op.__class__ is RedOpType else op.op.value)
+
+
+def _hash_is_code() -> bool:
+    """Whether ``hash`` of a ReduceOp and of a RedOpType is its kind's value
+    (torch 2.13-2.15 define ``ReduceOp.__hash__`` so; pybind's enums hash to
+    their value)."""
+    try:
+        return all(hash(ReduceOp(k)) == int(k.value) == hash(k) for k in (RedOpType.SUM, RedOpType.MAX,
+                                                                         RedOpType.BXOR, RedOpType.AVG))
+    except Exception:  # noqa: BLE001 - a torch without it: read the attributes
+        return False
+
+
+#: ``redop_code(op)``: the int value of the kind of ``op``, a ``ReduceOp`` or a
+#: ``RedOpType`` (the caller checked its class).  ``hash`` where torch makes it that
+#: value (a C call: reading ``op.op.value`` costs about twice as many instructions,
+#: docs/benchmarks.md), else the attributes.
+redop_code = hash if _hash_is_code() else _code_by_attribute
+
+
 def premul_sum_factor(op):
     """The factor of a PREMUL_SUM ReduceOp: a float or a 1-element tensor.
 

@@ -44,7 +44,7 @@ def monitored_barrier(group=None, timeout: Optional[timedelta] = None, wait_all_
         raise HpccommError(f"hpccomm.monitored_barrier (group '{g.name}'): the group has no key-value store")
     timeout = timeout if timeout is not None else (g.timeout or timedelta(minutes=30))
     seconds = timeout.total_seconds()
-    g.barriers = getattr(g, "barriers", 0) + 1
+    g.barriers += 1
     prefix = f"hpccomm/monitored_barrier/{g.barriers}/"
     store = g.store
     store.set(prefix + str(g.rank), "arrived")

@@ -2,9 +2,8 @@
 call, without making it.
 
 A supported debugging aid (and what the tests ask instead of patching the op
-path): the op's checks run, its plan (hpccomm._core.plan) is made and the form
-the call would take is decided (hpccomm._ops.op_path.form), and both are
-described.
+path): the op's checks run (a refusal raises as the call would), its plan (hpccomm._core.plan) is made and the form the call would
+take is decided (hpccomm._ops.op_path.form), and both are described.
 """
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from . import _mpi
 from ._core import signatures
 from ._core.plan import AFTER, ARGS, BEFORE, CALL, ICALL, NBYTES
 from ._ops.op_path import form
-from ._ops.table import OPS
+from ._ops.registry import BY_NAME
 from . import _compat as compat
 from .errors import HpccommError
 
@@ -62,7 +61,7 @@ def explain(op: str, *args, group=None, async_op: bool = False) -> Explained:
     ask it whether a call is zero-copy, in place, or posted.
 
     :param op: the op's name, as hpccomm names it (``"all_reduce"``,
-        ``"all_gather_into_tensor"``, ``"send"``; hpccomm._ops.table lists them).
+        ``"all_gather_into_tensor"``, ``"send"``; hpccomm._ops.registry lists them).
     :param args: the op's arguments as torch hands them to a backend:
         tensors in lists, ReduceOps, group ranks (``"all_reduce", [t],
         dist.ReduceOp.SUM``; ``"broadcast", [t], root``; ``"send", [t], peer, tag``).
@@ -82,13 +81,14 @@ def explain(op: str, *args, group=None, async_op: bool = False) -> Explained:
     g = compat.group_of(compat.world_group() if group is None else group)
     if g is None:
         raise HpccommError(f"hpccomm.explain: {group!r} is not an hpccomm process group")
-    info = OPS[op]
-    plan = info.plan(g, *args)
+    info = BY_NAME[op]
+    call = info.check(g, *args)  # (a refusal raises here, announced to no one: nothing was called)
+    plan = info.plan(g, call, args)
     where, nonblocking = form(g, info, plan, async_op)
-    call = plan[ICALL] if nonblocking else plan[CALL]
+    made = plan[ICALL] if nonblocking else plan[CALL]
     buffers = tuple("IN_PLACE" if a is _mpi.IN_PLACE else (a[0].address, a[1]) for a in plan[ARGS]
                     if a is _mpi.IN_PLACE or (isinstance(a, list) and len(a) == 3))
-    mpi_call = type(getattr(call, "__self__", None)).__module__ == "mpi4py.MPI"  # else Python making several
-    return Explained(info.name, where, call.__name__ if mpi_call else "", buffers, plan[BEFORE] is not None,
+    mpi_call = type(getattr(made, "__self__", None)).__module__ == "mpi4py.MPI"  # else Python making several
+    return Explained(info.name, where, made.__name__ if mpi_call else "", buffers, plan[BEFORE] is not None,
                      plan[AFTER] is not None, plan[NBYTES],
-                     not info.p2p and where != "posted" and signatures.compared(g, info.name, plan[NBYTES], args))
+                     not info.p2p and where != "posted" and signatures.compared(g, call))

@@ -81,11 +81,10 @@ class ProcessGroupHpccomm(methods.TorchOps, ProcessGroupBase):
     # (abort, shutdown: hpccomm._methods.TorchOps)
 
     # torch's legacy names for the same ops (older callers use them)
-    _allgather_base = methods.TorchOps.all_gather_single
-    _reduce_scatter_base = methods.TorchOps.reduce_scatter_single
-    allgather_into_tensor_coalesced = methods.TorchOps.all_gather_single_coalesced
-    reduce_scatter_tensor_coalesced = methods.TorchOps.reduce_scatter_single_coalesced
-    alltoall_base = methods.TorchOps.all_to_all_single
 
 
+# torch's older method names, which only this route is called by (each op's declaration lists them)
+for _name, _method in methods.methods(legacy=True).items():
+    if not hasattr(methods.TorchOps, _name):
+        setattr(ProcessGroupHpccomm, _name, _method)
 methods.hide_methods(ProcessGroupHpccomm)

@@ -1,4 +1,5 @@
-"""hpccomm's composed reductions (hpccomm/_ops/composed.py: a ring of
+"""hpccomm's composed reductions (the reducing ops' ``composed`` plans,
+hpccomm/_ops/reduce.py, over the ring of hpccomm/_ops/composed.py: a ring of
 point-to-point messages and local arithmetic) against the CPU path, for every
 dtype and ReduceOp, contiguous and strided, at 1-4 ranks.
 
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from helpers import REDUCE_DTYPES, Problems, hgroup, same_on_all_ranks
-from hpccomm._ops import composed
+from hpccomm._ops import reduce as ops
 from hpccomm._core.plan import run as run_plan
 
 R = dist.ReduceOp
@@ -46,6 +47,12 @@ def run(plan) -> None:
     run_plan(plan)
 
 
+def composed(op, g, *args):
+    """``op``'s composed plan (its declaration's ``composed``) of a call, as a
+    route makes it: the op's checks first (once, whatever the route)."""
+    return op.composed(g, op.check(g, *args), args)
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("dtype", REDUCE_DTYPES, ids=[str(d)[6:] for d in REDUCE_DTYPES])
 def test_composed_reductions_equal_the_cpu_path(world, dtype):
@@ -62,7 +69,7 @@ def test_composed_reductions_equal_the_cpu_path(world, dtype):
                 t = base[::2] if strided else base[:size]
                 t.copy_(mine)
                 ref = mine.clone()
-                run(composed.all_reduce(g, [t], redop))
+                run(composed(ops.ALL_REDUCE, g, [t], redop))
                 dist.all_reduce(ref, op=redop)
                 problems.expect(torch.equal(t, ref), ("all_reduce", name, t, ref))
                 problems.expect(same_on_all_ranks(torch.empty(t.shape, dtype=dtype).copy_(t)),
@@ -72,21 +79,21 @@ def test_composed_reductions_equal_the_cpu_path(world, dtype):
                 # reduce to the last rank: the others' tensors as they were
                 t = mine.clone()
                 ref = mine.clone()
-                run(composed.reduce(g, [t], n - 1, redop))
+                run(composed(ops.REDUCE, g, [t], n - 1, redop))
                 dist.reduce(ref, dst=n - 1, op=redop)
                 problems.expect(torch.equal(t, ref if rank == n - 1 else mine), ("reduce", name, t, ref))
                 # reduce_scatter_tensor: the input only read
                 big = values(size * n, dtype, rank, i + 1)
                 src = big.clone()
                 out, ref = torch.zeros(size, dtype=dtype), torch.zeros(size, dtype=dtype)
-                run(composed.reduce_scatter_tensor(g, out, src, redop))
+                run(composed(ops.REDUCE_SCATTER_TENSOR, g, out, src, redop))
                 dist.reduce_scatter_tensor(ref, big.clone(), op=redop)
                 problems.expect(torch.equal(out, ref), ("reduce_scatter_tensor", name, out, ref))
                 problems.expect(torch.equal(src, big), ("reduce_scatter_tensor changed its input", name))
                 # reduce_scatter (a list per rank)
                 parts = [values(size, dtype, rank, i + r) for r in range(n)]
                 out, ref = torch.zeros(size, dtype=dtype), torch.zeros(size, dtype=dtype)
-                run(composed.reduce_scatter(g, [out], [[p.clone() for p in parts]], redop))
+                run(composed(ops.REDUCE_SCATTER, g, [out], [[p.clone() for p in parts]], redop))
                 dist.reduce_scatter(ref, [p.clone() for p in parts], op=redop)
                 problems.expect(torch.equal(out, ref), ("reduce_scatter", name, out, ref))
     problems.verdict()
@@ -94,12 +101,13 @@ def test_composed_reductions_equal_the_cpu_path(world, dtype):
 
 @pytest.mark.mpi
 def test_composed_plans_refuse_what_the_cpu_path_refuses(world):
+    """The composed route refuses with the op's own checks (run once, whatever the route)."""
     import hpccomm
 
     g = hgroup(dist.group.WORLD)
     with pytest.raises(hpccomm.OpTypeError, match=r"ReduceOp\.BAND needs an integer or bool tensor"):
-        composed.all_reduce(g, [torch.ones(2)], R.BAND)
+        composed(ops.ALL_REDUCE, g, [torch.ones(2)], R.BAND)
     with pytest.raises(hpccomm.OpValueError, match=r"input has 3 elements, expected output's 2 × group size"):
-        composed.reduce_scatter_tensor(g, torch.zeros(2), torch.zeros(3), R.SUM)
+        composed(ops.REDUCE_SCATTER_TENSOR, g, torch.zeros(2), torch.zeros(3), R.SUM)
     with pytest.raises(hpccomm.OpValueError, match=r"dst 99 is not a rank of this group"):
-        composed.reduce(g, [torch.ones(2)], 99, R.SUM)
+        composed(ops.REDUCE, g, [torch.ones(2)], 99, R.SUM)

@@ -40,7 +40,7 @@ def test_mismatched_op_and_root_raise(debug_on):
     t = torch.ones(2)
     with pytest.raises(hpccomm.HpccommError, match=r"called all_reduce\(float32\[2\], (MAX|SUM)\)"):
         dist.all_reduce(t, op=R.MAX if rank == 1 else R.SUM)
-    with pytest.raises(hpccomm.HpccommError, match=r"called broadcast\(float32\[2\], [01]\)"):
+    with pytest.raises(hpccomm.HpccommError, match=r"called broadcast\(float32\[2\], root [01]\)"):
         dist.broadcast(t, src=1 if rank == 1 else 0)
 
 
@@ -75,11 +75,14 @@ def test_matching_calls_pass_in_debug_mode(debug_on):
 
 
 def test_describe_is_plain():
-    from hpccomm._core import debug_mode
+    """A call in messages, from its signature (declared with its op): plain, with no pairs where none may differ."""
+    from hpccomm._ops import p2p, reduce
 
-    assert debug_mode.describe("all_reduce", ([torch.ones(3, dtype=torch.bfloat16)], R.AVG)) == \
-        ("all_reduce(bfloat16[3], AVG)", None)
-    assert debug_mode.describe("barrier", ()) == ("barrier()", None)
+    g = helpers.fake_group()
+    sig = reduce.ALL_REDUCE.check(g, [torch.ones(3, dtype=torch.bfloat16)], R.AVG).signature
+    assert (sig.describe(), sig.pairs) == ("all_reduce(bfloat16[3], AVG)", None)
+    sig = p2p.BARRIER.check(g).signature
+    assert (sig.describe(), sig.pairs) == ("barrier()", None)
 
 
 # -- issue 14: op numbers alike on every rank; every size mismatch named ------------------------------
@@ -146,9 +149,10 @@ def test_size_mismatches_are_named(debug_on, case):
             dist.all_to_all_single(torch.empty(size), torch.ones(rows * size), [1] * size, [rows] * size)
     msg = str(info.value)
     if case in ("gather", "scatter"):
-        assert f"called {case}(float32[3], 0)" in msg and f"called {case}(float32[2], 0)" in msg, msg
-    elif case == "all_gather":
-        assert "expects 2 elements from rank 1, which sends 3" in msg, msg
+        assert f"called {case}(float32[3], root 0)" in msg and f"called {case}(float32[2], root 0)" in msg, msg
+    elif case == "all_gather":  # rank 1's list expects 3 elements from rank 1, the others' 2
+        lists = {r: ", ".join(f"float32[{3 if r == 1 and k == 1 else 2}]" for k in range(size)) for r in (0, 1)}
+        assert f"called all_gather([{lists[1]}])" in msg and f"called all_gather([{lists[0]}])" in msg, msg
     else:
         assert "rank 1 sends 2 elements to rank 0, which expects 1 from it" in msg, msg
     t = torch.ones(1)

@@ -36,11 +36,14 @@ from hpccomm._ops import op_path
 from hpccomm._gpu import cuda_mpi, dispatch, nccl_cupy, nccl_torch, probe, select, staged
 from hpccomm._gpu.probe import Finding
 from hpccomm._gpu.select import Capabilities, NoTransport
-from hpccomm._ops import reduce, table
+from hpccomm._ops import reduce, registry
+from hpccomm._ops.op import Op
 from hpccomm._core.plan import ARGS, OUTPUTS, run
 from helpers import hgroup, FakeCudaTensor, Problems, raised_by
 
 R = dist.ReduceOp
+#: Every op's declaration, by name (hpccomm._ops.registry).
+OP = registry.BY_NAME
 
 
 # --------------------------------------------------------------------------
@@ -65,6 +68,12 @@ def run_plan(plan):
     outputs."""
     run(plan)
     return plan[OUTPUTS]
+
+
+def planned(made, op, group, args):
+    """A transport's plan of a call, as the op path makes it: the op's checks
+    first (once, whatever the route), then the transport's plan of the checked call."""
+    return made.plan(op, group, op.check(group, *args), args)
 
 
 def mpi_types(plan) -> set:
@@ -508,10 +517,10 @@ def test_routes_made_once_per_group_and_device(injected, monkeypatch, caplog):
     g, h = fake_group(), fake_group()
     args = ([fake_cuda(torch.ones(2))], R.SUM)
     with caplog.at_level(logging.INFO, logger="hpccomm"):
-        first, wire = dispatch.route(g, table.ALL_REDUCE, CUDA0, args)
-        assert dispatch.route(g, table.BROADCAST, CUDA0, ([fake_cuda(torch.ones(2))], 0))[0] is first
-        other_device = dispatch.route(g, table.ALL_REDUCE, torch.device("cuda", 1), args)[0]
-        other_group = dispatch.route(h, table.ALL_REDUCE, CUDA0, args)[0]
+        first, wire = dispatch.route(g, OP["all_reduce"], CUDA0, args)
+        assert dispatch.route(g, OP["broadcast"], CUDA0, ([fake_cuda(torch.ones(2))], 0))[0] is first
+        other_device = dispatch.route(g, OP["all_reduce"], torch.device("cuda", 1), args)[0]
+        other_group = dispatch.route(h, OP["all_reduce"], CUDA0, args)[0]
     assert isinstance(first, staged.Staged) and first.device == CUDA0 and wire is None
     assert other_device is not first and other_group is not first
     assert len(injected) == 3  # one agreement per (group, device)
@@ -531,15 +540,15 @@ def test_p2p_chooses_alone(injected, monkeypatch):
     the others); the rank's own findings decide, the same way on every rank."""
     monkeypatch.setattr(dispatch, "_caps", [caps(mpi=True, torch_nccl=True)])
     g = fake_group()
-    first, _ = dispatch.route(g, table.SEND, CUDA0, ([fake_cuda(torch.ones(2))], 2, 0))
-    assert dispatch.route(g, table.RECV, CUDA0, ([fake_cuda(torch.ones(2))], 2, 0))[0] is first
+    first, _ = dispatch.route(g, OP["send"], CUDA0, ([fake_cuda(torch.ones(2))], 2, 0))
+    assert dispatch.route(g, OP["recv"], CUDA0, ([fake_cuda(torch.ones(2))], 2, 0))[0] is first
     assert injected == [] and first.name == "mpi" and dispatch.routes_of(g) == {"p2p:cuda:0": "mpi"}
     monkeypatch.setenv("HPCCOMM_GPU_TRANSPORT", "mpi")
     monkeypatch.setattr(dispatch, "_caps", [caps(mpi=False)])  # not CUDA-aware: refused, locally
     h = fake_group()
     with pytest.raises(hpccomm.OpTypeError, match=r"^hpccomm recv \(p2p op #3 on group 'fake', rank 1/4\): CUDA "
                        r"tensors cannot be sent: HPCCOMM_GPU_TRANSPORT=mpi but the MPI library is not CUDA-aware"):
-        dispatch.route(h, table.RECV, CUDA0, ([fake_cuda(torch.ones(2))], 2, 0))
+        dispatch.route(h, OP["recv"], CUDA0, ([fake_cuda(torch.ones(2))], 2, 0))
     dispatch.release(g)
 
 
@@ -593,11 +602,11 @@ def test_backend_map_wins(injected, monkeypatch):
 def test_cuda_device():
     g = fake_group()
     cpu, dev = torch.ones(2), fake_cuda(torch.ones(2))
-    assert dispatch.cuda_device(g, "all_reduce", ([cpu], R.SUM)) is None
-    assert dispatch.cuda_device(g, "barrier", ()) is None
-    assert dispatch.cuda_device(g, "all_reduce", ([dev], R.SUM)) == CUDA0
-    assert dispatch.cuda_device(g, "all_gather", ([[dev, fake_cuda(torch.ones(2))]], [dev])) == CUDA0
-    assert dispatch.cuda_device(g, "gather", ([], [dev], 0)) == CUDA0
+    assert dispatch.cuda_device(g, OP["all_reduce"], ([cpu], R.SUM)) is None
+    assert dispatch.cuda_device(g, OP["barrier"], ()) is None
+    assert dispatch.cuda_device(g, OP["all_reduce"], ([dev], R.SUM)) == CUDA0
+    assert dispatch.cuda_device(g, OP["all_gather"], ([[dev, fake_cuda(torch.ones(2))]], [dev])) == CUDA0
+    assert dispatch.cuda_device(g, OP["gather"], ([], [dev], 0)) == CUDA0
 
 
 @pytest.mark.parametrize("args,devices", [
@@ -607,21 +616,24 @@ def test_cuda_device():
 ])
 def test_mixed_devices_refused(args, devices):
     with pytest.raises(hpccomm.OpValueError) as info:
-        dispatch.cuda_device(fake_group(), "all_gather_into_tensor", args())
+        dispatch.cuda_device(fake_group(), OP["all_gather_into_tensor"], args())
     assert str(info.value) == (f"hpccomm all_gather_into_tensor (op #3 on group 'fake', rank 1/4): the call mixes "
                                f"devices ({devices}). Put every input and output of one call on the same device, "
                                "with .to(device)")
 
 
-def test_host_path_still_refuses_device_tensors():
-    """Called directly (not through the process group), the CPU path refuses
-    a CUDA tensor and says where CUDA tensors go."""
-    with pytest.raises(hpccomm.OpTypeError, match=r"tensor is on device cuda:0; this path moves CPU tensors only\. "
-                       r"CUDA tensors go through torch\.distributed calls, which route them to a GPU transport "
-                       r"\(docs/gpu\.md\)\. Move it to the CPU with \.cpu\(\)$"):
-        reduce.all_reduce(fake_group(), [fake_cuda(torch.ones(2))], R.SUM)
-    view = cuda_mpi.DeviceView(fake_group(), "cuda")
-    reduce.all_reduce(view, [fake_cuda(torch.ones(2))], R.SUM)  # accepted: a plan, nothing runs
+def test_checks_accept_device_tensors_the_route_serves_them():
+    """An op's checks run once, whatever the route, and accept a CUDA tensor:
+    its route is a lookup on its group (hpccomm._gpu.dispatch), never a refusal
+    of the CPU path caught; over a device view the op's plan is a plan (nothing
+    runs); a device hpccomm has no route for is refused by the checks."""
+    g, t = fake_group(), fake_cuda(torch.ones(2))
+    call = OP["all_reduce"].check(g, [t], R.SUM)
+    assert call.signature.describe() == "all_reduce(float32[2], SUM)"
+    assert dispatch.cuda_device(g, OP["all_reduce"], ([t], R.SUM)) == CUDA0
+    OP["all_reduce"].plan(cuda_mpi.DeviceView(g, lambda: None), call, ([t], R.SUM))  # accepted: a plan, nothing runs
+    with pytest.raises(hpccomm.OpTypeError, match=r"tensor is a meta tensor: it has no data to communicate$"):
+        OP["all_reduce"].check(g, [torch.ones(2, device="meta")], R.SUM)
 
 
 # --------------------------------------------------------------------------
@@ -648,29 +660,30 @@ def test_cuda_mpi_stream_order_with_a_fake_op():
     made = cuda_mpi.CudaAwareMPI(CUDA0, "test", streams=rec)
     seen = {}
 
-    def fake_plan(group, tensors, redop):
+    def fake_plan(group, call, args):
+        tensors, redop = args
         seen["group"] = group
         rec.log.append(("plan",))
         kernel = lambda: rec.log.append(("kernel",))  # noqa: E731 - the op's own step (a copy, say)
         return (group.comm.Allreduce, (), None, tensors, tensors, kernel, None, 0)
 
-    spec = table.OpSpec("all_reduce", fake_plan, table.arguments.all_reduce, reducing=True, first="inout")
+    spec = Op("all_reduce", methods={}, check=reduce.check_all_reduce, plan=fake_plan, reducing=True, first="inout")
     t = fake_cuda(torch.ones(3))
     g = fake_group()
     g.comm = OneCall(rec.log)
-    plan = made.plan(spec, g, ([t], R.SUM))
+    plan = planned(made, spec, g, ([t], R.SUM))
     assert rec.names() == ["plan", "record"]  # nothing waits at issue: async ops return at once
     assert run_plan(plan) == [t]
     # on the caller's thread: the op's kernel (and the caller's, on the same stream) done before MPI reads; the
     # kernels after MPI are on the caller's stream, ahead of what it queues next: nothing more to wait for
     assert rec.names() == ["plan", "record", "kernel", "synchronize", "mpi"], rec.names()
-    assert seen["group"].device_type == "cuda" and seen["group"].where() == fake_group().where()
+    assert isinstance(seen["group"], cuda_mpi.DeviceView) and seen["group"].where() == fake_group().where()
     # on another thread (the comm thread, async_op=True): the caller's event waited for first, the thread's
     # stream left idle after, whether the op succeeds or fails
     for fail in (False, True):
         g.comm = OneCall(rec.log, fail=fail)
         rec.log.clear()
-        plan = made.plan(spec, g, ([t], R.SUM))
+        plan = planned(made, spec, g, ([t], R.SUM))
         failed = []
         worker = threading.Thread(target=lambda: failed.append(raised_by(lambda: run_plan(plan))))
         worker.start()
@@ -681,11 +694,11 @@ def test_cuda_mpi_stream_order_with_a_fake_op():
 
 
 OPS_ON_SELF = [
-    ("all_reduce", table.ALL_REDUCE, lambda t: ([t], R.SUM), lambda t: t),
-    ("all_reduce-avg", table.ALL_REDUCE, lambda t: ([t], R.AVG), lambda t: t),
-    ("broadcast", table.BROADCAST, lambda t: ([t], 0), lambda t: t),
-    ("all_gather_into_tensor", table.ALL_GATHER_INTO_TENSOR, lambda t: (fake_cuda(torch.zeros(4)), t), None),
-    ("all_to_all_single", table.ALL_TO_ALL_SINGLE, lambda t: (fake_cuda(torch.zeros(4)), t, None, None), None),
+    ("all_reduce", OP["all_reduce"], lambda t: ([t], R.SUM), lambda t: t),
+    ("all_reduce-avg", OP["all_reduce"], lambda t: ([t], R.AVG), lambda t: t),
+    ("broadcast", OP["broadcast"], lambda t: ([t], 0), lambda t: t),
+    ("all_gather_into_tensor", OP["all_gather_into_tensor"], lambda t: (fake_cuda(torch.zeros(4)), t), None),
+    ("all_to_all_single", OP["all_to_all_single"], lambda t: (fake_cuda(torch.zeros(4)), t, None, None), None),
 ]
 
 
@@ -698,11 +711,11 @@ def test_cuda_mpi_real_ops_on_self(self_group, name, op, args, _):
     rec = Recorder()
     made = cuda_mpi.CudaAwareMPI(CUDA0, "test", streams=rec)
     t = fake_cuda(torch.arange(4.0))
-    out = run_plan(made.plan(op, self_group, args(t)))
+    out = run_plan(planned(made, op, self_group, args(t)))
     names = rec.names()
     assert names[0] == "record" and names[1] == "synchronize" and "wait" not in names, names
     rec.log.clear()
-    plan = made.plan(op, self_group, args(fake_cuda(torch.arange(4.0))))
+    plan = planned(made, op, self_group, args(fake_cuda(torch.arange(4.0))))
     worker = threading.Thread(target=lambda: run_plan(plan))
     worker.start()
     worker.join()
@@ -723,9 +736,9 @@ def test_cuda_mpi_half_reductions_are_widened(self_group, caplog, monkeypatch, d
     MPI = _mpi.mpi()
     t = fake_cuda(torch.tensor([1.5, 2.25, -3.0], dtype=dtype))
     with caplog.at_level(logging.INFO, logger="hpccomm"):
-        avg = made.plan(table.ALL_REDUCE, self_group, ([t], R.AVG))
+        avg = planned(made, OP["all_reduce"], self_group, ([t], R.AVG))
         out = run_plan(avg)
-        premul = made.plan(table.ALL_REDUCE, self_group, ([t], dist._make_nccl_premul_sum(2.0)))
+        premul = planned(made, OP["all_reduce"], self_group, ([t], dist._make_nccl_premul_sum(2.0)))
         run_plan(premul)
     assert out[0] is t
     assert torch.equal(t.as_subclass(torch.Tensor), torch.tensor([3.0, 4.5, -6.0], dtype=dtype))
@@ -737,11 +750,11 @@ def test_cuda_mpi_half_reductions_are_widened(self_group, caplog, monkeypatch, d
     rec.log.clear()
     o = fake_cuda(torch.zeros(3, dtype=dtype))
     i = fake_cuda(torch.tensor([0.5, 1.0, 1.5], dtype=dtype))
-    run_plan(made.plan(table.REDUCE_SCATTER_TENSOR, self_group, (o, i, R.SUM)))
+    run_plan(planned(made, OP["reduce_scatter_tensor"], self_group, (o, i, R.SUM)))
     assert torch.equal(o.as_subclass(torch.Tensor), torch.tensor([0.5, 1.0, 1.5], dtype=dtype))
     # a 16-bit broadcast moves bytes only: not widened
     rec.log.clear()
-    bcast = made.plan(table.BROADCAST, self_group, ([fake_cuda(torch.ones(2, dtype=dtype))], 0))
+    bcast = planned(made, OP["broadcast"], self_group, ([fake_cuda(torch.ones(2, dtype=dtype))], 0))
     run_plan(bcast)
     assert mpi_types(bcast) == {_mpi.mpi_type(dtype).Get_name()}
 
@@ -772,7 +785,7 @@ def test_staged_copies_and_reuse_on_self(self_group):
     made = staged.Staged(CUDA0, "test", streams=rec, alloc=alloc, copy=rec.copy)
     t = fake_cuda(torch.arange(6.0).reshape(2, 3))
     for _ in range(3):
-        out = run_plan(made.plan(table.ALL_REDUCE, self_group, ([t], R.SUM)))
+        out = run_plan(planned(made, OP["all_reduce"], self_group, ([t], R.SUM)))
         assert out[0] is t  # the Work's future holds the user's tensor, not the host stand-in
     assert len(alloc.sizes) == 1, alloc.sizes  # reused, not reallocated per call
     assert rec.names() == ["record", "copy", "copy"] * 3  # on the caller's thread: its stream orders the copies
@@ -782,7 +795,7 @@ def test_staged_copies_and_reuse_on_self(self_group):
     base = fake_cuda(torch.zeros(4, 2))
     out = base[:, 0]
     src = fake_cuda(torch.tensor([1.0, 2.0, 3.0, 4.0]))
-    run_plan(made.plan(table.ALL_GATHER_INTO_TENSOR, self_group, (out, src)))
+    run_plan(planned(made, OP["all_gather_into_tensor"], self_group, (out, src)))
     copies = [e for e in rec.log if e[0] == "copy"]
     assert copies == [("copy", "to-host", (4,)), ("copy", "to-device", (4,))], copies
     assert torch.equal(base.as_subclass(torch.Tensor)[:, 0], torch.tensor([1.0, 2.0, 3.0, 4.0]))
@@ -793,7 +806,7 @@ def test_staged_refuses_before_copying():
     rec = Recorder()
     made = staged.Staged(CUDA0, "test", streams=rec, alloc=CountingAlloc(), copy=rec.copy)
     with pytest.raises(hpccomm.OpValueError, match=r"input has 5 elements, expected output's 3 × group size 4"):
-        made.plan(table.REDUCE_SCATTER_TENSOR, fake_group(), (fake_cuda(torch.zeros(3)), fake_cuda(torch.zeros(5)), R.SUM))
+        planned(made, OP["reduce_scatter_tensor"], fake_group(), (fake_cuda(torch.zeros(3)), fake_cuda(torch.zeros(5)), R.SUM))
     assert rec.log == []
 
 
@@ -804,8 +817,11 @@ def test_staged_p2p_on_self(self_group):
     made = staged.Staged(CUDA0, "test", streams=rec, alloc=alloc, copy=rec.copy)
     src = fake_cuda(torch.arange(5.0))
     dst = fake_cuda(torch.zeros(5))
-    r = op_path.run(self_group, table.RECV, ([dst], 0, 7), None, made.plan(table.RECV, self_group, ([dst], 0, 7)))
-    s = op_path.run(self_group, table.SEND, ([src], 0, 7), None, made.plan(table.SEND, self_group, ([src], 0, 7)))
+    recv, send = OP["recv"], OP["send"]
+    r = op_path.run(self_group, recv, ([dst], 0, 7), None, recv.check(self_group, [dst], 0, 7),
+                    planned(made, recv, self_group, ([dst], 0, 7)))
+    s = op_path.run(self_group, send, ([src], 0, 7), None, send.check(self_group, [src], 0, 7),
+                    planned(made, send, self_group, ([src], 0, 7)))
     assert s.wait() and r.wait()
     assert s._source_rank() == -1 and r._source_rank() == 0
     assert torch.equal(dst.as_subclass(torch.Tensor), torch.arange(5.0))
@@ -857,10 +873,12 @@ NCCL_CASES = [
     ("reduce", ([x], 2, R.MIN), "reduce", {"rootRank": 2, "reduceOp": T.MIN}),
     ("reduce_scatter", ([x], [[x, x, x, x]], R.SUM), "reduce_scatter", {"reduceOp": T.SUM}),
     ("reduce_scatter_tensor", (x, y, R.AVG), "_reduce_scatter_base", {"reduceOp": T.AVG}),
+    ("reduce_scatter_tensor_coalesced", ([x], [y], R.SUM), "reduce_scatter_tensor_coalesced", {"reduceOp": T.SUM}),
     ("broadcast", ([x], 3), "broadcast", {"rootRank": 3}),
     ("scatter", ([x], [[x, x, x, x]], 1), "scatter", {"rootRank": 1}),
     ("all_gather", ([[x, x, x, x]], [x]), "allgather", {}),
     ("all_gather_into_tensor", (y, x), "_allgather_base", {}),
+    ("all_gather_into_tensor_coalesced", ([y], [x]), "_allgather_base", {}),  # (one call per pair: no coalesced method)
     ("all_gather_coalesced", ([[x, x, x, x]], [x]), "allgather_coalesced", {}),
     ("gather", ([[x, x, x, x]], [x], 0), "gather", {"rootRank": 0}),
     ("gather_single", (torch.zeros(8), x, 0), "gather", {"rootRank": 0}),  # (rank 1: no outputs)
@@ -872,16 +890,21 @@ NCCL_CASES = [
 
 
 def test_nccl_calls_cover_every_op_with_tensors():
+    """Every op with tensors has an NCCL form in its declaration, every op is a
+    method of the adapters (its declaration's torch methods), and CuPy's forms
+    are a subset of the ops that take one tensor or a pair."""
     from hpccomm import _methods as methods
 
-    src = open(methods.__file__).read()
-    used = set(re.findall(r'op_path\.run\(self\._g, table\.([A-Z_]+)\b', src))  # the table entries the adapter runs
-    ops = {getattr(table, name).name for name in used} - {"barrier"}
-    assert ops == set(table.OPS) - {"barrier"}, ops  # (every op of the table is reachable from torch)
-    assert ops == set(nccl_torch.CALLS), ops ^ set(nccl_torch.CALLS)
-    assert ops - {"all_reduce_coalesced", "reduce_scatter_tensor_coalesced", "all_gather_into_tensor_coalesced",
-                  "reduce_scatter", "scatter", "all_gather", "all_gather_coalesced", "gather", "all_to_all",
-                  "all_to_all_single"} >= set(nccl_cupy.COVERED)
+    made = methods.methods(legacy=True)
+    for op in registry.OPS:
+        for name in (*op.methods, *op.legacy):
+            assert name in made, (op, name)  # (every op is reachable from torch)
+    with_tensors = {op.name for op in registry.OPS} - {"barrier"}
+    assert {op.name for op in registry.OPS if op.nccl is not None} == with_tensors
+    cupy = {op.name for op in registry.OPS if op.cupy is not None}
+    assert cupy == {"all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "send",
+                    "recv"}, cupy
+    assert {c[0] for c in NCCL_CASES} == with_tensors  # (the cases below cover every NCCL form)
 
 
 @pytest.mark.parametrize("op,args,method,fields", NCCL_CASES, ids=[c[0] for c in NCCL_CASES])
@@ -891,7 +914,7 @@ def test_nccl_torch_delegation(op, args, method, fields):
     g = fake_group(store=store)
     opts = compat.OPTION_CLASSES["allreduce"]()
     opts.asyncOp = True
-    work = made.delegate(g, op, args, opts)
+    work = made.delegate(g, OP[op], args, opts)
     backend = made.backend
     assert work == f"work:{method}"
     prefix, rank, size, timeout, name, ranks = backend.made_with
@@ -912,9 +935,9 @@ def test_nccl_torch_delegation(op, args, method, fields):
 def test_nccl_torch_one_backend_per_group_and_coalesced_fallback():
     made = nccl_torch.TorchNCCL(CUDA0, "test", make_backend=FakeNcclBackend)
     g = fake_group(store=dist.HashStore())
-    made.delegate(g, "all_reduce", ([x], R.SUM), None)
+    made.delegate(g, OP["all_reduce"], ([x], R.SUM), None)
     first = made.backend
-    work = made.delegate(g, "all_gather_into_tensor_coalesced", ([y, y], [x, x]), None)
+    work = made.delegate(g, OP["all_gather_into_tensor_coalesced"], ([y, y], [x, x]), None)
     assert made.backend is first
     assert [c[0] for c in first.calls] == ["allreduce", "_allgather_base", "_allgather_base"]
     assert work == "work:_allgather_base"
@@ -923,7 +946,7 @@ def test_nccl_torch_one_backend_per_group_and_coalesced_fallback():
 def test_nccl_gather_single_at_the_root_gathers_into_the_rows_of_the_output():
     made = nccl_torch.TorchNCCL(CUDA0, "test", make_backend=FakeNcclBackend)
     out = torch.zeros(8)
-    made.delegate(fake_group(rank=0, store=dist.HashStore()), "gather_single", (out, x, 0), None)
+    made.delegate(fake_group(rank=0, store=dist.HashStore()), OP["gather_single"], (out, x, 0), None)
     (name, (outputs, inputs, _)), = made.backend.calls
     assert name == "gather" and inputs == [x] and len(outputs[0]) == 4
     assert [o.data_ptr() for o in outputs[0]] == [out.data_ptr() + 8 * r for r in range(4)]
@@ -936,7 +959,7 @@ def test_nccl_route_refuses_a_receive_from_any_source(injected, monkeypatch):
     g = fake_group(store=dist.HashStore())
     with pytest.raises(hpccomm.OpValueError, match=r"^hpccomm recv \(p2p op #3 on group 'fake', rank 1/4\): NCCL "
                        r"cannot receive from any source\. Name the source rank, or leave HPCCOMM_GPU_TRANSPORT at auto"):
-        dispatch.route(g, table.RECV, CUDA0, ([fake_cuda(torch.ones(2))], None, 0))
+        dispatch.route(g, OP["recv"], CUDA0, ([fake_cuda(torch.ones(2))], None, 0))
     dispatch.release(g)
 
 
@@ -1021,32 +1044,36 @@ class Allocations(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @pytest.mark.parametrize("rank,size", [(0, 4), (1, 4), (2, 3), (0, 1)])
-def test_argument_checks_give_the_plans_verdict(rank, size):
-    """The checks a delegating transport (NCCL) runs, hpccomm._ops.arguments,
-    refuse what the plan functions refuse, with the same error and message,
-    and accept what they accept, on a bank of bad calls of every op (each
-    value of a valid call, at any depth, replaced by what careless callers
-    pass); a valid call is checked without running a single aten op."""
-    assert set(_good_calls(0, 1)) == set(table.OPS)
+def test_checks_are_the_only_refusal(rank, size):
+    """Each op's checks (its declaration's ``check``, which every route runs
+    once: the CPU path, CUDA-aware MPI, staging, NCCL) are its only argument
+    verdict: on a bank of bad calls of every op (each value of a valid call,
+    at any depth, replaced by what careless callers pass), the op's plan never
+    refuses a call its checks accepted, so no route refuses what another
+    accepts; a valid call is checked without running a single aten op."""
+    assert set(_good_calls(0, 1)) == {op.name for op in registry.OPS}
     g = helpers.fake_group(rank, size, timeout=timedelta(seconds=42), done=2)
     compared = refused = 0
     for name, args in _good_calls(rank, size).items():
-        op = table.OPS[name]
+        op = OP[name]
         with Allocations() as seen:
             op.check(g, *args)
         assert seen.ops == [], (name, seen.ops)
         for path, bad in _mutations(args):
-            want, got = _verdict(op.plan, g, bad), _verdict(op.check, g, bad)
-            assert got == want, (name, path, bad)
+            try:
+                call = op.check(g, *bad)
+            except hpccomm.OpError:
+                refused += 1
+            else:  # accepted: the plan refuses nothing more
+                assert _verdict(lambda grp, *a: op.plan(grp, call, a), g, bad) is None, (name, path, bad)
             compared += 1
-            refused += want is not None
     assert compared > 400 and refused > 300, (compared, refused)  # the bank is as large as it is meant to be
 
 
 def test_nccl_torch_refusals():
     made = nccl_torch.TorchNCCL(CUDA0, "test", make_backend=FakeNcclBackend)
     with pytest.raises(hpccomm.OpValueError, match="no key-value store to build NCCL on"):
-        made.delegate(fake_group(), "all_reduce", ([x], R.SUM), None)
+        made.delegate(fake_group(), OP["all_reduce"], ([x], R.SUM), None)
     assert made.backend is None
 
 
@@ -1101,8 +1128,8 @@ def test_cupy_unique_id_from_rank_0(rank):
 
     made = nccl_cupy.CupyNCCL(CUDA0, "test", nccl=nccl, bcast=bcast, stream=lambda d: 99)
     t = torch.ones(3)
-    made.delegate(fake_group(rank=rank), "all_reduce", ([t], R.MAX), None)
-    made.delegate(fake_group(rank=rank), "broadcast", ([t], 1), None)
+    made.delegate(fake_group(rank=rank), OP["all_reduce"], ([t], R.MAX), None)
+    made.delegate(fake_group(rank=rank), OP["broadcast"], ([t], 1), None)
     assert nccl.uids == (1 if rank == 0 else 0) and sent == [(1, 2, 3) if rank == 0 else None]
     (size, uid, r, comm), = nccl.made
     assert (size, uid, r) == (4, (1, 2, 3), rank)
@@ -1115,29 +1142,29 @@ def test_cupy_calls_and_refusals():
     made = nccl_cupy.CupyNCCL(CUDA0, "test", nccl=nccl, bcast=lambda g, o: (0,), stream=lambda d: 5)
     g = fake_group()
     out, inp = torch.zeros(8, dtype=torch.float64), torch.ones(2, dtype=torch.float64)
-    made.delegate(g, "all_gather_into_tensor", (out, inp), None)
-    made.delegate(g, "reduce_scatter_tensor", (inp, out, R.AVG), None)
-    made.delegate(g, "send", ([inp], 3, 0), None)
+    made.delegate(g, OP["all_gather_into_tensor"], (out, inp), None)
+    made.delegate(g, OP["reduce_scatter_tensor"], (inp, out, R.AVG), None)
+    made.delegate(g, OP["send"], ([inp], 3, 0), None)
     comm = nccl.made[0][3]
     assert comm.calls == [("allGather", (inp.data_ptr(), out.data_ptr(), 2, 8, 5)),
                           ("reduceScatter", (out.data_ptr(), inp.data_ptr(), 2, 8, 4, 5)),
                           ("send", (inp.data_ptr(), 2, 8, 3, 5))]
     problems = Problems()
     for op, args, msg in [
-        ("gather", ([], [inp], 0), r"gather is not available through CuPy's NCCL \(covered: all_reduce, "),
+        ("gather", ([], [inp], 0), r"gather is not available through CuPy's NCCL \(its declaration has no CuPy form\)"),
         ("all_reduce", ([torch.ones(2, dtype=torch.int8)], R.SUM), r"CuPy's NCCL has no type for torch\.int8"),
         ("all_reduce", ([inp], R.BAND), r"CuPy's NCCL has no BAND reduction"),
         ("all_reduce", ([torch.ones(4, 2)[:, 0]], R.SUM), r"needs contiguous tensors"),
         ("recv", ([inp], None, 0), r"NCCL cannot receive from any source"),
     ]:
-        exc = raised_by(lambda: made.delegate(g, op, args, None))
+        exc = raised_by(lambda: made.delegate(g, OP[op], args, None))
         problems.expect(isinstance(exc, hpccomm.OpError) and re.search(msg, str(exc)), (op, msg, exc))
     fresh = nccl_cupy.CupyNCCL(CUDA0, "test", nccl=FakeCupyNccl(), bcast=lambda g, o: (0,), stream=lambda d: 5)
     for op, args, msg in [
         ("send", ([inp], 3, 0), r"CuPy's NCCL communicator is made by all members of the group together, which a "
                                 r"send or receive cannot do\. Run one collective with CUDA tensors on this group"),
     ]:
-        exc = raised_by(lambda: fresh.delegate(g, op, args, None))
+        exc = raised_by(lambda: fresh.delegate(g, OP[op], args, None))
         problems.expect(isinstance(exc, hpccomm.OpError) and re.search(msg, str(exc)), (op, msg, exc))
     problems.verdict()
     assert len(comm.calls) == 3  # refused before any call
@@ -1380,59 +1407,59 @@ def test_staged_matches_cpu_ops(world):
     ranks_sum = n * (n - 1) / 2
 
     def via_staged(op, *args):
-        return run_plan(made.plan(op, g, args))
+        return run_plan(planned(made, op, g, args))
 
     # all_reduce SUM, twice (buffers reused), and AVG in bfloat16
     for _ in range(2):
         t = fake_cuda(torch.arange(6.0) + rank)
         ref = torch.arange(6.0) + rank
-        via_staged(table.ALL_REDUCE, [t], R.SUM)
+        via_staged(OP["all_reduce"], [t], R.SUM)
         dist.all_reduce(ref)
         problems.expect(torch.equal(_plain(t), ref), ("all_reduce", t, ref))
         problems.expect(torch.equal(ref, torch.arange(6.0) * n + ranks_sum), ("all_reduce closed form", ref))
     allocations = len(alloc.sizes)
     h = fake_cuda(torch.full((3,), float(rank), dtype=torch.bfloat16))
-    via_staged(table.ALL_REDUCE, [h], R.AVG)
+    via_staged(OP["all_reduce"], [h], R.AVG)
     problems.expect(torch.equal(_plain(h), torch.full((3,), ranks_sum / n, dtype=torch.bfloat16)), ("avg", h))
     # broadcast from the last rank
     b = fake_cuda(torch.full((5,), float(rank)))
-    via_staged(table.BROADCAST, [b], n - 1)
+    via_staged(OP["broadcast"], [b], n - 1)
     problems.expect(torch.equal(_plain(b), torch.full((5,), float(n - 1))), ("broadcast", b))
     # all_gather_into_tensor and all_gather (lists)
     out = fake_cuda(torch.zeros(2 * n))
-    via_staged(table.ALL_GATHER_INTO_TENSOR, out, fake_cuda(torch.full((2,), float(rank))))
+    via_staged(OP["all_gather_into_tensor"], out, fake_cuda(torch.full((2,), float(rank))))
     problems.expect(torch.equal(_plain(out), torch.arange(n).float().repeat_interleave(2)), ("all_gather", out))
     outs = [fake_cuda(torch.zeros(2)) for _ in range(n)]
-    via_staged(table.ALL_GATHER, [outs], [fake_cuda(torch.full((2,), rank + 1.0))])
+    via_staged(OP["all_gather"], [outs], [fake_cuda(torch.full((2,), rank + 1.0))])
     problems.expect(all(torch.equal(_plain(o), torch.full((2,), r + 1.0)) for r, o in enumerate(outs)),
                     ("all_gather list", outs))
     # reduce_scatter_tensor, against the CPU op
     inp = torch.arange(3.0 * n) * (rank + 1)
     out, ref = fake_cuda(torch.zeros(3)), torch.zeros(3)
-    via_staged(table.REDUCE_SCATTER_TENSOR, out, fake_cuda(inp.clone()), R.SUM)
+    via_staged(OP["reduce_scatter_tensor"], out, fake_cuda(inp.clone()), R.SUM)
     dist.reduce_scatter_tensor(ref, inp.clone())
     problems.expect(torch.equal(_plain(out), ref), ("reduce_scatter_tensor", out, ref))
     problems.expect(torch.equal(ref, torch.arange(3.0 * rank, 3.0 * rank + 3) * (n * (n + 1) / 2)),
                     ("reduce_scatter closed form", ref))
     # reduce to rank 0 (the others' tensors stay as they were)
     r = fake_cuda(torch.full((2,), rank + 1.0))
-    via_staged(table.REDUCE, [r], 0, R.MAX)
+    via_staged(OP["reduce"], [r], 0, R.MAX)
     problems.expect(torch.equal(_plain(r), torch.full((2,), float(n) if rank == 0 else rank + 1.0)), ("reduce", r))
     # all_to_all_single, even split, against the CPU op
     a_in = torch.arange(2.0 * n) + 100 * rank
     a_out, a_ref = fake_cuda(torch.zeros(2 * n)), torch.zeros(2 * n)
-    via_staged(table.ALL_TO_ALL_SINGLE, a_out, fake_cuda(a_in.clone()), None, None)
+    via_staged(OP["all_to_all_single"], a_out, fake_cuda(a_in.clone()), None, None)
     dist.all_to_all_single(a_ref, a_in.clone())
     problems.expect(torch.equal(_plain(a_out), a_ref), ("all_to_all_single", a_out, a_ref))
     # gather and scatter rooted at rank 0
     gl = [fake_cuda(torch.zeros(2)) for _ in range(n)] if rank == 0 else []
-    via_staged(table.GATHER, [gl] if rank == 0 else [], [fake_cuda(torch.full((2,), float(rank)))], 0)
+    via_staged(OP["gather"], [gl] if rank == 0 else [], [fake_cuda(torch.full((2,), float(rank)))], 0)
     if rank == 0:
         problems.expect(all(torch.equal(_plain(o), torch.full((2,), float(r))) for r, o in enumerate(gl)),
                         ("gather", gl))
     so = fake_cuda(torch.zeros(2))
     sl = [[fake_cuda(torch.full((2,), r * 10.0)) for r in range(n)]] if rank == 0 else []
-    via_staged(table.SCATTER, [so], sl, 0)
+    via_staged(OP["scatter"], [so], sl, 0)
     problems.expect(torch.equal(_plain(so), torch.full((2,), rank * 10.0)), ("scatter", so))
     # buffers: the second all_reduce reused the first one's; later ops grew or added slots only as needed
     problems.expect(allocations == 1, ("allocations after two all_reduces", alloc.sizes))
@@ -1447,8 +1474,9 @@ def test_staged_p2p_ring(world):
     src = fake_cuda(torch.full((4,), float(rank)))
     dst = fake_cuda(torch.zeros(4))
     recv_args, send_args = ([dst], (rank - 1) % n, 3), ([src], (rank + 1) % n, 3)
-    r = op_path.run(g, table.RECV, recv_args, None, made.plan(table.RECV, g, recv_args))
-    s = op_path.run(g, table.SEND, send_args, None, made.plan(table.SEND, g, send_args))
+    recv, send = OP["recv"], OP["send"]
+    r = op_path.run(g, recv, recv_args, None, recv.check(g, *recv_args), planned(made, recv, g, recv_args))
+    s = op_path.run(g, send, send_args, None, send.check(g, *send_args), planned(made, send, g, send_args))
     s.wait(), r.wait()
     assert r._source_rank() == (rank - 1) % n
     assert torch.equal(_plain(dst), torch.full((4,), float((rank - 1) % n)))

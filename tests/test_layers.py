@@ -44,10 +44,10 @@ MAP = {
         "hpccomm._gpu", "hpccomm._gpu.streams", "hpccomm._gpu.tensors", "hpccomm._gpu.nccl_wire", "hpccomm._gpu.probe",
         "hpccomm._gpu.select", "hpccomm._gpu.cuda_mpi",
         "hpccomm._gpu.staged", "hpccomm._gpu.nccl_torch", "hpccomm._gpu.nccl_cupy", "hpccomm._gpu.dispatch"],
-    "op translation (one plan per op) and the op path": [
-        "hpccomm._ops", "hpccomm._ops.checks", "hpccomm._ops.arguments", "hpccomm._ops.staging", "hpccomm._ops.gather",
-        "hpccomm._ops.reduce", "hpccomm._ops.composed", "hpccomm._ops.scatter", "hpccomm._ops.alltoall",
-        "hpccomm._ops.p2p", "hpccomm._ops.table", "hpccomm._ops.op_path"],
+    "the ops, each declared once (checks, signature, plan, GPU forms), and the op path": [
+        "hpccomm._ops", "hpccomm._ops.op", "hpccomm._ops.checks", "hpccomm._ops.staging", "hpccomm._ops.composed",
+        "hpccomm._ops.gather", "hpccomm._ops.reduce", "hpccomm._ops.scatter", "hpccomm._ops.alltoall",
+        "hpccomm._ops.p2p", "hpccomm._ops.registry", "hpccomm._ops.op_path"],
     "the torch adapters": [
         "hpccomm._methods", "hpccomm.barrier", "hpccomm.backend", "hpccomm.process_group"],
     "start-up": ["hpccomm._start", "hpccomm._start.bootstrap", "hpccomm._start.creator"],

@@ -63,7 +63,7 @@ def test_broadcast_of_different_sizes_is_named_on_every_rank():
     pg, rank = fresh(), dist.get_rank()
     t = torch.full((4 + rank,), SENTINEL)
     message = run(lambda: dist.broadcast(t, src=0, group=pg))
-    expect(message, "broadcast", each_rank(lambda r: f"broadcast(float32[{4 + r}], 0)"), pg)
+    expect(message, "broadcast", each_rank(lambda r: f"broadcast(float32[{4 + r}], root 0)"), pg)
     assert torch.all(t == SENTINEL)
     t = torch.full((2,), float(rank))
     dist.broadcast(t, src=0, group=pg)
@@ -74,8 +74,9 @@ def test_all_gather_of_different_sizes_is_named_on_every_rank():
     pg, rank, size = fresh(), dist.get_rank(), dist.get_world_size()
     outs = [torch.full((4 + rank,), SENTINEL) for _ in range(size)]  # each expects its own size from all
     message = run(lambda: dist.all_gather(outs, torch.ones(4 + rank), group=pg))
-    expect(message, "all_gather", "all_gather(float32): rank 0's tensor_list expects 4 elements from rank 1, "
-                                  "which sends 5", pg)
+    lists = lambda r: ", ".join([f"float32[{4 + r}]"] * size)  # noqa: E731 - each rank's list: its own size
+    expect(message, "all_gather", each_rank(lambda r: f"all_gather([{lists(r)}])") + ": rank 0 sends 4 elements to "
+           "rank 1, which expects 5 from it", pg)
     assert all(torch.all(o == SENTINEL) for o in outs)
     outs = [torch.empty(r + 1) for r in range(size)]  # sizes that differ but fit: allowed
     dist.all_gather(outs, torch.full((rank + 1,), float(rank)), group=pg)
@@ -107,7 +108,7 @@ def test_a_different_reduce_op_or_root_is_named():
     message = run(lambda: dist.all_reduce(t, op=R.MAX if rank == 1 else R.SUM, group=pg))
     assert re.search(r"rank 1 called all_reduce\(float32\[2\], MAX\) \(op #1\)", message), message
     message = run(lambda: dist.broadcast(t, src=1 if rank == 1 else 0, group=pg))
-    assert "rank 1 called broadcast(float32[2], 1) (op #2)" in message, message
+    assert "rank 1 called broadcast(float32[2], root 1) (op #2)" in message, message
 
 
 @pytest.mark.mpi
@@ -121,6 +122,8 @@ def test_only_the_first_call_of_a_signature_is_compared():
     dist.all_reduce(t, group=pg)
     assert not hpccomm.explain("all_reduce", [t], R.SUM, group=pg).compared
     assert hpccomm.explain("all_reduce", [torch.ones(7)], R.SUM, group=pg).compared  # another size
+    assert hpccomm.explain("all_to_all_single", torch.empty(0), torch.empty(0), [], [], group=pg).compared
+    dist.all_to_all_single(torch.empty(0), torch.empty(0), group=pg)  # its first call of a dtype is compared
     assert not hpccomm.explain("all_to_all_single", torch.empty(0), torch.empty(0), [], [], group=pg).compared
     assert torch.all(t == dist.get_world_size())
 

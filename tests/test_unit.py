@@ -342,10 +342,12 @@ def _meta():
     return torch.empty(2, device="meta")
 
 
-def _cuda_mock():
-    """A stand-in passing isinstance(torch.Tensor) whose device is cuda:1."""
+def _device_mock(device: str):
+    """A stand-in passing isinstance(torch.Tensor) on ``device`` (cuda:1, xpu:1: no such device here)."""
     m = mock.MagicMock(spec=torch.Tensor)
-    m.layout, m.device, m.dtype, m.is_cpu = torch.strided, torch.device("cuda", 1), torch.float32, False
+    m.layout, m.device, m.dtype, m.is_cpu = torch.strided, torch.device(device), torch.float32, False
+    m.is_cuda = m.device.type == "cuda"
+    m.numel.return_value = 2
     return m
 
 
@@ -353,98 +355,98 @@ S = T.SUM
 # (name, op, function, args after the group, fragment of what the message must say).
 # The fake group has rank 1 of 4; root 0 is another rank.
 BAD = [
-    ("not-a-tensor", "all_reduce", reduce.all_reduce, ([[1.0]], S), r"tensor is a list, not a torch\.Tensor"),
-    ("not-a-list", "all_reduce", reduce.all_reduce, ("x", S), r"tensors is a str, not a list of tensors"),
-    ("two-tensors", "all_reduce", reduce.all_reduce, ([_t(2), _t(2)], S), r"tensors has 2 tensors, expected 1$"),
-    ("sparse", "broadcast", scatter.broadcast, ([_t(2).to_sparse()], 0),  # (all_reduce takes sparse: gloo's sum)
+    ("not-a-tensor", "all_reduce", reduce.ALL_REDUCE.check, ([[1.0]], S), r"tensor is a list, not a torch\.Tensor"),
+    ("not-a-list", "all_reduce", reduce.ALL_REDUCE.check, ("x", S), r"tensors is a str, not a list of tensors"),
+    ("two-tensors", "all_reduce", reduce.ALL_REDUCE.check, ([_t(2), _t(2)], S), r"tensors has 2 tensors, expected 1$"),
+    ("sparse", "broadcast", scatter.BROADCAST.check, ([_t(2).to_sparse()], 0),  # (all_reduce takes sparse: gloo's sum)
      r"tensor has layout torch\.sparse_coo; only dense \(strided\) tensors can be sent\. Call \.to_dense\(\) first"),
-    ("meta", "all_reduce", reduce.all_reduce, ([_meta()], S), r"tensor is a meta tensor: it has no data"),
-    ("cuda-subclass", "all_reduce", reduce.all_reduce, ([_t(2).as_subclass(FakeCudaTensor)], S),
-     r"tensor is on device cuda:0; .*Move it to the CPU with \.cpu\(\)"),
-    ("cuda-mock", "broadcast", scatter.broadcast, ([_cuda_mock()], 0), r"tensor is on device cuda:1"),
-    ("bits8", "all_reduce", reduce.all_reduce, ([torch.zeros(2, dtype=torch.bits8)], S),
+    ("meta", "all_reduce", reduce.ALL_REDUCE.check, ([_meta()], S), r"tensor is a meta tensor: it has no data"),
+    ("xpu-mock", "broadcast", scatter.BROADCAST.check, ([_device_mock("xpu:1")], 0),
+     r"tensor is on device xpu:1; hpccomm moves CPU and CUDA tensors\. Move it to the CPU with \.cpu\(\)"),
+    ("bits8", "all_reduce", reduce.ALL_REDUCE.check, ([torch.zeros(2, dtype=torch.bits8)], S),
      r"tensor has dtype torch\.bits8, which hpccomm cannot send"),
-    ("band-float", "all_reduce", reduce.all_reduce, ([_t(2)], T.BAND), r"ReduceOp\.BAND needs an integer or bool"),
-    ("avg-bool", "all_reduce", reduce.all_reduce, ([_t(2, dtype=torch.bool)], T.AVG),
+    ("band-float", "all_reduce", reduce.ALL_REDUCE.check, ([_t(2)], T.BAND), r"ReduceOp\.BAND needs an integer or bool"),
+    ("avg-bool", "all_reduce", reduce.ALL_REDUCE.check, ([_t(2, dtype=torch.bool)], T.AVG),
      r"ReduceOp\.AVG is not defined for bool tensors"),
-    ("premul-int", "all_reduce", reduce.all_reduce, ([_t(2, dtype=torch.int32)], dist._make_nccl_premul_sum(2.0)),
+    ("premul-int", "all_reduce", reduce.ALL_REDUCE.check, ([_t(2, dtype=torch.int32)], dist._make_nccl_premul_sum(2.0)),
      r"ReduceOp\.PREMUL_SUM needs a floating-point or complex tensor, got torch\.int32"),
-    ("float8", "all_reduce", reduce.all_reduce, ([_t(2).to(torch.float8_e4m3fn)], T.MAX),
+    ("float8", "all_reduce", reduce.ALL_REDUCE.check, ([_t(2).to(torch.float8_e4m3fn)], T.MAX),
      r"torch\.float8_e4m3fn can be moved but not reduced"),
-    ("coalesced-float8", "all_reduce_coalesced", reduce.all_reduce_coalesced,
+    ("coalesced-float8", "all_reduce_coalesced", reduce.ALL_REDUCE_COALESCED.check,
      ([_t(2), _t(2).to(torch.float8_e5m2)], S), r"torch\.float8_e5m2 can be moved but not reduced"),
-    ("reduce-root", "reduce", reduce.reduce, ([_t(2)], 4, S), r"\w+ 4 is not a rank of this group of size 4"),
-    ("reduce-root-float", "reduce", reduce.reduce, ([_t(2)], 1.0, S), r"\w+ 1\.0 is not a rank of this group"),
-    ("reduce-min-complex", "reduce", reduce.reduce, ([_t(2, dtype=torch.complex64)], 0, T.MIN),
+    ("reduce-root", "reduce", reduce.REDUCE.check, ([_t(2)], 4, S), r"\w+ 4 is not a rank of this group of size 4"),
+    ("reduce-root-float", "reduce", reduce.REDUCE.check, ([_t(2)], 1.0, S), r"\w+ 1\.0 is not a rank of this group"),
+    ("reduce-min-complex", "reduce", reduce.REDUCE.check, ([_t(2, dtype=torch.complex64)], 0, T.MIN),
      r"ReduceOp\.MIN is not defined for complex tensors"),
-    ("rst-size", "reduce_scatter_tensor", reduce.reduce_scatter_tensor, (_t(3), _t(8), S),
+    ("rst-size", "reduce_scatter_tensor", reduce.REDUCE_SCATTER_TENSOR.check, (_t(3), _t(8), S),
      r"input has 8 elements, expected output's 3 × group size 4 = 12"),
-    ("rst-dtype", "reduce_scatter_tensor", reduce.reduce_scatter_tensor, (_t(2), _t(8, dtype=torch.float64), S),
+    ("rst-dtype", "reduce_scatter_tensor", reduce.REDUCE_SCATTER_TENSOR.check, (_t(2), _t(8, dtype=torch.float64), S),
      r"input has dtype torch\.float64 but output has torch\.float32"),
-    ("rs-len", "reduce_scatter", reduce.reduce_scatter, ([_t(2)], [[_t(2)] * 3], S),
+    ("rs-len", "reduce_scatter", reduce.REDUCE_SCATTER.check, ([_t(2)], [[_t(2)] * 3], S),
      r"input_list has 3 tensors, expected 4 \(one per rank of the group\)"),
-    ("rs-entry", "reduce_scatter", reduce.reduce_scatter, ([_t(2)], [[_t(2), _t(3), _t(2), _t(2)]], S),
+    ("rs-entry", "reduce_scatter", reduce.REDUCE_SCATTER.check, ([_t(2)], [[_t(2), _t(3), _t(2), _t(2)]], S),
      r"input_list\[1\] has 3 elements but output has 2\. Every input must have the output's size"),
-    ("rs-dtype", "reduce_scatter", reduce.reduce_scatter, ([_t(2)], [[_t(2, dtype=torch.int8)] * 4], S),
+    ("rs-dtype", "reduce_scatter", reduce.REDUCE_SCATTER.check, ([_t(2)], [[_t(2, dtype=torch.int8)] * 4], S),
      r"input_list\[0\] has dtype torch\.int8 but the input has torch\.float32\. All tensors of one op"),
-    ("rstc-len", "reduce_scatter_tensor_coalesced", reduce.reduce_scatter_tensor_coalesced,
+    ("rstc-len", "reduce_scatter_tensor_coalesced", reduce.REDUCE_SCATTER_TENSOR_COALESCED.check,
      ([_t(2)], [_t(8), _t(8)], S), r"inputs has 2 tensors, expected 1$"),
-    ("agit-size", "all_gather_into_tensor", gather.all_gather_into_tensor, (_t(9), _t(2)),
+    ("agit-size", "all_gather_into_tensor", gather.ALL_GATHER_INTO_TENSOR.check, (_t(9), _t(2)),
      r"output has 9 elements, expected input's 2 × group size 4 = 8"),
-    ("agit-dtype", "all_gather_into_tensor", gather.all_gather_into_tensor, (_t(8, dtype=torch.int64), _t(2)),
+    ("agit-dtype", "all_gather_into_tensor", gather.ALL_GATHER_INTO_TENSOR.check, (_t(8, dtype=torch.int64), _t(2)),
      r"input has dtype torch\.float32 but output has torch\.int64"),
-    ("agit-meta", "all_gather_into_tensor", gather.all_gather_into_tensor, (_t(8), _meta()),
+    ("agit-meta", "all_gather_into_tensor", gather.ALL_GATHER_INTO_TENSOR.check, (_t(8), _meta()),
      r"input is a meta tensor"),
-    ("ag-len", "all_gather", gather.all_gather, ([[_t(2)] * 5], [_t(2)]),
+    ("ag-len", "all_gather", gather.ALL_GATHER.check, ([[_t(2)] * 5], [_t(2)]),
      r"tensor_list has 5 tensors, expected 4 \(one per rank of the group\)"),
-    ("ag-slot", "all_gather", gather.all_gather, ([[_t(2), _t(3), _t(2), _t(2)]], [_t(2)]),
+    ("ag-slot", "all_gather", gather.ALL_GATHER.check, ([[_t(2), _t(3), _t(2), _t(2)]], [_t(2)]),
      r"tensor_list\[1\] \(this rank's slot\) has 3 elements but the input has 2"),
-    ("ag-dtype", "all_gather", gather.all_gather, ([[_t(2, dtype=torch.float16)] * 4], [_t(2)]),
+    ("ag-dtype", "all_gather", gather.ALL_GATHER.check, ([[_t(2, dtype=torch.float16)] * 4], [_t(2)]),
      r"tensor_list\[0\] has dtype torch\.float16 but the input has torch\.float32"),
-    ("agc-len", "all_gather_coalesced", gather.all_gather_coalesced, ([[_t(2)] * 4], [_t(2), _t(2)]),
+    ("agc-len", "all_gather_coalesced", gather.ALL_GATHER_COALESCED.check, ([[_t(2)] * 4], [_t(2), _t(2)]),
      r"output_tensor_lists has 1 tensors, expected 4 \(one per rank of the group\)$"),
-    ("agc-inner", "all_gather_coalesced", gather.all_gather_coalesced, ([[_t(2)] * 2] * 3 + [[_t(2)]], [_t(2), _t(2)]),
+    ("agc-inner", "all_gather_coalesced", gather.ALL_GATHER_COALESCED.check, ([[_t(2)] * 2] * 3 + [[_t(2)]], [_t(2), _t(2)]),
      r"output_tensor_lists\[3\] has 1 tensors, expected 2$"),
-    ("agitc-len", "all_gather_into_tensor_coalesced", gather.all_gather_into_tensor_coalesced,
+    ("agitc-len", "all_gather_into_tensor_coalesced", gather.ALL_GATHER_INTO_TENSOR_COALESCED.check,
      ([_t(8)], [_t(2), _t(2)]), r"inputs has 2 tensors, expected 1$"),
-    ("gather-root", "gather", gather.gather, ([[]], [_t(2)], -1), r"dst -1 is not a rank of this group of size 4"),
-    ("gather-nonroot-list", "gather", gather.gather, ([[_t(2)] * 4], [_t(2)], 0),
+    ("gather-root", "gather", gather.GATHER.check, ([[]], [_t(2)], -1), r"dst -1 is not a rank of this group of size 4"),
+    ("gather-nonroot-list", "gather", gather.GATHER.check, ([[_t(2)] * 4], [_t(2)], 0),
      r"gather_list must be empty or None on rank 1, which is not the destination \(rank 0\)"),
-    ("gather-root-len", "gather", gather.gather, ([[_t(2)] * 3], [_t(2)], 1),
+    ("gather-root-len", "gather", gather.GATHER.check, ([[_t(2)] * 3], [_t(2)], 1),
      r"gather_list has 3 tensors, expected 4 \(one per rank of the group\)"),
-    ("gather-root-entry", "gather", gather.gather, ([[_t(2), _t(2), _t(2), _t(5)]], [_t(2)], 1),
+    ("gather-root-entry", "gather", gather.GATHER.check, ([[_t(2), _t(2), _t(2), _t(5)]], [_t(2)], 1),
      r"gather_list\[3\] has 5 elements but the input has 2\. gather needs tensors of one size on every rank"),
-    ("bcast-root", "broadcast", scatter.broadcast, ([_t(2)], 4), r"src 4 is not a rank of this group of size 4\. "
+    ("bcast-root", "broadcast", scatter.BROADCAST.check, ([_t(2)], 4), r"src 4 is not a rank of this group of size 4\. "
      r"Pass a group rank in 0\.\.size-1"),
-    ("scatter-root", "scatter", scatter.scatter, ([_t(2)], [], 9), r"src 9 is not a rank"),
-    ("scatter-nonroot-list", "scatter", scatter.scatter, ([_t(2)], [[_t(2)] * 4], 0),
+    ("scatter-root", "scatter", scatter.SCATTER.check, ([_t(2)], [], 9), r"src 9 is not a rank"),
+    ("scatter-nonroot-list", "scatter", scatter.SCATTER.check, ([_t(2)], [[_t(2)] * 4], 0),
      r"scatter_list must be empty or None on rank 1, which is not the source \(rank 0\)"),
-    ("scatter-root-len", "scatter", scatter.scatter, ([_t(2)], [[_t(2)] * 2], 1),
+    ("scatter-root-len", "scatter", scatter.SCATTER.check, ([_t(2)], [[_t(2)] * 2], 1),
      r"scatter_list has 2 tensors, expected 4"),
-    ("scatter-root-dtype", "scatter", scatter.scatter, ([_t(2)], [[_t(2, dtype=torch.int16)] * 4], 1),
+    ("scatter-root-dtype", "scatter", scatter.SCATTER.check, ([_t(2)], [[_t(2, dtype=torch.int16)] * 4], 1),
      r"scatter_list\[0\] has dtype torch\.int16 but the input has torch\.float32"),
-    ("a2as-splits-len", "all_to_all_single", alltoall.all_to_all_single, (_t(4), _t(4), [1] * 4, [1] * 3),
+    ("a2as-splits-len", "all_to_all_single", alltoall.ALL_TO_ALL_SINGLE.check, (_t(4), _t(4), [1] * 4, [1] * 3),
      r"input_split_sizes has 3 entries, expected 4 \(one per rank\)"),
-    ("a2as-splits-sum", "all_to_all_single", alltoall.all_to_all_single, (_t(4), _t(4), [1] * 4, [2, 1, 1, 1]),
+    ("a2as-splits-sum", "all_to_all_single", alltoall.ALL_TO_ALL_SINGLE.check, (_t(4), _t(4), [1] * 4, [2, 1, 1, 1]),
      r"input_split_sizes \[2, 1, 1, 1\] do not add up to input's 4 rows \(dim 0\)"),
-    ("a2as-rows", "all_to_all_single", alltoall.all_to_all_single, (_t(4), _t(6), [], []),
+    ("a2as-rows", "all_to_all_single", alltoall.ALL_TO_ALL_SINGLE.check, (_t(4), _t(6), [], []),
      r"input has 6 rows, not divisible by the group size 4\. Pass input_split_sizes"),
-    ("a2as-dtype", "all_to_all_single", alltoall.all_to_all_single, (_t(4, dtype=torch.int32), _t(4), [], []),
+    ("a2as-dtype", "all_to_all_single", alltoall.ALL_TO_ALL_SINGLE.check, (_t(4, dtype=torch.int32), _t(4), [], []),
      r"input has dtype torch\.float32 but output has torch\.int32"),
-    ("a2a-len", "all_to_all", alltoall.alltoall, ([_t(1)] * 4, [_t(1)] * 5),
+    ("a2a-len", "all_to_all", alltoall.ALL_TO_ALL.check, ([_t(1)] * 4, [_t(1)] * 5),
      r"input_tensor_list has 5 tensors, expected 4"),
-    ("a2a-dtype", "all_to_all", alltoall.alltoall, ([_t(1, dtype=torch.int32)] * 4, [_t(1)] * 4),
+    ("a2a-dtype", "all_to_all", alltoall.ALL_TO_ALL.check, ([_t(1, dtype=torch.int32)] * 4, [_t(1)] * 4),
      r"output_tensor_list\[0\] has dtype torch\.int32 but the input has torch\.float32"),
-    ("send-dst", "send", p2p.send, ([_t(2)], 4, 0), r"dst 4 is not a rank of this group of size 4"),
-    ("send-tag", "send", p2p.send, ([_t(2)], 0, -3), r"tag -3 is outside 0\.\.32767 \(MPI_TAG_UB\)"),
-    ("recv-src", "recv", p2p.recv, ([_t(2)], -2, 0), r"src -2 is not a rank of this group of size 4"),
-    ("recv-tag", "recv", p2p.recv, ([_t(2)], None, 40000), r"tag 40000 is outside 0\.\.32767"),
+    ("send-dst", "send", p2p.SEND.check, ([_t(2)], 4, 0), r"dst 4 is not a rank of this group of size 4"),
+    ("send-tag", "send", p2p.SEND.check, ([_t(2)], 0, -3), r"tag -3 is outside 0\.\.32767 \(MPI_TAG_UB\)"),
+    ("recv-src", "recv", p2p.RECV.check, ([_t(2)], -2, 0), r"src -2 is not a rank of this group of size 4"),
+    ("recv-tag", "recv", p2p.RECV.check, ([_t(2)], None, 40000), r"tag 40000 is outside 0\.\.32767"),
 ]
 
 
 @pytest.mark.parametrize("name,op,fn,args,what", BAD, ids=[b[0] for b in BAD])
 def test_refused_before_communication(name, op, fn, args, what):
-    """Every op refuses bad input without touching its communicator, with an
+    """Every op's checks (its declaration's ``check``, which every route runs
+    once) refuse bad input without touching its communicator, with an
     OpError naming the op, the group, rank/size and what is wrong."""
     g = fake_group()
     with pytest.raises(errors.OpError) as info:
@@ -457,6 +459,22 @@ def test_refused_before_communication(name, op, fn, args, what):
     assert msg.startswith(f"hpccomm {op} ({label} #7 on group 'fake', rank 1/4): "), msg
     assert re.search(what, msg), f"{what!r} not in {msg!r}"
     _assert_well_formed(msg)
+
+
+@pytest.mark.parametrize("make,device", [(lambda: _t(2).as_subclass(FakeCudaTensor), "cuda:0"),
+                                         (lambda: _device_mock("cuda:1"), "cuda:1")], ids=["fake-cuda", "cuda-mock"])
+def test_cuda_tensors_pass_the_checks_and_name_their_device(make, device):
+    """A CUDA tensor is not refused by an op's checks (every route runs the
+    same checks): the op path finds its device and takes it to the route its
+    group has for that device (hpccomm._gpu.dispatch), never by catching a
+    refusal of the CPU path."""
+    from hpccomm._gpu import dispatch
+
+    g, t = fake_group(), make()
+    call = scatter.BROADCAST.check(g, [t], 0)
+    assert call.signature.describe() == "broadcast(float32[2], root 0)"
+    assert dispatch.cuda_device(g, scatter.BROADCAST, ([t], 0)) == torch.device(device)
+    assert scatter.BROADCAST.key(([t], 0)) is None  # (never a cached CPU call)
 
 
 def test_message_check_catches_bad_messages():
@@ -694,7 +712,7 @@ def test_wait_returns_only_after_the_future_completed(monkeypatch):
     out = [torch.ones(2)]
     go, in_set_result, release = threading.Event(), threading.Event(), threading.Event()
     plan = (lambda: go.wait(10), (), None, out, out, None, None, 0)  # blocks the comm thread until go
-    record = core_record.OpRecord(Group(), "all_reduce", plan)
+    record = core_record.OpRecord(Group(), _op("all_reduce"), _call("all_reduce"), plan)
     work = core_work.pending(record, out)
     record.queue((), True)
 
@@ -752,6 +770,20 @@ def self_group():
     g.free()
 
 
+def _op(name: str):
+    """The declaration of op ``name`` (hpccomm._ops.registry)."""
+    from hpccomm._ops import registry
+
+    return registry.BY_NAME[name]
+
+
+def _call(name: str):
+    """A checked call of op ``name`` with nothing to compare (a record's plans here make no MPI call)."""
+    from hpccomm._ops.op import Call, Signature
+
+    return Call(Signature(name))
+
+
 def _plan(call=lambda: None, icall=None, outputs=None, after=None):
     return (call, (), icall, outputs, None, None, after, 0)
 
@@ -763,10 +795,10 @@ def test_record_queued_submitted_running_done(self_group):
     from hpccomm._core import comm_thread, record as rec, state, work as core_work
 
     gate, running, go = threading.Event(), threading.Event(), threading.Event()
-    first = rec.OpRecord(self_group, "barrier", _plan(lambda: gate.wait(30)))
+    first = rec.OpRecord(self_group, _op("barrier"), _call("barrier"), _plan(lambda: gate.wait(30)))
     first.queue((), True)
     out = [torch.ones(1)]
-    second = rec.OpRecord(self_group, "all_reduce", _plan(lambda: (running.set(), go.wait(30)), outputs=out))
+    second = rec.OpRecord(self_group, _op("all_reduce"), _call("all_reduce"), _plan(lambda: (running.set(), go.wait(30)), outputs=out))
     w = core_work.pending(second, out)
     second.queue((), True)
     assert second.state == rec.SUBMITTED and second.seq is None and second.describe() == "all_reduce (group 'self')"
@@ -790,7 +822,7 @@ def test_record_queued_failed(self_group):
     def broken():
         raise RuntimeError("the plan broke")
 
-    r = rec.OpRecord(self_group, "all_reduce", _plan(broken))
+    r = rec.OpRecord(self_group, _op("all_reduce"), _call("all_reduce"), _plan(broken))
     w = core_work.pending(r, [])
     r.queue((), True)
     with pytest.raises(errors.HpccommError, match=r"hpccomm all_reduce \(op #\d+ on group 'self', rank 0/1\): "
@@ -799,7 +831,7 @@ def test_record_queued_failed(self_group):
     assert r.state == rec.FAILED and w.is_completed() and not w.is_success() and w.exception() is r.error
     with pytest.raises(RuntimeError, match="HpccommError: hpccomm all_reduce .*the plan broke"):  # (torch's wrapping)
         w.get_future().wait()
-    ok = rec.OpRecord(self_group, "all_reduce", _plan())
+    ok = rec.OpRecord(self_group, _op("all_reduce"), _call("all_reduce"), _plan())
     ok.queue((), True)
     ok.wait()
     assert ok.state == rec.DONE
@@ -812,7 +844,7 @@ def test_record_posted_running_timed_out_done(self_group):
     from hpccomm._core import record as rec, state, work as core_work
 
     req, steps = FakeRequest(), []
-    r = rec.OpRecord(self_group, "all_gather_into_tensor", _plan(icall=lambda: req, after=lambda: steps.append(1)))
+    r = rec.OpRecord(self_group, _op("all_gather_into_tensor"), _call("all_gather_into_tensor"), _plan(icall=lambda: req, after=lambda: steps.append(1)))
     w = core_work.pending(r, [])
     r.post()
     assert r.state == rec.RUNNING and r in state.records() and r.seq == self_group.seq and r.token is not None
@@ -831,7 +863,7 @@ def test_record_posted_failed(self_group):
     from hpccomm._core import record as rec, state, work as core_work
 
     req, steps = FakeRequest(RuntimeError("the request broke")), []
-    r = rec.OpRecord(self_group, "broadcast", _plan(icall=lambda: req, after=lambda: steps.append(1)))
+    r = rec.OpRecord(self_group, _op("broadcast"), _call("broadcast"), _plan(icall=lambda: req, after=lambda: steps.append(1)))
     w = core_work.pending(r, [])
     r.post()
     req.finish()
@@ -848,13 +880,13 @@ def test_record_future_hands_a_posted_collective_to_the_comm_thread(self_group):
     from hpccomm._core import comm_thread, record as rec, work as core_work
 
     req, out = FakeRequest(), [torch.ones(1)]
-    r = rec.OpRecord(self_group, "all_reduce", _plan(icall=lambda: req, outputs=out))
+    r = rec.OpRecord(self_group, _op("all_reduce"), _call("all_reduce"), _plan(icall=lambda: req, outputs=out))
     w = core_work.pending(r, out)
     r.post()
     ran = []
     fut = w.get_future().then(lambda f: ran.append(threading.current_thread().name))
     assert r.by_comm_thread and self_group.queued == 1 and w._op is r
-    later = rec.OpRecord(self_group, "barrier", _plan())
+    later = rec.OpRecord(self_group, _op("barrier"), _call("barrier"), _plan())
     later.queue((), True)  # behind it
     assert later.state == rec.SUBMITTED
     req.finish()

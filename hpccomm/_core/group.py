@@ -45,7 +45,16 @@ class Group:
     cross-rank checks use (hpccomm._core.signatures, debug mode), in the
     thread that runs the group's collectives; ``calls``: the calls plans
     make on ``comm`` and ``p2p`` (:class:`MPICalls`).
+
+    Its attributes are slots: the op path reads several on every op, and a
+    slot is read without a dict lookup (CPython 3.11 also stops sharing an
+    instance dict's keys past 30 attributes, which slowed every read).
     """
+
+    __slots__ = ("comm", "p2p", "checks", "calls", "rank", "size", "global_ranks", "key", "name", "desc", "store",
+                 "_timeout", "timeout_s", "seq", "p2p_seq", "_seqs", "_p2p_seqs", "running", "last", "queued",
+                 "is_world", "coalescing", "checked", "_observed", "_debug", "instrumented", "nonblocking",
+                 "max_count", "tag_ub", "_owns_comm", "_lock", "barriers", "__weakref__")
 
     def __init__(self, comm, global_ranks: Sequence[int], name: str = "", store=None,
                  timeout=None, owns_comm: bool = True, tag_ub: Optional[int] = None) -> None:
@@ -74,6 +83,9 @@ class Group:
         self.queued = 0  # async ops of this group not yet run by the comm thread
         self.is_world = False
         self.coalescing = None  # a list of pending p2p ops while torch coalesces them
+        #: The checked calls of this group by their shape (hpccomm._ops.op_path: an op's ``key`` -> its Call).
+        self.checked = {}
+        self.barriers = 0  # hpccomm.monitored_barrier's calls on this group (its store keys)
         # tracing or per-op debug logging (the settings, read when the group is made)
         self._observed = bool(config.get("HPCCOMM_TRACE")) or config.get("HPCCOMM_LOG") == "DEBUG"
         self.debug = debug_mode.enabled()  # compare every collective across ranks first

@@ -42,19 +42,23 @@ SUBMITTED, RUNNING, DONE, FAILED = range(4)  # (state >= DONE: complete)
 
 
 class OpRecord:
-    """Op ``name`` of ``group`` with ``plan`` (hpccomm._core.plan); ``kind``
+    """A call of ``op`` (its declaration, hpccomm._ops.op.Op; None for what
+    only the watchdog sees, named ``name``) on ``group``: checked ``call``
+    (hpccomm._ops.op.Call) with ``plan`` (hpccomm._core.plan); ``kind``
     ``"collective"``, ``"p2p"`` (``peer``: the other rank, None for any) or
     ``"batch"`` (torch's coalesced point-to-point ops: ``parts``);
     ``devices``: the CUDA devices its future names.  ``seq``, ``start``,
     ``deadline``, ``token``: given by hpccomm._core.state when numbered."""
 
-    __slots__ = ("group", "name", "plan", "kind", "peer", "devices", "state", "lock", "by_comm_thread", "seq",
-                 "start", "deadline", "token", "args", "asynchronous", "req", "status", "error", "source",
-                 "timed_out", "parts", "traced", "latch", "fut", "raw")
+    __slots__ = ("group", "op", "call", "name", "plan", "kind", "peer", "devices", "state", "lock",
+                 "by_comm_thread", "seq", "start", "deadline", "token", "args", "asynchronous", "req", "status",
+                 "error", "source", "timed_out", "parts", "traced", "latch", "fut", "raw")
 
-    def __init__(self, group, name: str, plan, kind: str = "collective", peer=None, devices=None) -> None:
+    def __init__(self, group, op, call, plan, kind: str = "collective", peer=None, devices=None,
+                 name: str = "") -> None:
         self.group = group
-        self.name = name
+        self.op, self.call = op, call
+        self.name = op.name if op is not None else name
         self.plan = plan
         self.kind = kind
         self.peer = peer
@@ -73,7 +77,7 @@ class OpRecord:
         """A RUNNING record, for the watchdog, of what runs without one (a
         blocking collective's note, group creation); ``seconds``: its limit
         (None: its group's)."""
-        record = cls(group, name, None, kind, peer)
+        record = cls(group, None, None, None, kind, peer, name=name)
         seconds = getattr(group, "timeout_s", None) if seconds is None else seconds
         record.seq, record.start, record.state = seq, start, RUNNING
         record.deadline = start + seconds if seconds else None
@@ -82,7 +86,7 @@ class OpRecord:
     @classmethod
     def batch(cls, group, parts, description: str):
         """A batch of point-to-point ops' records: complete when every part is."""
-        record = cls(group, description, None, "batch")
+        record = cls(group, None, None, None, "batch", name=description)
         record.parts, record.state = tuple(parts), RUNNING
         return record
 
@@ -99,7 +103,7 @@ class OpRecord:
         nonblocking MPI call.  An error raises (an MPI one naming the op),
         nothing left watched."""
         g, plan = self.group, self.plan
-        if self.name == "recv":
+        if self.op.receives:  # what arrived: checked at completion, its source the Work's
             self.status = _mpi.status()
         state.start(g, self.name, self)
         if g.instrumented and self.kind == "collective" and trace.active():
@@ -129,7 +133,7 @@ class OpRecord:
             if self.req is not None:
                 self.req.Wait(self.status)
             else:
-                execute(self.group, self.name, self.plan, self.args, self, self.asynchronous)
+                execute(self.group, self.op, self.call, self.plan, self.args, self, self.asynchronous)
         except BaseException as exc:  # noqa: BLE001 - handed to its waiters
             error = exc
         with self.lock:

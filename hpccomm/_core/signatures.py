@@ -7,10 +7,14 @@ raises ``MPI_ERR_TRUNCATE`` on some ranks while others return wrong data, and
 a broadcast returns wrong data everywhere without a word.  So, on by default
 (``HPCCOMM_MISMATCH_CHECK=first``):
 
-- a rank remembers, per group, the signatures ``(op, bytes)`` its ranks have
-  agreed on (:class:`Checks`, ``group.checks``); a call whose signature is
-  among them runs at once: the op path pays a dict subscript and a set
-  lookup (:func:`hpccomm._core.execute.execute`);
+- a rank remembers, per group, the signatures its ranks have agreed on
+  (:class:`Checks`, ``group.checks``): each op's signature is declared with
+  the op (hpccomm._ops.op.Signature: the op, every tensor's dtype and
+  element count, the ReduceOp, the root; for the coalesced ops every
+  tensor); a call whose signature is among them runs at once: the op path
+  pays an attribute test where the checked call is cached by its shape
+  (hpccomm._ops.op_path), a set lookup otherwise
+  (:func:`hpccomm._core.execute.execute`);
 - any other call is first compared (:func:`check`): the ranks allgather what
   each is about to do, on the group's ``checks`` communicator (a duplicate
   that only checks use, so a check never matches an op), and either raise
@@ -20,11 +24,10 @@ a broadcast returns wrong data everywhere without a word.  So, on by default
 Why it never makes ranks disagree on which collectives run: the set is the
 same on every rank (a signature joins it when the gathered keys are equal
 everywhere, a decision made from the same gathered data on every rank), and
-the key is chosen so that in a correct program every rank computes the same
-one (``(op, bytes of this rank's input)`` where a correct call has equal
-inputs everywhere; the whole list of sizes for ``all_gather``, whose inputs
-may differ; none for ``all_to_all``, whose splits may differ: it is never
-checked by default).  So if one rank skips the check and another runs it,
+the signature's key holds only what is equal on every rank of a correct
+program (all_gather's list of every rank's size, not its input's;
+all_to_all's splits, which may differ, are its ``pairs``, compared for fit on
+the first call of its key, the op and dtype).  So if one rank skips the check and another runs it,
 their calls differ: the ranks really did call op #k differently.  The skipping
 rank is then in the op on the group's communicator and the checking one in
 the check on its own: neither can go on.  The watchdog resolves it within a
@@ -35,9 +38,10 @@ op differently, waits for the checking rank to say so too, and ends the job.
 A rank whose op completed without the others (a broadcast root) and that
 then ends its program is caught by the timeout instead.
 
-What is not caught by default: a later call with a signature already agreed
-on (same op and byte count) but another dtype, ReduceOp or root,
-``all_to_all``'s splits, and the async collectives that take their
+What is not caught by default: a later call whose signature was agreed on
+before on one rank while another rank calls a different one that the group
+also agreed on before (the ranks then run different collectives: MPI's own
+error, or the timeout), ``all_to_all``'s splits after its first call, and the async collectives that take their
 nonblocking MPI form (``HPCCOMM_ASYNC_NONBLOCKING=1``): posted, the check
 would block the caller until every rank arrives, and whether such a call is
 posted or queued depends on each rank's own queue, so the queued one is not
@@ -67,12 +71,6 @@ LABEL = " (first-call signature check)"
 #: Signatures remembered per group; past this many the group stops checking (the
 #: count is equal on every rank, so every rank stops at the same call), said once.
 MAX_SIGNATURES = 1024
-#: Ops whose inputs may differ across ranks in a correct program with nothing
-#: equal on every rank to key them by: never checked by default.
-UNKEYED = frozenset(("all_to_all", "all_to_all_single"))
-#: Ops whose inputs may differ across ranks, keyed by every rank's size (the
-#: output list, equal on every rank in a correct program).
-LISTED = frozenset(("all_gather",))
 _WAIT = 3.0  # seconds the rank that found the mismatch waits for the checking rank's own line
 
 HINT = ("The ranks of a group must call the same collectives in the same order with matching sizes, dtypes, "
@@ -87,24 +85,22 @@ def enabled() -> bool:
 class Checks:
     """A group's checks (its one attribute ``checks``): ``comm``, a duplicate
     of the group's communicator that only the cross-rank checks use (this
-    module's and debug mode's); ``agreed``, the signatures agreed on: op name
-    -> the set of byte counts agreed on for it (None: the first-call check is
-    off), looked up as ``nbytes in agreed[op]`` on every call (a subscript
-    and an int in a set: no tuple is made); ``listed``, all_gather's keys
-    (every rank's size); ``done``, the op numbers this rank compared (the
-    watchdog's test of a stuck check); ``count``, the signatures agreed on;
-    ``noted``, the op number of the check the watchdog left a note of (0:
-    none); ``current``, ``(op number, the call described)`` while this rank
-    compares a call (None otherwise; the op runs under its own name
-    meanwhile, so that a timeout names the op as it always did).
-    One attribute of the group, not several: past 30 attributes CPython 3.11
-    stops sharing an instance's dict keys, and every attribute read of the
-    group on the op path gets slower (measured: 150 to 500 instructions per op)."""
+    module's and debug mode's); ``agreed``, the keys of the signatures agreed
+    on (hpccomm._ops.op.Signature.key; None: the first-call check is off);
+    ``done``, the op numbers this rank compared (the watchdog's test of a
+    stuck check); ``count``, the signatures agreed on; ``noted``, the op
+    number of the check the watchdog left a note of (0: none); ``current``,
+    ``(op number, the call described)`` while this rank compares a call (None
+    otherwise; the op runs under its own name meanwhile, so that a timeout
+    names the op as it always did).  One attribute of the group, not several:
+    past 30 attributes CPython 3.11 stops sharing an instance's dict keys, and
+    every attribute read of the group on the op path gets slower (measured:
+    150 to 500 instructions per op)."""
 
-    __slots__ = ("comm", "agreed", "listed", "done", "count", "noted", "current")
+    __slots__ = ("comm", "agreed", "done", "count", "noted", "current")
 
     def __init__(self, comm, on: bool) -> None:
-        self.comm, self.agreed, self.listed = comm, collections.defaultdict(set) if on else None, set()
+        self.comm, self.agreed = comm, set() if on else None
         self.done, self.count, self.noted, self.current = set(), 0, 0, None
 
 
@@ -123,37 +119,22 @@ def detach(group) -> None:
         comm.Free()
 
 
-def _key(op: str, nbytes: int, args):
-    """The key a rank remembers for this call (see the module docstring);
-    None: never checked by default."""
-    if op in UNKEYED:
-        return None
-    if op in LISTED:
-        try:
-            return (op, tuple(t.numel() for t in args[0][0]))
-        except (IndexError, TypeError, AttributeError):
-            return (op, nbytes)
-    return (op, nbytes)
-
-
-def compared(group, op: str, nbytes: int, args) -> bool:
-    """Whether a call of ``op`` (``nbytes`` of this rank's input, ``args``)
-    on ``group`` would be compared across ranks before it runs (debug mode,
-    or its signature is new to the group): :func:`hpccomm.explain` says it."""
+def compared(group, call) -> bool:
+    """Whether checked ``call`` (hpccomm._ops.op.Call) on ``group`` would be
+    compared across ranks before it runs (debug mode, or its signature is new
+    to the group): :func:`hpccomm.explain` says it."""
     if group.debug:
         return True
     agreed = group.checks.agreed
-    checks = group.checks
-    if agreed is None or nbytes in agreed[op]:
-        return False
-    key = _key(op, nbytes, args)
-    return key is not None and key not in checks.listed
+    return agreed is not None and call.signature.key not in agreed
 
 
-def check(group, op: str, nbytes: int, args, seq: int) -> None:
-    """The first call of a signature (``op``, ``nbytes`` of this rank's
-    input) on ``group``, op number ``seq``: compare it across the group's
-    ranks before it runs; on agreement remember it, else raise
+def check(group, call, seq: int) -> None:
+    """The first call of a signature on ``group`` (``call``: the checked call,
+    hpccomm._ops.op.Call), op number ``seq``: compare it across the group's
+    ranks before it runs (its key, equal on every rank of a correct program,
+    and its pairs, which must fit together: all_to_all's splits); on
+    agreement remember it (and mark ``call`` agreed), else raise
     :class:`HpccommError` on every rank, naming every rank's call.
 
     :raises HpccommError: the ranks called op ``seq`` differently (nothing
@@ -161,48 +142,48 @@ def check(group, op: str, nbytes: int, args, seq: int) -> None:
     :raises mpi4py.MPI.Exception: the exchange itself failed (the op path
         names the op).
     """
-    checks = group.checks
+    checks, signature = group.checks, call.signature
     agreed = checks.agreed
-    key = _key(op, nbytes, args)
-    if key is None or key in checks.listed:  # an unkeyed op, or a listed op seen before
+    key = signature.key
+    if key in agreed:  # (another call of the same signature: agreed on before)
+        call.agreed = True
         return
-    common, mine = debug_mode.describe(op, args, group.size)
+    common = signature.describe()
     checks.done.add(seq)
     checks.current = (seq, common)
     try:
-        everyone = checks.comm.allgather((seq, common, mine, key))
+        everyone = checks.comm.allgather((seq, common, key, signature.pairs))
     finally:
         checks.current = None
         if checks.noted == seq:  # the watchdog left a note of this check, which is over
             _unnote(group)
     problem = _compare(group, everyone)
     if problem:
-        raise HpccommError(f"hpccomm {op} ({group.where(seq)}): the ranks called this collective differently: "
-                           f"{problem}. Nothing was sent. {HINT}")
-    if all(e[3] == key for e in everyone):
-        if op in LISTED:
-            checks.listed.add(key)
-        else:
-            agreed[op].add(nbytes)
-        checks.count += 1
-        if checks.count >= MAX_SIGNATURES:
-            checks.agreed = None
-            log.warning("hpccomm: group '%s' has agreed on %d collective signatures: it compares no more "
-                        "first calls (HPCCOMM_DEBUG=DETAIL compares every call)", group.name, checks.count)
+        raise HpccommError(f"hpccomm {signature.op} ({group.where(seq)}): the ranks called this collective "
+                           f"differently: {problem}. Nothing was sent. {HINT}")
+    agreed.add(key)
+    call.agreed = True
+    checks.count += 1
+    if checks.count >= MAX_SIGNATURES:
+        checks.agreed = None
+        log.warning("hpccomm: group '%s' has agreed on %d collective signatures: it compares no more "
+                    "first calls (HPCCOMM_DEBUG=DETAIL compares every call)", group.name, checks.count)
 
 
 def _compare(group, everyone) -> str:
-    """What differs among the ranks' ``(seq, call, size facts, key)`` (empty: nothing)."""
+    """What differs among the ranks' ``(seq, call described, key, pairs)``
+    (empty: nothing): every rank's call, where the keys differ or the pairs
+    do not fit, and which sizes do not fit."""
     g = group.global_ranks
-    calls = [(s, what) for s, what, _, _ in everyone]
-    if len(set(calls)) > 1:
-        by_call: dict = {}
-        for r, (s, what) in enumerate(calls):
-            by_call.setdefault((s, what), []).append(g[r])
-        return "; ".join(f"{'ranks' if len(rs) > 1 else 'rank'} {', '.join(map(str, rs))} called {what} "
-                         f"(op #{s})" for (s, what), rs in by_call.items())
-    fit = debug_mode.sizes_fit(group, [e[2] for e in everyone])
-    return f"{calls[0][1]}: {fit}" if fit else ""
+    fit = debug_mode.sizes_fit(group, [pairs for *_, pairs in everyone])
+    if not fit and len({(s, key) for s, _, key, _ in everyone}) == 1:
+        return ""
+    by_call: dict = {}
+    for r, (s, what, _, _) in enumerate(everyone):
+        by_call.setdefault((s, what), []).append(g[r])
+    named = "; ".join(f"{'ranks' if len(rs) > 1 else 'rank'} {', '.join(map(str, rs))} called {what} (op #{s})"
+                      for (s, what), rs in by_call.items())
+    return f"{named}: {fit}" if fit else named
 
 
 # ----------------------------------------------------------------------------

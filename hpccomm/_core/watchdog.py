@@ -203,7 +203,8 @@ class Watchdog:
         peer = others[0] if others else me
         if peer in answers:
             return f"rank {peer} is stuck in {answers[peer]} (the two ranks wait for each other)"
-        return (f"rank {peer} never posted the matching {'send' if op.name == 'recv' else 'recv'} "
+        receives = op.op is not None and op.op.receives
+        return (f"rank {peer} never posted the matching {'send' if receives else 'recv'} "
                 "(busy outside hpccomm, hung or dead)")
 
 

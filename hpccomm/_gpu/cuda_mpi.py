@@ -32,20 +32,17 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 class DeviceView:
-    """A group as the op modules see it on the device path: the same group,
-    but its checks accept tensors of ``device_type``; with ``ready`` (a
-    function), its communicators (the collectives' and the point-to-point
+    """A group as the op modules' plans see it on the device path: the same
+    group, but its communicators (the collectives' and the point-to-point
     one) run ``ready()`` before every MPI call, so that a kernel the plan
     itself launched (a contiguous copy, a concatenation, PREMUL_SUM's
     scaling) is done before MPI reads the memory."""
 
-    def __init__(self, group, device_type: str, ready=None) -> None:
+    def __init__(self, group, ready) -> None:
         self._group = group
-        self.device_type = device_type
-        if ready is not None:
-            self.comm = _Ordered(group.comm, ready)
-            self.p2p = _Ordered(group.p2p, ready)
-            self.calls = _Ordered(group.calls, ready)  # (the calls plans bind once per group)
+        self.comm = _Ordered(group.comm, ready)
+        self.p2p = _Ordered(group.p2p, ready)
+        self.calls = _Ordered(group.calls, ready)  # (the calls plans bind once per group)
 
     def __getattr__(self, name):
         return getattr(self._group, name)
@@ -86,7 +83,7 @@ class CudaAwareMPI:
         self.name = "composed" if composed else "mpi"
         self._said_half = False
 
-    def _widened(self, op, args):
+    def _widened(self, op, args, rank: int):
         """``(args, pairs)``: float32 stand-ins for the call's 16-bit tensors,
         and ``(user tensor, stand-in, copy in, copy back)`` for each."""
         if not self._said_half:
@@ -106,13 +103,14 @@ class CudaAwareMPI:
                 return type(x)(wide(y, copy_in, copy_back) for y in x)
             return x
 
-        return [wide(a, i > 0 or op.first == "inout", i == 0) for i, a in enumerate(args)], pairs
+        role = op.role(args, rank)
+        return [wide(a, i > 0 or role == "inout", i == 0 and role != "in") for i, a in enumerate(args)], pairs
 
-    def plan(self, op, group, args):
-        """``op``'s plan (hpccomm._ops.table) for device tensors ``args``: the op
-        module's plan over a :class:`DeviceView` (its checks on the caller's
-        thread; every MPI call it makes waits for the running thread's stream
-        first).  Run on the caller's thread, that is all it synchronises: the
+    def plan(self, op, group, call, args):
+        """The plan of ``op``'s checked ``call`` (hpccomm._ops.op) for device
+        tensors ``args``: the op's plan (or its composed plan) over a
+        :class:`DeviceView` (made on the caller's thread; every MPI call it
+        makes waits for the running thread's stream first).  Run on the caller's thread, that is all it synchronises: the
         caller's kernels and the op's own are on the stream each MPI call
         waits for, and the kernels after MPI (AVG's division, write-backs) are
         on the caller's stream, ahead of whatever it queues next.  Run on the
@@ -123,13 +121,14 @@ class CudaAwareMPI:
         pairs = []
         planner = op.composed if self.composed and op.composed is not None else op.plan
         if planner is op.plan and op.reducing and any(t.dtype in _HALF for t in tensors_in(args)):
-            args, pairs = self._widened(op, args)  # (the composition reduces 16-bit floats with torch's kernels)
+            args, pairs = self._widened(op, args, group.rank)  # (the composition reduces 16-bit floats itself)
+            call = op.check(group, *args)  # (the float32 stand-ins' reduction: the checks pass as they did)
         streams, device = self.streams, self.device
-        view = DeviceView(group, "cuda", lambda: streams.synchronize(device))
-        call, cargs, icall, outputs, keep, before, after, nbytes = planner(view, *args)
+        view = DeviceView(group, lambda: streams.synchronize(device))
+        mpi_call, cargs, icall, outputs, keep, before, after, nbytes = planner(view, call, tuple(args))
         outputs = translate(outputs, {id(w): x for x, w, _, _ in pairs})
         if op.p2p:  # posted now (its MPI call waits for the stream), completed by its Work
-            return (call, cargs, icall, outputs, keep, before, after, nbytes)
+            return (mpi_call, cargs, icall, outputs, keep, before, after, nbytes)
         event = streams.record(device)
         issuer = threading.get_ident()
 
@@ -143,7 +142,7 @@ class CudaAwareMPI:
                         w.copy_(x)
                 if before is not None:
                     before()
-                call(*mpi_args)  # (each MPI call waits for the kernels before it first)
+                mpi_call(*mpi_args)  # (each MPI call waits for the kernels before it first)
                 if after is not None:
                     after()
                 for x, w, _, back in pairs:

@@ -38,7 +38,7 @@ from .. import _compat as compat
 from .._core import comm_thread, work
 from ..errors import OpTypeError, OpValueError
 from . import nccl_wire, probe, select
-from .cuda_mpi import CudaAwareMPI, DeviceView
+from .cuda_mpi import CudaAwareMPI
 from .tensors import tensors_in
 from .nccl_cupy import CupyNCCL
 from .nccl_torch import TorchNCCL
@@ -76,8 +76,9 @@ def _any_cuda(items) -> bool:
     return False
 
 
-def cuda_device(group, op: str, args):
-    """The CUDA device of the call's tensors, or None if it has none.
+def cuda_device(group, op, args):
+    """The CUDA device of the call's tensors (a call of ``op``, a declaration
+    of hpccomm._ops.op), or None if it has none.
 
     Raises OpValueError when the call mixes devices (a CPU input and a CUDA
     output, or two GPUs): checked before any communication.
@@ -89,7 +90,7 @@ def cuda_device(group, op: str, args):
         (device,) = devices
         return device
     listed = ", ".join(sorted(str(d) for d in devices))
-    raise OpValueError(op, group.where(), f"the call mixes devices ({listed})",
+    raise OpValueError(op.name, group.where_p2p() if op.p2p else group.where(), f"the call mixes devices ({listed})",
                        "Put every input and output of one call on the same device, with .to(device)")
 
 
@@ -232,10 +233,12 @@ def transport_named(group, device, name: str):
 
 
 def route(group, op, device, args):
-    """``(transport, wire)`` for a call of ``op`` (an entry of
-    hpccomm._ops.table) with ``args`` on ``device``: ``wire`` (the call as NCCL
+    """``(transport, wire)`` for a checked call of ``op`` (a declaration of
+    hpccomm._ops.op) with ``args`` on ``device``: ``wire`` (the call as NCCL
     takes it, hpccomm._gpu.nccl_wire) when an NCCL transport takes it, else None
-    and the transport runs hpccomm's own plan.  Raises OpError before any
+    and the transport makes the op's plan.  The route is a lookup on the
+    group's table (made once per device from every rank's findings), never
+    a failed attempt at another route.  Raises OpError before any
     communication."""
     if op.p2p:
         name, fallback = _p2p_route(group, op.name, device)
@@ -247,8 +250,7 @@ def route(group, op, device, args):
     if not made.delegates:
         _record(group, op.name, name, "")
         return made, None
-    op.check(DeviceView(group, "cuda"), *args)  # the CPU path's checks: what it refuses, NCCL refuses alike
-    if op.p2p and op.name == "recv" and args[1] is None:
+    if op.any_source and args[1] is None:
         raise OpValueError(op.name, group.where_p2p(), "NCCL cannot receive from any source",
                            f"Name the source rank, or leave {select.VARIABLE} at auto (point-to-point ops then go "
                            "over MPI)")
@@ -287,7 +289,7 @@ def future_devices(device, cuda=None):
     return [device] if cuda.is_available() else None
 
 
-def delegated(made, group, op: str, wire, opts):
+def delegated(made, group, op, wire, opts):
     """The Work of a call an NCCL transport takes, ``wire`` its rewritten form.
 
     A call taken as it is returns NCCL's own Work.  A rewritten one runs its

@@ -7,8 +7,9 @@ own NCCL communicator.  Ops are enqueued on the caller's current CUDA stream
 and return at once (NCCL's own semantics: later work on that stream is
 ordered after them).
 
-Covered: all_reduce, broadcast, reduce, all_gather_into_tensor,
-reduce_scatter_tensor, send, recv, on contiguous tensors.  Other ops are
+Covered: the ops whose declaration has a CuPy form (hpccomm._ops.op.Op
+``cupy``: all_reduce, broadcast, reduce, all_gather_into_tensor,
+reduce_scatter_tensor, send, recv), on contiguous tensors.  Other ops are
 refused with a message naming the transports that have them.
 """
 from __future__ import annotations
@@ -29,12 +30,12 @@ _DTYPES = {torch.float32: "NCCL_FLOAT32", torch.float64: "NCCL_FLOAT64", torch.f
            torch.uint64: "NCCL_UINT64"}
 _OPS = {RedOpType.SUM: "NCCL_SUM", RedOpType.PRODUCT: "NCCL_PROD", RedOpType.MIN: "NCCL_MIN",
         RedOpType.MAX: "NCCL_MAX", RedOpType.AVG: "NCCL_AVG"}
-COVERED = ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "send", "recv")
-#: What CuPy's NCCL takes; hpccomm._gpu.nccl_wire rewrites the rest, and the calls it has no form for go to
-#: the group's fallback route (CUDA-aware MPI, else staged).
+#: What CuPy's NCCL takes (the ops whose declaration has a ``cupy`` form: all_reduce, broadcast, reduce,
+#: all_gather_into_tensor, reduce_scatter_tensor, send, recv); hpccomm._gpu.nccl_wire rewrites the rest, and
+#: the calls it has no form for go to the group's fallback route (CUDA-aware MPI, else staged).
 ABILITY = Ability(dtypes=frozenset(_DTYPES), redops=frozenset(_OPS),
                   avg=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
-                  premul=frozenset(), ops=frozenset(COVERED))
+                  premul=frozenset(), form="cupy")
 
 
 def _import_nccl():
@@ -71,18 +72,20 @@ class CupyNCCL:
             log.info("hpccomm: group '%s': CuPy NCCL communicator made (unique id broadcast over MPI)", group.name)
         return self.comm
 
-    def _dtype(self, group, op, t):
+    def _dtype(self, group, op: str, *tensors):
+        """NCCL's type of the call's tensors (the first one's dtype; each must be contiguous)."""
+        t = tensors[0]
         name = _DTYPES.get(t.dtype)
         value = getattr(self.nccl, name, None) if name else None
         if value is None:
             raise OpTypeError(op, group.where(), f"CuPy's NCCL has no type for {t.dtype}",
                               "Set HPCCOMM_GPU_TRANSPORT=staged or mpi for this dtype")
-        if not t.is_contiguous():
+        if not all(x.is_contiguous() for x in tensors):
             raise OpValueError(op, group.where(), "CuPy's NCCL transport needs contiguous tensors",
                                "Call .contiguous() first")
         return value
 
-    def _op(self, group, op, redop):
+    def _op(self, group, op: str, redop):
         kind = reduce_op_type(redop)
         name = _OPS.get(kind)
         value = getattr(self.nccl, name, None) if name else None
@@ -91,46 +94,46 @@ class CupyNCCL:
                               "Set HPCCOMM_GPU_TRANSPORT=staged or mpi for it")
         return value
 
-    def delegate(self, group, op: str, args, opts):
-        """Enqueue ``op`` on the current stream; returns the outputs."""
-        if op not in COVERED:
-            raise OpValueError(op, group.where(), f"{op} is not available through CuPy's NCCL (covered: "
-                               f"{', '.join(COVERED)})", "Install a torch built with NCCL, or set "
+    def delegate(self, group, op, args, opts):
+        """Enqueue ``op`` (a declaration, hpccomm._ops.op.Op) on the current
+        stream through its CuPy form; returns the outputs."""
+        if op.cupy is None:
+            raise OpValueError(op.name, group.where(), f"{op.name} is not available through CuPy's NCCL (its "
+                               "declaration has no CuPy form)", "Install a torch built with NCCL, or set "
                                "HPCCOMM_GPU_TRANSPORT=mpi (CUDA-aware MPI) or staged")
-        if op in ("send", "recv") and args[1] is None:
-            raise OpValueError(op, group.where(), "NCCL cannot receive from any source", "Name the source rank")
-        if op in ("send", "recv") and self.comm is None:
-            raise OpValueError(op, group.where(), "CuPy's NCCL communicator is made by all members of the group "
+        if op.p2p and args[1] is None:
+            raise OpValueError(op.name, group.where(), "NCCL cannot receive from any source", "Name the source rank")
+        if op.p2p and self.comm is None:
+            raise OpValueError(op.name, group.where(), "CuPy's NCCL communicator is made by all members of the group "
                                "together, which a send or receive cannot do",
                                "Run one collective with CUDA tensors on this group first (dist.barrier does not "
                                "count: use dist.all_reduce on a small CUDA tensor)")
-        first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
-        dtype = self._dtype(group, op, first)
-        second = args[1] if op in ("all_gather_into_tensor", "reduce_scatter_tensor") else None
-        if second is not None:
-            self._dtype(group, op, second)
-        redop = {"all_reduce": 1, "reduce": 2, "reduce_scatter_tensor": 2}.get(op)
-        nop = self._op(group, op, args[redop]) if redop is not None else None
-        comm, s = self._comm(group), self._stream(self.device)
-        if op == "all_reduce":
-            t = first
-            comm.allReduce(t.data_ptr(), t.data_ptr(), t.numel(), dtype, nop, s)
-        elif op == "broadcast":
-            comm.bcast(first.data_ptr(), first.numel(), dtype, args[1], s)
-        elif op == "reduce":
-            comm.reduce(first.data_ptr(), first.data_ptr(), first.numel(), dtype, nop, args[1], s)
-        elif op == "all_gather_into_tensor":
-            comm.allGather(second.data_ptr(), first.data_ptr(), second.numel(), dtype, s)
-        elif op == "reduce_scatter_tensor":
-            comm.reduceScatter(second.data_ptr(), first.data_ptr(), first.numel(), dtype, nop, s)
-        elif op == "send":
-            comm.send(first.data_ptr(), first.numel(), dtype, args[1], s)
-        else:  # recv
-            comm.recv(first.data_ptr(), first.numel(), dtype, args[1], s)
-        return [first] if not isinstance(args[0], (list, tuple)) else args[0]
+        op.cupy(_Call(self, group, op.name), *args)
+        return args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
 
-    def plan(self, op, group, args):
+    def plan(self, op, group, call, args):
         raise AssertionError("CupyNCCL delegates: it runs no hpccomm plan")
+
+
+class _Call:
+    """What an op's CuPy form (hpccomm._ops.op.Op ``cupy``) calls NCCL with:
+    the group's communicator (made at its first collective), the current
+    stream, and NCCL's type and ReduceOp of the call's tensors (a refusal names
+    the op)."""
+
+    def __init__(self, transport: CupyNCCL, group, op: str) -> None:
+        self._t, self._group, self._op = transport, group, op
+        self.stream = transport._stream(transport.device)
+
+    @property
+    def comm(self):
+        return self._t._comm(self._group)
+
+    def dtype(self, *tensors):
+        return self._t._dtype(self._group, self._op, *tensors)
+
+    def op(self, redop):
+        return self._t._op(self._group, self._op, redop)
 
 
 def _mpi_bcast(group, obj):

@@ -23,69 +23,46 @@ from .nccl_wire import Ability
 log = logging.getLogger("hpccomm")
 
 
-def _options(kind: str, given, **fields):
-    """A fresh torch option object of ``kind`` with ``fields``, keeping the
-    caller's timeout and asyncOp when it gave options."""
-    opts = compat.OPTION_CLASSES[kind]()
-    for name, value in fields.items():
-        setattr(opts, name, value)
-    if given is not None:
-        for name in ("timeout", "asyncOp"):
-            if hasattr(given, name) and hasattr(opts, name):
-                try:
-                    setattr(opts, name, getattr(given, name))
-                except (TypeError, AttributeError):  # a ReduceOp passed where options belong
-                    pass
-    return opts
-
-
 def _redop(op):
     return op if isinstance(op, compat.ReduceOp) else compat.ReduceOp(op)
 
 
-def _coalesced(backend, name: str, single: str, outputs, inputs, opts):
-    """``backend.<name>`` if it has one, else one call per pair: NCCL runs a
-    communicator's ops in order on one stream, so the last Work completes
-    after all of them."""
-    method = getattr(backend, name, None)
-    if method is not None:
-        return method(outputs, inputs, opts)
-    work = None
-    for o, i in zip(outputs, inputs):
-        work = getattr(backend, single)(o, i, opts)
-    return work
+class Options:
+    """What an op's NCCL form (hpccomm._ops.op.Op ``nccl``) builds torch's call
+    with: ``options(kind, given, **fields)`` is a fresh torch option object of
+    ``kind`` with ``fields`` (a ReduceOp made one where a kind was passed),
+    keeping the caller's timeout and asyncOp when it gave options;
+    :meth:`coalesced` calls a coalesced method or, without one, the single
+    method per pair."""
+
+    def __call__(self, kind: str, given, **fields):
+        opts = compat.OPTION_CLASSES[kind]()
+        for name, value in fields.items():
+            setattr(opts, name, _redop(value) if name == "reduceOp" else value)
+        if given is not None:
+            for name in ("timeout", "asyncOp"):
+                if hasattr(given, name) and hasattr(opts, name):
+                    try:
+                        setattr(opts, name, getattr(given, name))
+                    except (TypeError, AttributeError):  # a ReduceOp passed where options belong
+                        pass
+        return opts
+
+    @staticmethod
+    def coalesced(backend, name: str, single: str, outputs, inputs, opts):
+        """``backend.<name>`` if it has one, else one call per pair: NCCL runs a
+        communicator's ops in order on one stream, so the last Work completes
+        after all of them."""
+        method = getattr(backend, name, None)
+        if method is not None:
+            return method(outputs, inputs, opts)
+        work = None
+        for o, i in zip(outputs, inputs):
+            work = getattr(backend, single)(o, i, opts)
+        return work
 
 
-#: hpccomm op name -> how to call the NCCL backend with the adapter's arguments.
-CALLS = {
-    "all_reduce": lambda b, a, o: b.allreduce(a[0], _options("allreduce", o, reduceOp=_redop(a[1]))),
-    "all_reduce_coalesced": lambda b, a, o: b.allreduce_coalesced(
-        a[0], _options("allreduce_coalesced", o, reduceOp=_redop(a[1]))),
-    "reduce": lambda b, a, o: b.reduce(a[0], _options("reduce", o, rootRank=a[1], reduceOp=_redop(a[2]))),
-    "reduce_scatter": lambda b, a, o: b.reduce_scatter(a[0], a[1], _options("reduce_scatter", o,
-                                                                             reduceOp=_redop(a[2]))),
-    "reduce_scatter_tensor": lambda b, a, o: b._reduce_scatter_base(a[0], a[1], _options(
-        "reduce_scatter", o, reduceOp=_redop(a[2]))),
-    "reduce_scatter_tensor_coalesced": lambda b, a, o: _coalesced(
-        b, "reduce_scatter_tensor_coalesced", "_reduce_scatter_base", a[0], a[1],
-        _options("reduce_scatter", o, reduceOp=_redop(a[2]))),
-    "broadcast": lambda b, a, o: b.broadcast(a[0], _options("broadcast", o, rootRank=a[1])),
-    "scatter": lambda b, a, o: b.scatter(a[0], a[1], _options("scatter", o, rootRank=a[2])),
-    "all_gather": lambda b, a, o: b.allgather(a[0], a[1], _options("allgather", o)),
-    "all_gather_into_tensor": lambda b, a, o: b._allgather_base(a[0], a[1], _options("allgather", o)),
-    "all_gather_coalesced": lambda b, a, o: b.allgather_coalesced(a[0], a[1], _options("allgather", o)),
-    "all_gather_into_tensor_coalesced": lambda b, a, o: _coalesced(
-        b, "allgather_into_tensor_coalesced", "_allgather_base", a[0], a[1], _options("allgather", o)),
-    "gather": lambda b, a, o: b.gather(a[0], a[1], _options("gather", o, rootRank=a[2])),
-    # (torch's NCCL group has no gather_single: a gather into the rows of the contiguous output)
-    "gather_single": lambda b, a, o: b.gather([list(a[0].reshape(b.size(), -1).unbind(0))] if b.rank() == a[2]
-                                              else [], [a[1]], _options("gather", o, rootRank=a[2])),
-    "all_to_all_single": lambda b, a, o: b.alltoall_base(a[0], a[1], list(a[2] or []), list(a[3] or []),
-                                                         _options("alltoall", o)),
-    "all_to_all": lambda b, a, o: b.alltoall(a[0], a[1], _options("alltoall", o)),
-    "send": lambda b, a, o: b.send(a[0], a[1], a[2]),
-    "recv": lambda b, a, o: b.recv(a[0], a[1], a[2]),
-}
+OPTIONS = Options()
 
 
 #: What torch's NCCL process group takes (its dtype map and ReduceOps, torch 2.13-2.15:
@@ -124,15 +101,15 @@ class TorchNCCL:
                      group.name, group.size)
         return self.backend
 
-    def delegate(self, group, op: str, args, opts):
-        """NCCL's Work for ``op`` called with ``args`` as NCCL takes them
-        (hpccomm._gpu.nccl_wire.rewrite)."""
-        call = CALLS.get(op)
-        if call is None:
-            raise OpValueError(op, group.where(), f"{op} has no NCCL form in hpccomm")
-        return call(self._backend(group), args, opts)
+    def delegate(self, group, op, args, opts):
+        """NCCL's Work for ``op`` (a declaration, hpccomm._ops.op.Op) called
+        with ``args`` as NCCL takes them (hpccomm._gpu.nccl_wire.rewrite): the
+        op's NCCL form."""
+        if op.nccl is None:
+            raise OpValueError(op.name, group.where(), f"{op.name} has no NCCL form in hpccomm")
+        return op.nccl(self._backend(group), args, opts, OPTIONS)
 
-    def plan(self, op, group, args):
+    def plan(self, op, group, call, args):
         raise AssertionError("TorchNCCL delegates: it runs no hpccomm plan")
 
     def close(self) -> None:

@@ -56,14 +56,15 @@ _BOOL = {_R.SUM: _R.MAX, _R.PRODUCT: _R.MIN, _R.MIN: _R.MIN, _R.MAX: _R.MAX, _R.
 class Ability:
     """What one NCCL transport takes: ``dtypes`` it moves and reduces,
     ``redops`` (RedOpTypes) it reduces with, ``avg`` the dtypes it averages
-    itself, ``premul`` the dtypes it has PREMUL_SUM for, ``ops`` the op names
-    it runs (None: every op of hpccomm._ops.table)."""
+    itself, ``premul`` the dtypes it has PREMUL_SUM for, ``form`` the
+    attribute of an op's declaration that holds how the transport calls it
+    (hpccomm._ops.op.Op ``nccl``, ``cupy``): an op without one is not its."""
 
     dtypes: frozenset
     redops: frozenset
     avg: frozenset
     premul: frozenset
-    ops: Optional[frozenset] = None
+    form: str = "nccl"
 
 
 @dataclass(frozen=True)
@@ -204,12 +205,10 @@ class Wire:
         return not (self.before or self.after or self.forms)
 
 
-#: Ops whose input may sit in this rank's slot of the output (NCCL's in-place forms).
-_SLOT_IN_OUTPUT = {"all_gather_into_tensor": "output", "reduce_scatter_tensor": "input"}
-
-
-def _in_place_slot(op: str, output: torch.Tensor, input: torch.Tensor, rank: int) -> bool:
-    whole = _SLOT_IN_OUTPUT.get(op)
+def _in_place_slot(op, output: torch.Tensor, input: torch.Tensor, rank: int) -> bool:
+    """Whether the op's one tensor sits in this rank's slot of the other
+    (its declaration's ``slot``: NCCL's in-place forms)."""
+    whole = op.slot
     if whole is None or not (output.is_contiguous() and input.is_contiguous()):
         return False
     big, part = (output, input) if whole == "output" else (input, output)
@@ -217,11 +216,11 @@ def _in_place_slot(op: str, output: torch.Tensor, input: torch.Tensor, rank: int
 
 
 def rewrite(ability: Ability, op, args: tuple, rank: int, size: int) -> Optional[Wire]:
-    """``op`` (an entry of hpccomm._ops.table) called with checked ``args`` on a
-    rank of a group of ``size``, as NCCL of ``ability`` takes it, or None when
-    it cannot take it exactly (see the module docstring).  Nothing runs yet:
-    the Wire's steps do."""
-    if ability.ops is not None and op.name not in ability.ops:
+    """``op`` (a declaration, hpccomm._ops.op.Op) called with checked ``args``
+    on a rank of a group of ``size``, as NCCL of ``ability`` takes it, or None
+    when it cannot take it exactly (see the module docstring).  Nothing runs
+    yet: the Wire's steps do."""
+    if getattr(op, ability.form) is None:
         return None
     form = None
     if op.reducing:
@@ -236,16 +235,15 @@ def rewrite(ability: Ability, op, args: tuple, rank: int, size: int) -> Optional
     after: list = []
     keep: list = []
     forms: list = [] if form is None or form.name == "native" else [form.name]
-    # roles: the first argument's is the op's; the others are read.  reduce writes only at its root.
-    first = op.first
-    if op.name == "reduce" and args[1] != rank:
-        first = "in"
+    # roles: the first argument's is the op's (reduce writes only at its root, broadcast only elsewhere);
+    # the others are read
+    first = op.role(args, rank)
     writes = list(tensors_in(args[:1])) if first != "in" else []
 
     def wire(t: torch.Tensor, reads: bool, written: bool) -> torch.Tensor:
         base = t
         apart = reads and not written and any(overlaps(t, w) for w in writes) and not \
-            (len(writes) == 1 and _in_place_slot(op.name, writes[0], t, rank))
+            (len(writes) == 1 and _in_place_slot(op, writes[0], t, rank))
         if not t.is_contiguous() or apart:
             base = t.new_empty(t.shape)  # contiguous
             if reads:

@@ -34,9 +34,6 @@ from .tensors import translate
 #: The smallest tensor (bytes) whose all_reduce, broadcast or reduce is pipelined, and the chunk size.
 PIPELINE_BYTES = 4 << 20
 CHUNK_BYTES = 4 << 20
-#: The ops whose result on a chunk of the tensor is the op's result on that chunk.
-_CHUNKABLE = ("all_reduce", "broadcast", "reduce")
-
 
 def pinned(nbytes: int) -> torch.Tensor:
     """Page-locked host memory: device copies from and to it are direct DMA."""
@@ -89,10 +86,10 @@ class Staged:
         self.buffers = HostBuffers(alloc)
         self.pipeline_bytes, self.chunk_bytes = pipeline_bytes, chunk_bytes
 
-    def _stand_ins(self, op, args, buffers):
+    def _stand_ins(self, op, args, buffers, rank: int):
         """``(host args, [(device tensor, host tensor, copy in, copy back)])``:
-        the first argument's role is the op's (hpccomm._ops.table); the others
-        are inputs."""
+        the first argument's role is the op's in this call (its declaration,
+        hpccomm._ops.op.Op.role); the others are inputs."""
         pairs: list = []
 
         def host(x, copy_in: bool, copy_back: bool):
@@ -109,9 +106,10 @@ class Staged:
             return x
 
         out = []
+        role = op.role(args, rank)
         for i, a in enumerate(args):
             if i == 0:
-                out.append(host(a, op.first != "out", op.first != "in"))
+                out.append(host(a, role != "out", role != "in"))
             else:
                 out.append(host(a, True, False))
         return out, pairs
@@ -126,16 +124,16 @@ class Staged:
             if copy_back:
                 self.copy(dev, h)
 
-    def plan(self, op, group, args):
-        """``op``'s plan (hpccomm._ops.table) run on host stand-ins of device
-        tensors ``args``: the op module's checks on the caller's thread; then,
-        where it runs, copy in, the CPU op, copy back.  A point-to-point op is
+    def plan(self, op, group, call, args):
+        """The plan of ``op``'s checked ``call`` (hpccomm._ops.op) run on host
+        stand-ins of device tensors ``args``: made on the caller's thread;
+        then, where it runs, copy in, the CPU op, copy back.  A point-to-point op is
         posted at once and stays pending after the call returns: it gets host
         buffers of its own, copied in now (a receive's copied back once it
         arrived).  Staged plans keep the blocking form."""
         if op.p2p:
-            host_args, pairs = self._stand_ins(op, args, None)
-            plan = op.plan(group, *host_args)  # raises before any communication or copy
+            host_args, pairs = self._stand_ins(op, args, None, group.rank)
+            plan = op.plan(group, call, tuple(host_args))
             self.streams.synchronize(self.device)
             self._copy_in(pairs)
             call, cargs, icall, outputs, keep, before, after, nbytes = plan
@@ -143,11 +141,10 @@ class Staged:
             # the host buffers MPI reads or writes: alive (in keep) until done
             return (call, cargs, icall, outputs, (keep, pairs), before, steps(after, lambda: self._copy_back(pairs)),
                     nbytes)
-        host_args, pairs = self._stand_ins(op, args, self.buffers)
-        call, cargs, _, outputs, keep, before, after, nbytes = op.plan(group, *host_args)
-        if op.name in _CHUNKABLE and len(pairs) == 1 and pairs[0][0].is_contiguous() and \
-                nbytes >= self.pipeline_bytes:
-            return self._pipelined(op, group, args, pairs[0], outputs, keep, nbytes)
+        host_args, pairs = self._stand_ins(op, args, self.buffers, group.rank)
+        mpi_call, cargs, _, outputs, keep, before, after, nbytes = op.plan(group, call, tuple(host_args))
+        if op.chunkable and len(pairs) == 1 and pairs[0][0].is_contiguous() and nbytes >= self.pipeline_bytes:
+            return self._pipelined(op, group, call, args, pairs[0], outputs, keep, nbytes)
         event = self.streams.record(self.device)
         issuer = threading.get_ident()
 
@@ -164,21 +161,22 @@ class Staged:
             if threading.get_ident() != issuer:
                 self.streams.synchronize(self.device)
 
-        return (call, cargs, None, translate(outputs, {id(h): dev for dev, h, _, _ in pairs}), (keep, pairs),
+        return (mpi_call, cargs, None, translate(outputs, {id(h): dev for dev, h, _, _ in pairs}), (keep, pairs),
                 steps(staged_before, before), steps(after, staged_after), nbytes)
 
-    def _pipelined(self, op, group, args, pair, outputs, keep, nbytes: int):
-        """The plan of ``op`` (all_reduce, broadcast, reduce) on one contiguous
-        device tensor, in chunks whose copies in, MPI calls and copies back
-        overlap (see the module docstring).  The whole call was checked by the
-        caller's plan; each chunk's plan is the op's own on that chunk."""
+    def _pipelined(self, op, group, call, args, pair, outputs, keep, nbytes: int):
+        """The plan of ``op`` (a chunkable op: all_reduce, broadcast, reduce) on
+        one contiguous device tensor, in chunks whose copies in, MPI calls and
+        copies back overlap (see the module docstring).  The whole call was
+        checked; each chunk's plan is the op's own on that chunk (its checked
+        call's facts hold for any part of the tensor: the dtype's reduction,
+        the root)."""
         dev, host, _, _ = pair
         flat_dev, flat_host = dev.view(-1), host.view(-1)
         step = max(self.chunk_bytes // max(dev.element_size(), 1), 1)
         bounds = [(i, min(i + step, flat_dev.numel())) for i in range(0, flat_dev.numel(), step)]
-        writes = not (op.name == "reduce" and args[1] != group.rank) and not (
-            op.name == "broadcast" and args[1] == group.rank)  # (a root's broadcast, a reduce's others: read only)
-        chunk_plans = [op.plan(group, [flat_host[a:b]], *args[1:]) for a, b in bounds]
+        writes = op.role(args, group.rank) != "in"  # (a root's broadcast, a reduce's others: read only)
+        chunk_plans = [op.plan(group, call, ([flat_host[a:b]], *args[1:])) for a, b in bounds]
         streams, device = self.streams, self.device
         issued = streams.record(device)
 

@@ -340,9 +340,7 @@ def buffer(t: torch.Tensor, offset: int = 0, count: int | None = None):
 
         comm.Allreduce(_mpi.IN_PLACE, _mpi.buffer(t))
     """
-    kind = _kinds.get(t.dtype)
-    if kind is None:
-        kind = _kinds[t.dtype] = (getattr(mpi(), DTYPES[t.dtype].move), t.element_size())
+    kind = _kinds.get(t.dtype) or kind_of(t.dtype)
     if offset:
         if count is None:
             count = t.numel() - offset
@@ -352,8 +350,19 @@ def buffer(t: torch.Tensor, offset: int = 0, count: int | None = None):
     return [fromaddress(t.data_ptr(), count * kind[1]), count, kind[0]]
 
 
-#: torch dtype -> (MPI datatype, bytes per element), filled as :func:`buffer` meets each dtype.
+#: torch dtype -> (MPI datatype, bytes per element), filled as :func:`kind_of` meets each dtype.
 _kinds: dict = {}
+
+
+def kind_of(dtype: torch.dtype) -> tuple:
+    """``(MPI datatype, bytes per element)`` of ``dtype`` as it travels (MPI
+    must be up).  A plan that knows it (its op's checked call carries it)
+    writes a buffer spec itself: ``[fromaddress(t.data_ptr(), n * size), n, datatype]``,
+    what :func:`buffer` writes."""
+    kind = _kinds.get(dtype)
+    if kind is None:
+        kind = _kinds[dtype] = (getattr(mpi(), DTYPES[dtype].move), dtype.itemsize)
+    return kind
 
 
 def in_place():

@@ -1,6 +1,10 @@
-"""All-to-all: all_to_all_single (even and uneven splits) and all_to_all (lists).
+"""All-to-all: all_to_all_single (even and uneven splits) and all_to_all
+(lists); each op's whole story here (checks, signature, plan, NCCL form) and
+its declaration (:class:`~hpccomm._ops.op.Op`) at the end.
 
-Each function here is one op's plan function (see :mod:`hpccomm._core.plan`).
+Their signatures carry what must fit together rather than be equal: what
+this rank sends to each peer and expects from each (``Signature.pairs``):
+rank i's send to j must be what j expects from i.
 """
 from __future__ import annotations
 
@@ -10,7 +14,8 @@ import math
 import torch
 
 from .. import _mpi
-from . import arguments, checks, staging
+from . import checks, staging
+from .op import Call, Op, Signature
 
 
 def _layout(counts):
@@ -80,12 +85,29 @@ def _alltoallv(group, send, scounts, recv, rcounts):
                 t.Free()
 
 
-def all_to_all_single(group, output, input, output_splits, input_splits, op: str = "all_to_all_single"):
+def _signature(op: str, dtype, scounts, rcounts) -> Signature:
+    return Signature(op, (), (("dtype", str(dtype).replace("torch.", "")),), (tuple(scounts), tuple(rcounts)))
+
+
+# ----------------------------------------------------------------------------
+# all_to_all_single
+# ----------------------------------------------------------------------------
+
+def check_all_to_all_single(group, output, input, output_splits, input_splits, op: str = "all_to_all_single") -> Call:
+    """Two tensors of one dtype; each cut into one part per rank by its split
+    sizes (rows of dim 0) or evenly."""
     checks.check_pair(group, op, output, input)
     scounts = checks.split_counts(group, op, input, input_splits, "input")
     rcounts = checks.split_counts(group, op, output, output_splits, "output")
-    _check_counts(group, op, scounts, rcounts)
+    return Call(_signature(op, input.dtype, scounts, rcounts), (scounts, rcounts))
 
+
+def plan_all_to_all_single(group, call: Call, args):
+    """all_to_all_single's plan: MPI_Alltoallv on the tensors' memory (copies
+    where strided or aliased); counts past MPI's int limit in blocks."""
+    output, input, output_splits, input_splits = args
+    scounts, rcounts = call.facts
+    _check_counts(group, call.signature.op, scounts, rcounts)  # (MPI's limit: NCCL has none)
     if output.is_contiguous():
         out, after = output, None
     else:
@@ -99,15 +121,36 @@ def all_to_all_single(group, output, input, output_splits, input_splits, op: str
         _alltoallv(group, send, scounts, out, rcounts)
 
     return (run, (), None, [output], (input, output, send, out), before, after,
-              input.numel() * input.element_size())
+            input.numel() * input.element_size())
 
 
-def alltoall(group, outputs, inputs, op: str = "all_to_all"):
-    arguments.alltoall(group, outputs, inputs, op)
-    _check_counts(group, op, [t.numel() for t in inputs], [t.numel() for t in outputs])
+def _nccl_all_to_all_single(b, a, o, options):
+    return b.alltoall_base(a[0], a[1], list(a[2] or []), list(a[3] or []), options("alltoall", o))
 
-    scounts = [t.numel() for t in inputs]
-    rcounts = [t.numel() for t in outputs]
+
+# ----------------------------------------------------------------------------
+# all_to_all (lists)
+# ----------------------------------------------------------------------------
+
+def check_all_to_all(group, outputs, inputs, op: str = "all_to_all") -> Call:
+    """One input and one output per rank, every tensor of one dtype."""
+    checks.check_list(group, op, outputs, group.size, "output_tensor_list")
+    checks.check_list(group, op, inputs, group.size, "input_tensor_list")
+    checks.check_tensors(group, op, inputs, "input_tensor_list")
+    checks.check_tensors(group, op, outputs, "output_tensor_list")
+    dtype = inputs[0].dtype
+    checks.check_same_dtype(group, op, inputs, dtype, "input_tensor_list")
+    checks.check_same_dtype(group, op, outputs, dtype, "output_tensor_list")
+    scounts, rcounts = [t.numel() for t in inputs], [t.numel() for t in outputs]
+    return Call(_signature(op, dtype, scounts, rcounts), (scounts, rcounts))
+
+
+def plan_all_to_all(group, call: Call, args):
+    """all_to_all's plan: MPI_Alltoallv, read in place when the inputs are laid
+    end to end in one storage (else joined), received likewise."""
+    outputs, inputs = args
+    scounts, rcounts = call.facts
+    _check_counts(group, call.signature.op, scounts, rcounts)  # (MPI's limit: NCCL has none)
     send, before = staging.joined(inputs, sum(scounts), inputs[0])
     recv, after = staging.split(outputs, rcounts, inputs[0], send)
 
@@ -115,4 +158,23 @@ def alltoall(group, outputs, inputs, op: str = "all_to_all"):
         _alltoallv(group, send, scounts, recv, rcounts)
 
     return (run, (), None, outputs, (inputs, outputs, send, recv), before, after,
-              sum(scounts) * send.element_size())
+            sum(scounts) * send.element_size())
+
+
+def _nccl_all_to_all(b, a, o, options):
+    return b.alltoall(a[0], a[1], options("alltoall", o))
+
+
+# ----------------------------------------------------------------------------
+# the declarations
+# ----------------------------------------------------------------------------
+
+ALL_TO_ALL_SINGLE = Op(
+    "all_to_all_single", methods={"all_to_all_single": "output, input, output_splits, input_splits"},
+    legacy=("alltoall_base",), check=check_all_to_all_single, plan=plan_all_to_all_single,
+    nccl=_nccl_all_to_all_single)
+ALL_TO_ALL = Op(
+    "all_to_all", methods={"alltoall": "output, input"}, check=check_all_to_all, plan=plan_all_to_all,
+    nccl=_nccl_all_to_all)
+
+OPS = (ALL_TO_ALL_SINGLE, ALL_TO_ALL)

@@ -12,15 +12,17 @@ import torch
 
 from .. import _mpi
 from .._core import state
-from .._compat import RedOpType, premul_sum_factor, reduce_op_type
+from .._compat import ReduceOp, RedOpType, premul_sum_factor, redop_code, reduce_op_type
 from ..errors import OpError, OpTypeError, OpValueError  # noqa: F401 - OpError for the op modules
 
 
 _R = RedOpType
+#: The classes a ReduceOp argument may have: torch's ``ReduceOp`` and its kinds (``dist.ReduceOp.SUM``).
+_REDOP_CLASSES = (ReduceOp, RedOpType)
 
-#: (dtype, RedOpType value) -> :func:`reduction`'s answer, for the pairs it accepted (never PREMUL_SUM, whose
-#: factor varies).  Keyed by the enum's int: hashing or comparing torch's pybind enums costs several
-#: thousand instructions each, more than the rest of a small op's checks.
+#: (dtype, the kind's value) -> :func:`reduction`'s answer, for the pairs it accepted (never PREMUL_SUM, whose
+#: factor varies).  Keyed by the kind's int (hpccomm._compat.redop_code): comparing torch's pybind enums
+#: costs several thousand instructions each, more than the rest of a small op's checks.
 _REDUCTIONS: dict = {}
 
 
@@ -29,30 +31,27 @@ _Tensor = torch.Tensor
 _STRIDED = torch.strided
 
 
-class NotOnCPU(OpTypeError):
-    """A tensor on a device this path does not serve: hpccomm._ops.op_path takes a
-    CUDA call to its GPU transport on catching it (so the CPU path pays
-    nothing to learn that a call is on the CPU); to a direct caller it is the
-    refusal it says."""
+#: The device types hpccomm moves tensors of: the CPU's over MPI; CUDA's over the route its group
+#: takes for that device (hpccomm._gpu.dispatch).
+DEVICES = ("cpu", "cuda")
 
 
 def check_tensor(group, op: str, t, what: str = "tensor") -> None:
-    """``t`` is a dense tensor of a dtype hpccomm moves, on the CPU or on the
-    device the group serves (``group.device_type``: a GPU transport's view of
-    the group, see :mod:`hpccomm.gpu`).  The one test of a tensor every op
-    runs (each condition a cheap identity or membership test when it holds)."""
+    """``t`` is a dense tensor of a dtype hpccomm moves, on the CPU or a CUDA
+    device (the op path finds the route of a CUDA call: hpccomm._gpu.dispatch).
+    The one test of a tensor every op runs (each condition a cheap identity or
+    membership test when it holds)."""
     if not isinstance(t, _Tensor):
         raise OpTypeError(op, group.where(), f"{what} is a {type(t).__name__}, not a torch.Tensor")
     if t.layout is not _STRIDED:
         raise OpTypeError(op, group.where(), f"{what} has layout {t.layout}; only dense (strided) tensors can be sent",
                           "Call .to_dense() first")
-    if not t.is_cpu and t.device.type != getattr(group, "device_type", "cpu"):
+    if not t.is_cpu and t.device.type not in DEVICES:
         dev = t.device.type
         if dev == "meta":
             raise OpTypeError(op, group.where(), f"{what} is a meta tensor: it has no data to communicate")
-        raise NotOnCPU(op, group.where(), f"{what} is on device {t.device}; this path moves CPU tensors only",
-                       "CUDA tensors go through torch.distributed calls, which route them to a GPU transport "
-                       "(docs/gpu.md). Move it to the CPU with .cpu()")
+        raise OpTypeError(op, group.where(), f"{what} is on device {t.device}; hpccomm moves CPU and CUDA tensors",
+                          "Move it to the CPU with .cpu()")
     if t.dtype not in _mpi.DTYPES:
         raise OpTypeError(op, group.where(), f"{what} has dtype {t.dtype}, which hpccomm cannot send",
                           f"Supported: {', '.join(str(d).replace('torch.', '') for d in _mpi.DTYPES)}")
@@ -186,6 +185,15 @@ def end_job(group, exc: Exception) -> None:
     _mpi.abort(1)
 
 
+def reduce_op_name(group, op: str, redop) -> str:
+    """The name of ``redop``'s kind (``"SUM"``), for the signature of a call
+    with no tensor to check it against (an empty coalesced list)."""
+    try:
+        return str(reduce_op_type(redop)).split(".")[-1]
+    except AttributeError:
+        raise OpTypeError(op, group.where(), f"{redop!r} is not a torch.distributed.ReduceOp") from None
+
+
 def reduce_op(group, op: str, dtype: torch.dtype, redop):
     """``(RedOpType, premul factor or None)`` for ``redop`` on ``dtype``, or an
     error.  The op path calls it through :func:`reduction`, which remembers
@@ -224,20 +232,23 @@ class Reduction:
     """How one dtype reduces with one ReduceOp: the part of a reducing op's
     plan that depends only on that pair (made once per pair by :func:`reduction`).
 
-    ``kind``: the RedOpType; ``average``: divide the SUM by the group size
+    ``kind``: the RedOpType, ``name`` its name (``"SUM"``); ``average``: divide the SUM by the group size
     afterwards (AVG); ``factor``: PREMUL_SUM's factor (else None); ``mop``:
-    the MPI op; ``nonblocking``: the reduction has a nonblocking form (MPI
+    the MPI op; ``mtype``, ``itemsize``: the dtype's MPI datatype and bytes
+    per element (:func:`hpccomm._mpi.kind_of`); ``nonblocking``: the reduction has a nonblocking form (MPI
     predefines its op: float16/bfloat16 reduce through user-defined ops,
     which MPI would call back into Python from whichever thread drives a
     posted request, so they keep the blocking form).
     """
 
-    __slots__ = ("dtype", "kind", "average", "factor", "mop", "nonblocking")
+    __slots__ = ("dtype", "kind", "name", "average", "factor", "mop", "nonblocking", "mtype", "itemsize")
 
     def __init__(self, dtype, kind, factor) -> None:
         self.dtype, self.kind, self.factor = dtype, kind, factor
+        self.name = str(kind).split(".")[-1]  # (in signatures and messages: "SUM")
         self.average = kind == _R.AVG
         self.mop = _mpi.mpi_op(dtype, kind)
+        self.mtype, self.itemsize = _mpi.kind_of(dtype)  # (how it travels: the plan's buffer specs)
         self.nonblocking = self.mop.is_predefined
 
 
@@ -252,10 +263,7 @@ def reduction(group, op: str, dtype: torch.dtype, redop) -> Reduction:
         r = reduction(group, "all_reduce", t.dtype, dist.ReduceOp.AVG)
         comm.Allreduce(_mpi.IN_PLACE, _mpi.buffer(t), op=r.mop)
     """
-    try:  # the key is the enum's value: hashing torch's pybind enums costs more than a small op's checks
-        code = redop.value if redop.__class__ is _R else redop.op.value
-    except AttributeError:
-        code = None  # not a ReduceOp: reduce_op says so
+    code = redop_code(redop) if redop.__class__ in _REDOP_CLASSES else None  # (None: reduce_op says what it is)
     hit = _REDUCTIONS.get((dtype, code))
     if hit is not None:
         return hit

@@ -1,7 +1,7 @@
 """Gathers: all_gather (lists, equal or different sizes), all_gather_into_tensor,
-gather, gather_single, and the coalesced forms.
-
-Each function here is one op's plan function (see :mod:`hpccomm._core.plan`).
+gather, gather_single, and the coalesced forms; each op's whole story here
+(cache key, checks, signature, plan, NCCL forms) and its declaration
+(:class:`~hpccomm._ops.op.Op`) at the end.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from .. import _mpi
 from .._core.plan import sequence, steps
 from . import checks, staging
+from .op import STRIDED, Call, Op, Signature, Tensor
 
 
 def _displs(counts):
@@ -71,10 +72,28 @@ def _bcasts(group, send, out: torch.Tensor, counts):
     return run
 
 
-def all_gather_into_tensor(group, output, input, op: str = "all_gather_into_tensor"):
-    """all_gather_into_tensor's plan: MPI writes the output in place, and
-    reads the input where it is when it can (:func:`allgather`)."""
+# ----------------------------------------------------------------------------
+# all_gather_into_tensor (FSDP's) and its coalesced form
+# ----------------------------------------------------------------------------
+
+def all_gather_into_tensor_key(args):
+    """all_gather_into_tensor's shape: two dense CPU tensors' dtypes and counts."""
+    output, input = args
+    if output.__class__ is Tensor and input.__class__ is Tensor and output.is_cpu and input.is_cpu and \
+            output.layout is STRIDED and input.layout is STRIDED:
+        return (ALL_GATHER_INTO_TENSOR, output.dtype, output.numel(), input.dtype, input.numel())
+    return None
+
+
+def check_all_gather_into_tensor(group, output, input, op: str = "all_gather_into_tensor") -> Call:
+    """Two tensors of one dtype, the output the group size times the input's elements."""
     checks.check_pair(group, op, output, input, "output")
+    return Call(Signature(op, ((input.dtype, input.numel()), (output.dtype, output.numel()))))
+
+
+def _into_tensor(group, output, input):
+    """The plan of all_gather_into_tensor: MPI writes the output in place, and
+    reads the input where it is when it can (:func:`allgather`)."""
     if output.is_contiguous():
         out, after = output, None
     else:
@@ -83,57 +102,151 @@ def all_gather_into_tensor(group, output, input, op: str = "all_gather_into_tens
     return allgather(group, input, out, recv, group.rank * (recv[0].nbytes // group.size), None, [output], after)
 
 
-def all_gather(group, output_lists, inputs, op: str = "all_gather"):
-    """all_gather's plan (a list of outputs, one per rank, sizes may differ):
-    received in place when the outputs are laid end to end in one storage,
-    else into one buffer then copied out; no nonblocking form (hpccomm._ops.table)."""
+def plan_all_gather_into_tensor(group, call: Call, args):
+    output, input = args
+    return _into_tensor(group, output, input)
+
+
+def _nccl_all_gather_into_tensor(b, a, o, options):
+    return b._allgather_base(a[0], a[1], options("allgather", o))
+
+
+def _cupy_all_gather_into_tensor(n, output, input):
+    dtype = n.dtype(output, input)
+    n.comm.allGather(input.data_ptr(), output.data_ptr(), input.numel(), dtype, n.stream)
+
+
+def check_all_gather_into_tensor_coalesced(group, outputs, inputs,
+                                           op: str = "all_gather_into_tensor_coalesced") -> Call:
+    """all_gather_into_tensor's checks for each (output, input) pair; every tensor in the signature."""
+    if not isinstance(outputs, (list, tuple)):
+        checks.check_list(group, op, outputs, 0, "outputs")  # (refused: not a list)
+    checks.check_list(group, op, inputs, len(outputs), "inputs")
+    calls = [check_all_gather_into_tensor(group, o, i, op) for o, i in zip(outputs, inputs)]
+    return Call(Signature(op, tuple(x for c in calls for x in c.signature.tensors)))
+
+
+def plan_all_gather_into_tensor_coalesced(group, call: Call, args):
+    outputs, inputs = args
+    return sequence([_into_tensor(group, o, i) for o, i in zip(outputs, inputs)], outputs)
+
+
+def _nccl_all_gather_into_tensor_coalesced(b, a, o, options):
+    return options.coalesced(b, "allgather_into_tensor_coalesced", "_allgather_base", a[0], a[1],
+                             options("allgather", o))
+
+
+# ----------------------------------------------------------------------------
+# all_gather (a list of outputs, one per rank, sizes may differ) and its coalesced form
+# ----------------------------------------------------------------------------
+
+def _check_all_gather(group, op: str, output_lists, inputs):
+    """``(input, outputs)`` of all_gather's arguments, checked: one input, one
+    output per rank of its dtype, this rank's own of its size."""
     input = checks.single(group, op, inputs, "input_tensors", "input")
     outputs = checks.per_rank(group, op, output_lists, "output_tensor_lists", "tensor_list", input)
     checks.check_own_slot(group, op, outputs, input)
+    return input, outputs
+
+
+def check_all_gather(group, output_lists, inputs, op: str = "all_gather") -> Call:
+    """The signature: the dtype and every rank's size (the output list, which
+    every rank passes alike; this rank's own slot has its input's size), and
+    as pairs what this rank sends each rank (its input) and expects from it
+    (its list), for the message that says which sizes do not fit."""
+    input, outputs = _check_all_gather(group, op, output_lists, inputs)
+    counts = tuple(t.numel() for t in outputs)
+    return Call(Signature(op, ((input.dtype, counts),), (), (tuple([input.numel()] * group.size), counts)))
+
+
+def _gather_list(group, input, outputs, output_lists):
+    """all_gather's plan: received in place when the outputs are laid end to
+    end in one storage, else into one buffer then copied out; no nonblocking
+    form (the op's declaration)."""
     counts = [t.numel() for t in outputs]
     recv, after = staging.split(outputs, counts, input)
     offset = sum(counts[:group.rank]) * input.element_size()
     return allgather(group, input, recv, _mpi.buffer(recv), offset, counts, output_lists, after)
 
 
-def all_gather_coalesced(group, output_lists, inputs, op: str = "all_gather_coalesced"):
+def plan_all_gather(group, call: Call, args):
+    output_lists, inputs = args
+    return _gather_list(group, inputs[0], output_lists[0], output_lists)
+
+
+def _nccl_all_gather(b, a, o, options):
+    return b.allgather(a[0], a[1], options("allgather", o))
+
+
+def check_all_gather_coalesced(group, output_lists, inputs, op: str = "all_gather_coalesced") -> Call:
     """``dist.all_gather_coalesced``: several inputs gathered at once.  torch's
     layout (as gloo reads it): ``output_lists[r][i]`` receives rank r's
-    ``inputs[i]``."""
-    checks.check_list(group, op, inputs, len(inputs), "input_tensor_list")
+    ``inputs[i]``; each input i is all_gather's checks on its column."""
+    checks.check_list(group, op, inputs, len(inputs) if isinstance(inputs, (list, tuple)) else 0, "input_tensor_list")
     checks.check_list(group, op, output_lists, group.size, "output_tensor_lists")
     for r, outs in enumerate(output_lists):
         checks.check_list(group, op, outs, len(inputs), f"output_tensor_lists[{r}]")
-    return sequence([all_gather(group, [[outs[i] for outs in output_lists]], [inp], op)
-                       for i, inp in enumerate(inputs)], output_lists)
+    tensors = []
+    for i, inp in enumerate(inputs):
+        input, outputs = _check_all_gather(group, op, [[outs[i] for outs in output_lists]], [inp])
+        tensors.append((input.dtype, tuple(t.numel() for t in outputs)))
+    return Call(Signature(op, tuple(tensors)))
 
 
-def all_gather_into_tensor_coalesced(group, outputs, inputs, op: str = "all_gather_into_tensor_coalesced"):
-    checks.check_list(group, op, inputs, len(outputs), "inputs")
-    return sequence([all_gather_into_tensor(group, o, i, op) for o, i in zip(outputs, inputs)], outputs)
+def plan_all_gather_coalesced(group, call: Call, args):
+    output_lists, inputs = args
+    return sequence([_gather_list(group, inp, [outs[i] for outs in output_lists], output_lists)
+                     for i, inp in enumerate(inputs)], output_lists)
 
 
-def gather(group, output_lists, inputs, root: int, op: str = "gather"):
-    """gather's plan: MPI_Gatherv to ``root``, received in place when the
-    root's list is laid end to end in one storage; past the count limit,
-    chunked messages."""
+def _nccl_all_gather_coalesced(b, a, o, options):
+    return b.allgather_coalesced(a[0], a[1], options("allgather", o))
+
+
+# ----------------------------------------------------------------------------
+# gather and gather_single (torch >= 2.14)
+# ----------------------------------------------------------------------------
+
+def check_gather(group, output_lists, inputs, root: int, op: str = "gather") -> Call:
+    """One input; at the root a list of one output per rank of the input's
+    size (gather needs one size on every rank), elsewhere none."""
     input = checks.single(group, op, inputs, "input_tensors", "input")
     outputs = checks.rooted(group, op, root, "dst", output_lists, "output_tensor_lists", "gather_list", input,
                             "the input", "gather needs tensors of one size on every rank")
-    return (_gather_send(group, input, root, output_lists) if outputs is None  # not the root: its input to the root
-            else _gather_recv(group, input, root, outputs, output_lists))
+    return Call(Signature(op, ((input.dtype, input.numel()),), (("root", root),)), outputs is not None)
 
 
-def gather_single(group, output, input, root: int, op: str = "gather_single"):
-    """``dist.gather_single`` (torch >= 2.14): every rank's ``input`` into one
-    flat ``output`` on ``root`` (group rank order), received in place when the
-    output is contiguous.  Non-roots' ``output`` is ignored (torch passes an
-    empty placeholder)."""
+def plan_gather(group, call: Call, args):
+    """gather's plan: MPI_Gatherv to ``root``, received in place when the
+    root's list is laid end to end in one storage; past the count limit,
+    chunked messages."""
+    output_lists, inputs, root = args
+    input = inputs[0]
+    if not call.facts:  # not the root: its input to the root
+        return _gather_send(group, input, root, output_lists)
+    return _gather_recv(group, input, root, output_lists[0], output_lists)
+
+
+def _nccl_gather(b, a, o, options):
+    return b.gather(a[0], a[1], options("gather", o, rootRank=a[2]))
+
+
+def check_gather_single(group, output, input, root: int, op: str = "gather_single") -> Call:
+    """``dist.gather_single``: every rank's ``input`` into one flat ``output``
+    on ``root`` (the group size times the input's elements there); the
+    non-roots' ``output`` is ignored (torch passes an empty placeholder)."""
     checks.check_tensor(group, op, input, "input")
     checks.check_root(group, op, root, "dst")
+    if group.rank == root:
+        checks.check_pair(group, op, output, input, "output")
+    return Call(Signature(op, ((input.dtype, input.numel()),), (("root", root),)))
+
+
+def plan_gather_single(group, call: Call, args):
+    """gather_single's plan: received in place when the output is contiguous."""
+    output, input, root = args
     if group.rank != root:
         return _gather_send(group, input, root, [output])
-    checks.check_pair(group, op, output, input, "output")
     if output.is_contiguous():
         out, write_back = output, None
     else:
@@ -141,6 +254,12 @@ def gather_single(group, output, input, root: int, op: str = "gather_single"):
     flat, n = out.view(-1), input.numel()
     parts = [flat[r * n:(r + 1) * n] for r in range(group.size)]  # views laid end to end: received in place
     return _gather_recv(group, input, root, parts, [output], write_back)
+
+
+def _nccl_gather_single(b, a, o, options):
+    # (torch's NCCL group has no gather_single: a gather into the rows of the contiguous output)
+    rows = [list(a[0].reshape(b.size(), -1).unbind(0))] if b.rank() == a[2] else []
+    return b.gather(rows, [a[1]], options("gather", o, rootRank=a[2]))
 
 
 def _gather_send(group, input, root, outputs):
@@ -187,3 +306,32 @@ def _gather_recv(group, input, root, outputs, result, write_back=None):
 
     return (run, (), None, result, (input, outputs, send, recv), before, steps(copy_out, write_back),
             input.numel() * input.element_size())
+
+
+# ----------------------------------------------------------------------------
+# the declarations
+# ----------------------------------------------------------------------------
+
+ALL_GATHER_INTO_TENSOR = Op(
+    "all_gather_into_tensor", methods={"all_gather_single": "output, input"}, legacy=("_allgather_base",),
+    key=all_gather_into_tensor_key, check=check_all_gather_into_tensor, plan=plan_all_gather_into_tensor,
+    nonblocking=True, slot="output", nccl=_nccl_all_gather_into_tensor, cupy=_cupy_all_gather_into_tensor)
+ALL_GATHER_INTO_TENSOR_COALESCED = Op(
+    "all_gather_into_tensor_coalesced", methods={"all_gather_single_coalesced": "output, input"},
+    legacy=("allgather_into_tensor_coalesced",), check=check_all_gather_into_tensor_coalesced,
+    plan=plan_all_gather_into_tensor_coalesced, nccl=_nccl_all_gather_into_tensor_coalesced)
+ALL_GATHER = Op(
+    "all_gather", methods={"allgather": "output, input"}, check=check_all_gather, plan=plan_all_gather,
+    nccl=_nccl_all_gather)
+ALL_GATHER_COALESCED = Op(
+    "all_gather_coalesced", methods={"allgather_coalesced": "output, input"}, check=check_all_gather_coalesced,
+    plan=plan_all_gather_coalesced, nccl=_nccl_all_gather_coalesced)
+GATHER = Op(
+    "gather", methods={"gather": "output, input, rootRank"}, check=check_gather, plan=plan_gather,
+    nccl=_nccl_gather)
+GATHER_SINGLE = Op(
+    "gather_single", methods={"gather_single": "output, input, rootRank"}, check=check_gather_single,
+    plan=plan_gather_single, nccl=_nccl_gather_single)
+
+OPS = (ALL_GATHER_INTO_TENSOR, ALL_GATHER_INTO_TENSOR_COALESCED, ALL_GATHER, ALL_GATHER_COALESCED, GATHER,
+       GATHER_SINGLE)

@@ -1,17 +1,21 @@
 """The op path: how every torch call becomes MPI calls, whichever adapter
 (torch 2.13's ProcessGroup or torch >= 2.14's Backend) torch called.
 
-:func:`run` takes the adapter's call (an op of :mod:`hpccomm._ops.table`, its
-arguments and torch's options) and returns the op's Work (hpccomm._core.work):
+:func:`run` takes an op's declaration (hpccomm._ops.op.Op), its arguments and
+torch's options, and returns the op's Work (hpccomm._core.work):
 
-1. the op's plan function checks every argument and returns its plan
-   (:mod:`hpccomm._core.plan`); a refusal raises
+1. the call's shape (the op's ``key``) finds the checked :class:`~hpccomm._ops.op.Call`
+   this group made of an earlier call of the same shape: the fast path, one
+   dict lookup; else the op's ``check`` runs (a refusal raises
    :class:`hpccomm.errors.OpError` before any communication, and the other
-   ranks, which may be waiting in the op, learn of it (:func:`refused`).  A
-   CUDA tensor sends the call to the route its group takes for that device
-   and op family, which wraps the plan or hands the call to NCCL
-   (:mod:`hpccomm._gpu.dispatch`);
-2. :func:`form` decides, in one place, where the plan runs: blocking in the
+   ranks, which may be waiting in the op, learn of it: :func:`refused`), and
+   a CPU call's :class:`Call` is kept for the next one (at most
+   :data:`MAX_CHECKED` per group);
+2. a call with CUDA tensors goes to the route its group takes for that
+   device and op family (hpccomm._gpu.dispatch, chosen once from every
+   rank's findings): NCCL takes the call rewritten, or a transport makes the
+   plan (CUDA-aware MPI, composed, staged); a CPU call's plan is the op's;
+3. :func:`form` decides, in one place, where the plan runs: blocking in the
    calling thread (hpccomm._core.execute), queued on the comm thread, or
    posted as a nonblocking MPI call (the last two through the op's record,
    hpccomm._core.record, which the Work waits on).
@@ -25,7 +29,7 @@ from .._core.record import OpRecord
 from .._core import work
 from .._gpu import dispatch
 from ..errors import HpccommError, OpError
-from .checks import NotOnCPU, check_root
+from .checks import check_root
 
 #: The largest ``async_op=True`` collective (bytes of this rank's input) that is
 #: posted in its nonblocking form (with ``HPCCOMM_ASYNC_NONBLOCKING=1``).  Larger
@@ -36,45 +40,45 @@ from .checks import NotOnCPU, check_root
 #: comm thread (110 ms): docs/benchmarks.md.  The size is equal on every rank, so
 #: the form is too.
 NONBLOCKING_MAX_BYTES = 64 << 10
+#: Checked calls a group keeps (by shape); past it the group forgets them all and
+#: starts again (a program with ever new shapes pays the checks, nothing more).
+MAX_CHECKED = 4096
 
 #: Where a call runs (:func:`form`).
 HERE, POSTED, QUEUED = "here", "posted", "queued"
 _BLOCKING_HERE, _POSTED = (HERE, False), (POSTED, True)
 
 
-def run(g, op, args, opts=None, plan=None, devices=None):
-    """Check and run ``op`` (an entry of hpccomm._ops.table) of group ``g``,
-    called with ``args`` (torch's arguments after the group) and torch's
-    options ``opts``; returns its Work (see the module docstring).
-    ``plan``: the plan a GPU transport made of the call (checked), with
-    ``devices`` the CUDA devices its Work's future names; else the op's plan
-    function makes it here."""
+def run(g, op, args, opts=None, call=None, plan=None, devices=None):
+    """Check and run ``op`` (a declaration, hpccomm._ops.op.Op) on group ``g``,
+    called with ``args`` (the op's arguments: torch's, with its options'
+    ReduceOp and root) and torch's options ``opts`` (``asyncOp``); returns
+    its Work (see the module docstring).  ``call``, ``plan``: a checked call
+    and the plan a GPU transport made of it, with ``devices`` the CUDA
+    devices its Work's future names; else the op's plan of the call."""
     if plan is None:
-        if g.comm is None:
-            raise HpccommError(f"hpccomm {op.name} (group '{g.name}'): the process group was destroyed")
-        try:
-            plan = op.plan(g, *args)  # raises OpError before any communication
-        except NotOnCPU as exc:  # a device tensor (the CPU path pays only for this except clause)
-            not_cpu = exc
-        except OpError as exc:
-            refused(g, op, args, exc)  # the other ranks must not wait for this op
-            raise
-        if plan is None:  # (outside the except clause: a device error carries no unrelated context)
-            return _on_device(g, op, args, opts, not_cpu)
-    asynchronous = opts is not None and getattr(opts, "asyncOp", False)
-    if not (asynchronous or g.queued or op.p2p):  # form()'s first answer, without its call frame
-        return work.finished(execute(g, op.name, plan, args, None, False), devices)
+        key = op.key(args)
+        call = g.checked.get(key)  # (a key of None is never stored)
+        if call is None:
+            call = check(g, op, args)
+            device = dispatch.cuda_device(g, op, args)  # (an OpValueError when the call mixes devices)
+            if device is not None:
+                return _on_device(g, op, call, args, opts, device)
+            if key is not None and call.cacheable:
+                remember(g, key, call)
+        plan = op.plan(g, call, args)
+    asynchronous = opts is not None and getattr(opts, "asyncOp", False)  # (a ReduceOp may stand for the options)
     where, nonblocking = form(g, op, plan, asynchronous)
     if nonblocking:
         if where is POSTED:
-            record = OpRecord(g, op.name, plan, "p2p" if op.p2p else "collective", args[1] if op.p2p else None,
+            record = OpRecord(g, op, call, plan, "p2p" if op.p2p else "collective", args[1] if op.p2p else None,
                               devices)
             record.post()
             return work.pending(record, plan[OUTPUTS])
         plan = waited(plan)  # posted and waited for where it runs
     if where is HERE:  # the latency-bound case: blocking, here
-        return work.finished(execute(g, op.name, plan, args, None, asynchronous), devices)
-    record = OpRecord(g, op.name, plan, "collective", None, devices)
+        return work.finished(execute(g, op, call, plan, args, None, asynchronous), devices)
+    record = OpRecord(g, op, call, plan, "collective", None, devices)
     queued = work.pending(record, plan[OUTPUTS])  # (made first: its waiter more often finds the op not taken yet)
     record.queue(args, asynchronous)
     if not asynchronous:  # queued only to keep this group's issue order
@@ -82,23 +86,38 @@ def run(g, op, args, opts=None, plan=None, devices=None):
     return queued
 
 
-def _on_device(g, op, args, opts, not_cpu: NotOnCPU):
+def check(g, op, args):
+    """The op's checks of a call on ``g``: its :class:`~hpccomm._ops.op.Call`;
+    a refusal is announced to the other ranks (:func:`refused`) and raised."""
+    if g.comm is None:
+        raise HpccommError(f"hpccomm {op.name} (group '{g.name}'): the process group was destroyed")
+    try:
+        return op.check(g, *args)  # raises OpError before any communication
+    except OpError as exc:
+        raise refused(g, op, args, exc) from None  # the other ranks must not wait for this op
+
+
+def remember(g, key, call) -> None:
+    """Keep checked ``call`` for the next call of its shape ``key`` on ``g``."""
+    checked = g.checked
+    if len(checked) >= MAX_CHECKED:
+        checked.clear()
+    checked[key] = call
+
+
+def _on_device(g, op, call, args, opts, device):
     """:func:`run` for a call with CUDA tensors: the route its group takes for
     that device and op family (chosen once, hpccomm._gpu.dispatch) hands the
-    call to NCCL, rewritten into what NCCL takes, or wraps the op's plan
-    (CUDA-aware MPI, composed, staged), which runs as any."""
+    call to NCCL, rewritten into what NCCL takes, or makes the plan of the
+    checked call (CUDA-aware MPI, composed, staged), which runs as any."""
     try:
-        device = dispatch.cuda_device(g, op.name, args)  # OpValueError when the call mixes devices
-        if device is None:
-            raise not_cpu  # not a CUDA tensor: refused as it stands
         transport, wire = dispatch.route(g, op, device, args)
-        if wire is not None:  # NCCL takes the call, after the op's checks
-            return dispatch.delegated(transport, g, op.name, wire, opts)
-        plan = transport.plan(op, g, args)  # the op's checks run inside
-    except OpError as refusal:
-        refused(g, op, args, refusal)
-        raise
-    return run(g, op, args, opts, plan, dispatch.future_devices(device))
+        if wire is not None:  # NCCL takes the call
+            return dispatch.delegated(transport, g, op, wire, opts)
+        plan = transport.plan(op, g, call, args)
+    except OpError as exc:
+        raise refused(g, op, args, exc) from None
+    return run(g, op, args, opts, call, plan, dispatch.future_devices(device))
 
 
 def form(g, op, plan, asynchronous: bool):
@@ -132,25 +151,30 @@ def form(g, op, plan, asynchronous: bool):
     return QUEUED, nonblocking
 
 
-def refused(g, op, args, exc: OpError) -> None:
-    """This rank's checks refused ``op`` (``exc``, which the caller raises);
-    the other ranks may call it correctly and wait.  Make sure they learn of
-    it: in debug mode every rank raises it together (the refusal joins the
+def refused(g, op, args, exc: OpError) -> OpError:
+    """This rank's checks refused ``op`` (``exc``); the other ranks may call
+    it correctly and wait.  Returns the refusal to raise, named after the
+    refused call: a collective's number on the group comes after the ops this
+    rank still has queued, so they run first (a refusal found while they wait
+    would otherwise name the first of them).  Make sure the other ranks learn
+    of it: in debug mode every rank raises it together (the refusal joins the
     cross-rank comparison, which raises here too); otherwise it is announced
     in the group's store, where a waiting rank's watchdog finds it within a
     second or two and ends the job with this message (hpccomm._core.watchdog)
     instead of waiting for the timeout."""
+    if not op.p2p and g.queued and not comm_thread.on_it():
+        comm_thread.flush(g)  # the ops queued before this one are numbered first, as they run
+        exc = type(exc)(exc.op, g.where(), exc.what, exc.fix)
     if g.size > 1 and g.store is not None:
         if not op.p2p and g.debug:
-            if not comm_thread.on_it():
-                comm_thread.flush(g)  # the comparison runs in issue order, like the op would have
             seq = state.start(g, op.name + " (debug-mode fingerprint check)")
             try:
-                debug_mode.check(g, op.name, args, seq, refused=exc)
+                debug_mode.check(g, None, seq, refused=exc, op=op.name)
             finally:
                 state.finished(g)
         else:
             announce_refusal(g, op, args, exc)
+    return exc
 
 
 def announce_refusal(g, op, args, exc: OpError) -> None:

@@ -1,7 +1,8 @@
 """Point-to-point: send, recv (from a rank or any source), and barrier.
 
-Each function here is one op's plan function (see :mod:`hpccomm._core.plan`).
-Sends and receives have no blocking form: hpccomm._ops.op_path posts them
+Each op's whole story here (cache key, checks, signature, plan, NCCL forms)
+and its declaration (:class:`~hpccomm._ops.op.Op`) at the end.  Sends and
+receives have no blocking form: hpccomm._ops.op_path posts them
 (MPI_Isend/MPI_Irecv on the group's private point-to-point communicator, so
 they never match hpccomm's own internal messages) and returns a pending
 Work; the op's record (hpccomm._core.record) checks what a receive got when
@@ -26,6 +27,7 @@ import torch
 
 from .. import _mpi
 from . import checks, staging
+from .op import STRIDED, Call, Op, Signature, Tensor
 
 
 def _cover(base, n: int, limit: int, extent: int, made: list):
@@ -58,18 +60,50 @@ def _post_large(start, t: torch.Tensor, limit: int, *rest):
             d.Free()
 
 
-def _message(group, op: str, tensors, peer, side: str, tag: int, icall, source):
-    """The plan posting ``tensors[0]`` as one message (``icall``: the group's
-    ``Isend`` or ``Irecv``) to or from ``source`` (``peer``, or MPI's
-    ANY_SOURCE).  Its checks first: one tensor; ``peer`` a rank of the group
-    (``side`` as torch names it), None for any source; ``tag`` in MPI's
-    range; a refusal names this rank's next point-to-point op.  The tensor's
-    own memory when contiguous, else a contiguous copy: a send's taken now
-    (it is posted now), a receive's written back once it arrived."""
+def _key(op, tensors, peer, tag):
+    """A message's shape: one dense CPU tensor's dtype and count, the peer and the tag."""
+    if tensors.__class__ is list and len(tensors) == 1 and tag.__class__ is int and \
+            (peer.__class__ is int or peer is None):
+        t = tensors[0]
+        if t.__class__ is Tensor and t.is_cpu and t.layout is STRIDED:
+            return (op, t.dtype, t.numel(), peer, tag)
+    return None
+
+
+def send_key(args):
+    return _key(SEND, *args)
+
+
+def recv_key(args):
+    return _key(RECV, *args)
+
+
+def _check(group, op: str, tensors, peer, side: str, tag: int) -> Call:
+    """One tensor; ``peer`` a rank of the group (``side`` as torch names it),
+    None for any source; ``tag`` in MPI's range.  A refusal names this rank's
+    next point-to-point op."""
     t = checks.message(group, op, tensors, peer, side, tag)
+    return Call(Signature(op, ((t.dtype, t.numel()),), ((side, peer), ("tag", tag))))
+
+
+def check_send(group, tensors, dst: int, tag: int, op: str = "send") -> Call:
+    return _check(group, op, tensors, dst, "dst", tag)
+
+
+def check_recv(group, tensors, src, tag: int, op: str = "recv") -> Call:
+    return _check(group, op, tensors, src, "src", tag)
+
+
+def _message(group, tensors, receive: bool, icall, source, tag: int):
+    """The plan posting ``tensors[0]`` as one message (``icall``: the group's
+    ``Isend`` or ``Irecv``) to or from ``source`` (a rank, or MPI's
+    ANY_SOURCE) with ``tag``.  The tensor's own memory when contiguous, else a contiguous
+    copy: a send's taken now (it is posted now), a receive's written back
+    once it arrived."""
+    t = tensors[0]
     buf, after = t, None
     if not t.is_contiguous():
-        if side == "src":
+        if receive:
             buf, after = staging.copy_out(t)
         else:
             buf = t.contiguous()
@@ -77,21 +111,72 @@ def _message(group, op: str, tensors, peer, side: str, tag: int, icall, source):
     nbytes = t.numel() * t.element_size()
     if buf.numel() <= group.max_count:
         return (None, (_mpi.buffer(buf), source, tag), icall, tensors, keep, None, after, nbytes)
-    return (None, (source, tag), partial(_post_large, icall, buf, group.max_count), tensors, keep, None, after, nbytes)
+    return (None, (source, tag), partial(_post_large, icall, buf, group.max_count), tensors, keep,
+            None, after, nbytes)
 
 
-def send(group, tensors, dst: int, tag: int, op: str = "send"):
+def plan_send(group, call: Call, args):
     """send's plan: ``tensors[0]`` to group rank ``dst`` (MPI_Isend)."""
-    return _message(group, op, tensors, dst, "dst", tag, group.calls.Isend, dst)
+    tensors, dst, tag = args
+    return _message(group, tensors, False, group.calls.Isend, dst, tag)
 
 
-def recv(group, tensors, src, tag: int, op: str = "recv"):
+def plan_recv(group, call: Call, args):
     """recv's plan: into ``tensors[0]`` from group rank ``src`` (None: any
     source; MPI_Irecv).  What arrives is checked when it completes."""
-    return _message(group, op, tensors, src, "src", tag, group.calls.Irecv,
-                    _mpi.mpi().ANY_SOURCE if src is None else src)
+    tensors, src, tag = args
+    return _message(group, tensors, True, group.calls.Irecv, _mpi.mpi().ANY_SOURCE if src is None else src, tag)
 
 
-def barrier(group, op: str = "barrier"):
+def _nccl_send(b, a, o, options):
+    return b.send(a[0], a[1], a[2])
+
+
+def _nccl_recv(b, a, o, options):
+    return b.recv(a[0], a[1], a[2])
+
+
+def _cupy_send(n, tensors, dst, tag):
+    t = tensors[0]
+    dtype = n.dtype(t)
+    n.comm.send(t.data_ptr(), t.numel(), dtype, dst, n.stream)
+
+
+def _cupy_recv(n, tensors, src, tag):
+    t = tensors[0]
+    dtype = n.dtype(t)
+    n.comm.recv(t.data_ptr(), t.numel(), dtype, src, n.stream)
+
+
+# ----------------------------------------------------------------------------
+# barrier
+# ----------------------------------------------------------------------------
+
+def barrier_key(args):
+    return BARRIER_KEY
+
+
+def check_barrier(group, op: str = "barrier") -> Call:
+    """Nothing to check (no arguments)."""
+    return Call(Signature(op))
+
+
+def plan_barrier(group, call: Call, args):
     """barrier's plan: MPI_Barrier."""
     return (group.calls.Barrier, (), None, [], None, None, None, 0)
+
+
+# ----------------------------------------------------------------------------
+# the declarations
+# ----------------------------------------------------------------------------
+
+SEND = Op(
+    "send", methods={"send": "tensors, peer, tag"}, key=send_key, check=check_send, plan=plan_send, p2p=True,
+    first="in", nonblocking=True, nccl=_nccl_send, cupy=_cupy_send)
+RECV = Op(
+    "recv", methods={"recv": "tensors, peer, tag", "recv_anysource": "tensors, tag"}, key=recv_key, check=check_recv,
+    plan=plan_recv, p2p=True, nonblocking=True, any_source=True, receives=True, nccl=_nccl_recv, cupy=_cupy_recv)
+BARRIER = Op("barrier", methods={"barrier": ""}, key=barrier_key, check=check_barrier, plan=plan_barrier)
+BARRIER_KEY = (BARRIER,)
+
+OPS = (SEND, RECV, BARRIER)

@@ -1,19 +1,40 @@
-"""Rooted distribution: broadcast and scatter.
-
-Each function here is one op's plan function (see :mod:`hpccomm._core.plan`).
+"""Rooted distribution: broadcast and scatter; each op's whole story here
+(cache key, checks, signature, plan, NCCL forms) and its declaration
+(:class:`~hpccomm._ops.op.Op`) at the end.
 """
 from __future__ import annotations
 
 from .. import _mpi
 from . import checks, staging
+from .op import STRIDED, Call, Op, Signature, Tensor
 
 
-def broadcast(group, tensors, root: int, op: str = "broadcast"):
+# ----------------------------------------------------------------------------
+# broadcast
+# ----------------------------------------------------------------------------
+
+def broadcast_key(args):
+    """broadcast's shape: one dense CPU tensor's dtype and count, the root."""
+    tensors, root = args
+    if tensors.__class__ is list and len(tensors) == 1 and root.__class__ is int:
+        t = tensors[0]
+        if t.__class__ is Tensor and t.is_cpu and t.layout is STRIDED:
+            return (BROADCAST, t.dtype, t.numel(), root)
+    return None
+
+
+def check_broadcast(group, tensors, root: int, op: str = "broadcast") -> Call:
+    t = checks.single(group, op, tensors)
+    checks.check_root(group, op, root, "src")
+    return Call(Signature(op, ((t.dtype, t.numel()),), (("root", root),)))
+
+
+def plan_broadcast(group, call: Call, args):
     """broadcast's plan: MPI_Bcast on the tensor's memory; a strided tensor
     through a contiguous copy (sent from it on the root, written back on the
     others); past the count limit in chunks."""
-    t = checks.single(group, op, tensors)
-    checks.check_root(group, op, root, "src")
+    tensors, root = args
+    t = tensors[0]
     buf, before, after = t, None, None  # a contiguous tensor: MPI reads or writes its own memory
     if not t.is_contiguous():  # a copy sent from on the root, written back on the others
         if group.rank == root:
@@ -40,12 +61,40 @@ def _bcast_chunks(group, buf, root: int):
     return run
 
 
-def scatter(group, outputs, input_lists, root: int, op: str = "scatter"):
+def _broadcast_roles(args, rank: int) -> str:
+    """The root's tensor is read; the others' written."""
+    return "in" if args[1] == rank else "out"
+
+
+def _nccl_broadcast(b, a, o, options):
+    return b.broadcast(a[0], options("broadcast", o, rootRank=a[1]))
+
+
+def _cupy_broadcast(n, tensors, root):
+    t = tensors[0]
+    dtype = n.dtype(t)
+    n.comm.bcast(t.data_ptr(), t.numel(), dtype, root, n.stream)
+
+
+# ----------------------------------------------------------------------------
+# scatter
+# ----------------------------------------------------------------------------
+
+def check_scatter(group, outputs, input_lists, root: int, op: str = "scatter") -> Call:
+    """One output; at the root a list of one input per rank of the output's
+    size, elsewhere none."""
     output = checks.single(group, op, outputs, "output_tensors", "output")
     inputs = checks.rooted(group, op, root, "src", input_lists, "input_tensor_lists", "scatter_list", output,
                            "the output", "scatter needs tensors of the output's size")
-    return (_scatter_recv(group, output, root, outputs) if inputs is None  # not the root: its part from the root
-            else _scatter_send(group, output, inputs, root, outputs))
+    return Call(Signature(op, ((output.dtype, output.numel()),), (("root", root),)), inputs is not None)
+
+
+def plan_scatter(group, call: Call, args):
+    outputs, input_lists, root = args
+    output = outputs[0]
+    if not call.facts:  # not the root: its part from the root
+        return _scatter_recv(group, output, root, outputs)
+    return _scatter_send(group, output, input_lists[0], root, outputs)
 
 
 def _big(group, n: int) -> bool:
@@ -95,3 +144,22 @@ def _scatter_send(group, output, inputs, root, outputs):
             comm.Scatter(sendbuf, _mpi.buffer(out), root=root)
 
     return (run, (), None, outputs, (inputs, output, send, out), before, after, n * output.element_size())
+
+
+def _nccl_scatter(b, a, o, options):
+    return b.scatter(a[0], a[1], options("scatter", o, rootRank=a[2]))
+
+
+# ----------------------------------------------------------------------------
+# the declarations
+# ----------------------------------------------------------------------------
+
+BROADCAST = Op(
+    "broadcast", methods={"broadcast": "tensors, rootRank"}, key=broadcast_key, check=check_broadcast,
+    plan=plan_broadcast, first="inout", roles=_broadcast_roles, nonblocking=True, chunkable=True,
+    nccl=_nccl_broadcast, cupy=_cupy_broadcast)
+SCATTER = Op(
+    "scatter", methods={"scatter": "output, input, rootRank"}, check=check_scatter, plan=plan_scatter,
+    nccl=_nccl_scatter)
+
+OPS = (BROADCAST, SCATTER)

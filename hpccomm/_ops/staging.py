@@ -28,6 +28,11 @@ def _factor(t: torch.Tensor, factor):
     return factor
 
 
+def scale_(t: torch.Tensor, factor) -> None:
+    """PREMUL_SUM's scaling of a work buffer ``t``, in place."""
+    t.mul_(_factor(t, factor))
+
+
 def copy_in(t: torch.Tensor):
     """``(buffer, before)``: a contiguous buffer of ``t``'s size that MPI reads,
     and the plan step filling it from ``t`` when the op runs: for a strided
