@@ -1,10 +1,9 @@
 """torch's op methods, mapped onto hpccomm's op path: shared by both adapters.
 
 torch calls a backend by method names (``allreduce``, ``all_gather_single``,
-...) with option objects.  :class:`TorchOps` has one method per torch method an op declares
-(hpccomm._ops.op.Op ``methods``), made from the form of its arguments
-(:data:`FORMS`): it unpacks torch's options and calls
-:func:`hpccomm._ops.op_path.run` with the op's declaration.
+...) with option objects.  :class:`TorchOps` has one method per torch method an
+op declares (hpccomm._ops.op.Op ``methods``): it unpacks torch's options and
+calls :func:`hpccomm._ops.op_path.run` with the op's declaration.
 The two adapters that torch sees are thin classes over it:
 
 - ``hpccomm.process_group.ProcessGroupHpccomm``: a ``ProcessGroup`` subclass
@@ -23,7 +22,7 @@ import types
 from . import _mpi
 from ._core import comm_thread, failures, trace
 from ._gpu import dispatch
-from ._ops import op_path, registry
+from ._ops import alltoall, gather, op_path, p2p, reduce, scatter
 from . import _compat as compat
 from . import BACKEND_NAME
 from ._compat import ReduceOp
@@ -36,51 +35,10 @@ def _reduce_op(opts):
     """The ReduceOp in torch's options (SUM without them; torch's C++ layer may pass a ReduceOp in their place)."""
     return _SUM if opts is None else getattr(opts, "reduceOp", opts)
 
-#: How torch's arguments to a method become an op's (an op's declaration names
-#: its methods' form): each form makes the method for an op.  torch passes the
-#: tensors positionally, then an options object (``opts``) whose ``reduceOp``
-#: and ``rootRank`` join the op's arguments; point-to-point methods take the
-#: peer and tag themselves.  One closure per method, made at import: a call
-#: costs what a hand-written method would.
-FORMS = {
-    "tensors, reduceOp": lambda op: lambda self, tensors, opts=None: _run(
-        self._g, op, (tensors, _reduce_op(opts)), opts),
-    "tensors, rootRank, reduceOp": lambda op: lambda self, tensors, opts: _run(
-        self._g, op, (tensors, opts.rootRank, opts.reduceOp), opts),
-    "tensors, rootRank": lambda op: lambda self, tensors, opts: _run(
-        self._g, op, (tensors, opts.rootRank), opts),
-    "output, input": lambda op: lambda self, output, input, opts=None: _run(
-        self._g, op, (output, input), opts),
-    "output, input, reduceOp": lambda op: lambda self, output, input, opts=None: _run(
-        self._g, op, (output, input, _reduce_op(opts)), opts),
-    "output, input, rootRank": lambda op: lambda self, output, input, opts: _run(
-        self._g, op, (output, input, opts.rootRank), opts),
-    "output, input, output_splits, input_splits": lambda op: lambda self, output, input, output_splits, \
-        input_splits, opts=None: _run(self._g, op, (output, input, output_splits, input_splits), opts),
-    "": lambda op: lambda self, opts=None: _run(self._g, op, (), opts),
-    "tensors, peer, tag": lambda op: lambda self, tensors, peer, tag=0: _run(self._g, op, (tensors, peer, tag)),
-    "tensors, tag": lambda op: lambda self, tensors, tag=0: _run(self._g, op, (tensors, None, tag)),
-}
-
-
-def methods(legacy: bool = False) -> dict:
-    """torch's method name -> the method, for every op of hpccomm._ops.registry
-    (``legacy``: torch's older names too, which torch 2.13's ProcessGroup route calls)."""
-    made = {}
-    for op in registry.OPS:
-        for name, form in op.methods.items():
-            made[name] = method = FORMS[form](op)
-            method.__name__ = method.__qualname__ = name
-            method.__doc__ = f"torch's ``{name}``: hpccomm's {op.name} (hpccomm._ops.{op.plan.__module__.rsplit('.', 1)[-1]})."
-            if legacy:
-                for old in op.legacy:
-                    made[old] = method
-    return made
-
-
 class TorchOps:
-    """torch's collective and point-to-point methods (see the module docstring),
-    made from the ops' declarations (:func:`methods`)."""
+    """torch's collective and point-to-point methods (see the module docstring):
+    each runs the op that declares it among its ``methods``
+    (hpccomm._ops.op.Op; tests/test_declarations.py holds the two together)."""
 
     _g = None  # the hpccomm.Group (set by the adapter's constructor)
 
@@ -91,6 +49,72 @@ class TorchOps:
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
+
+    # -- collectives ----------------------------------------------------------
+    def allreduce(self, tensors, opts=None):
+        return _run(self._g, reduce.ALL_REDUCE, (tensors, _reduce_op(opts)), opts)
+
+    def allreduce_sparse(self, tensors, opts=None):
+        return _run(self._g, reduce.ALL_REDUCE_SPARSE, (tensors, _reduce_op(opts)), opts)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        return _run(self._g, reduce.ALL_REDUCE_COALESCED, (tensors, _reduce_op(opts)), opts)
+
+    def reduce(self, tensors, opts):
+        return _run(self._g, reduce.REDUCE, (tensors, opts.rootRank, opts.reduceOp), opts)
+
+    def reduce_scatter(self, outputs, input_lists, opts=None):
+        return _run(self._g, reduce.REDUCE_SCATTER, (outputs, input_lists, _reduce_op(opts)), opts)
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        return _run(self._g, reduce.REDUCE_SCATTER_TENSOR, (output, input, _reduce_op(opts)), opts)
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        return _run(self._g, reduce.REDUCE_SCATTER_TENSOR_COALESCED, (outputs, inputs, _reduce_op(opts)), opts)
+
+    def broadcast(self, tensors, opts):
+        return _run(self._g, scatter.BROADCAST, (tensors, opts.rootRank), opts)
+
+    def scatter(self, outputs, input_lists, opts):
+        return _run(self._g, scatter.SCATTER, (outputs, input_lists, opts.rootRank), opts)
+
+    def allgather(self, output_lists, inputs, opts=None):
+        return _run(self._g, gather.ALL_GATHER, (output_lists, inputs), opts)
+
+    def all_gather_single(self, output, input, opts=None):
+        return _run(self._g, gather.ALL_GATHER_INTO_TENSOR, (output, input), opts)
+
+    def allgather_coalesced(self, output_lists, inputs, opts=None):
+        return _run(self._g, gather.ALL_GATHER_COALESCED, (output_lists, inputs), opts)
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        return _run(self._g, gather.ALL_GATHER_INTO_TENSOR_COALESCED, (outputs, inputs), opts)
+
+    def gather(self, output_lists, inputs, opts):
+        return _run(self._g, gather.GATHER, (output_lists, inputs, opts.rootRank), opts)
+
+    def gather_single(self, output, input, opts):
+        return _run(self._g, gather.GATHER_SINGLE, (output, input, opts.rootRank), opts)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        return _run(self._g, alltoall.ALL_TO_ALL_SINGLE, (output, input, output_split_sizes, input_split_sizes),
+                    opts)
+
+    def alltoall(self, outputs, inputs, opts=None):
+        return _run(self._g, alltoall.ALL_TO_ALL, (outputs, inputs), opts)
+
+    def barrier(self, opts=None):
+        return _run(self._g, p2p.BARRIER, (), opts)
+
+    # -- point-to-point -------------------------------------------------------
+    def send(self, tensors, dst: int, tag: int = 0):
+        return _run(self._g, p2p.SEND, (tensors, dst, tag))
+
+    def recv(self, tensors, src: int, tag: int = 0):
+        return _run(self._g, p2p.RECV, (tensors, src, tag))
+
+    def recv_anysource(self, tensors, tag: int = 0):
+        return _run(self._g, p2p.RECV, (tensors, None, tag))
 
     # -- lifetime -------------------------------------------------------------
     def abort(self) -> None:
@@ -118,6 +142,4 @@ def hide_methods(cls) -> None:
         if isinstance(value, types.FunctionType) and (not name.startswith("_") or name.endswith("_base"))])
 
 
-for _name, _method in methods().items():
-    setattr(TorchOps, _name, _method)
 hide_methods(TorchOps)

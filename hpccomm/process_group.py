@@ -73,6 +73,14 @@ class ProcessGroupHpccomm(methods.TorchOps, ProcessGroupBase):
     def group_name(self) -> str:
         return self._g.name
 
+    # torch's older names of the same methods, which only this route is called by (each op's declaration
+    # lists them as its ``legacy`` names)
+    _allgather_base = methods.TorchOps.all_gather_single
+    _reduce_scatter_base = methods.TorchOps.reduce_scatter_single
+    allgather_into_tensor_coalesced = methods.TorchOps.all_gather_single_coalesced
+    reduce_scatter_tensor_coalesced = methods.TorchOps.reduce_scatter_single_coalesced
+    alltoall_base = methods.TorchOps.all_to_all_single
+
     def monitored_barrier(self, timeout=None, wait_all_ranks: bool = False) -> None:
         """``group.monitored_barrier(timeout, wait_all_ranks)`` (what
         ``dist.monitored_barrier`` calls; see :func:`hpccomm.monitored_barrier`)."""
@@ -83,8 +91,4 @@ class ProcessGroupHpccomm(methods.TorchOps, ProcessGroupBase):
     # torch's legacy names for the same ops (older callers use them)
 
 
-# torch's older method names, which only this route is called by (each op's declaration lists them)
-for _name, _method in methods.methods(legacy=True).items():
-    if not hasattr(methods.TorchOps, _name):
-        setattr(ProcessGroupHpccomm, _name, _method)
 methods.hide_methods(ProcessGroupHpccomm)

@@ -653,3 +653,29 @@ def test_group_usable_after_refusals(world, even):
         u = torch.ones(2)
         dist.all_reduce(u, group=even.pg)
         assert torch.equal(u, torch.full((2,), float(even.size)))
+
+
+def test_a_refusal_names_the_refused_call_behind_queued_async_ops(world):
+    """A call refused while this rank still has async ops queued on the group
+    is named by its own number (after theirs: they run first), not by the
+    number of the first of them (which the op path's counter held while they
+    waited on the comm thread); the queued ops complete as they would."""
+    pg = dist.new_group(list(range(dist.get_world_size())))
+    g = helpers.hgroup(pg)
+    before = g.seq
+    t = torch.ones(1 << 12)
+    works = [dist.all_reduce(t, group=pg, async_op=True) for _ in range(5)]
+    u = torch.ones(2)
+    with refused(hpccomm.OpValueError, "broadcast", r"src \d+ is not a rank of this group", u) as info:
+        pg.broadcast([u], _bad_root(dist.get_world_size()))  # (every rank refuses: src is bad everywhere)
+    assert f"(op #{before + 6} on group '{g.name}'," in str(info.value), str(info.value)
+    for w in works:
+        w.wait()
+    assert torch.all(t == dist.get_world_size() ** 5)
+
+
+def _bad_root(size: int):
+    """A BroadcastOptions whose root is no rank of a group of ``size``."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = size + 3
+    return opts

@@ -34,8 +34,8 @@ as one tuple to the functions on the fast path and unpacked by ``check``):
     (hpccomm._ops.composed), for a CUDA-aware MPI that reduces device memory
     slowly.
 
-The rest is data: the torch methods the op serves and the form of their
-arguments (the adapters build their methods from it), how NCCL takes the call
+The rest is data: the torch methods the op serves (the adapters' methods of
+those names run it), how NCCL takes the call
 (torch's NCCL process group; CuPy's), the roles of its tensors, whether it
 is point-to-point, reduces, has a nonblocking form, can be cut into chunks.
 """
@@ -131,9 +131,9 @@ class Op:
     """One op's declaration (see the module docstring).
 
     :param name: the op's name in messages, keys and ``hpccomm.explain``.
-    :param methods: torch's method names it serves -> the form of their
-        arguments (a key of the adapters' forms, hpccomm._methods.FORMS),
-        e.g. ``{"allreduce": "tensors, reduceOp"}``.
+    :param methods: torch's method names it serves (``("allreduce",)``): the
+        adapters' methods of those names run it (hpccomm._methods.TorchOps;
+        tests/test_declarations.py holds the two together).
     :param legacy: torch's older names for the same methods, which only the
         ProcessGroup adapter (torch 2.13's route) answers.
     :param check, plan, key, composed: the op's functions (module docstring).
@@ -163,12 +163,12 @@ class Op:
     __slots__ = ("name", "methods", "legacy", "check", "plan", "key", "composed", "p2p", "reducing", "first",
                  "roles", "nonblocking", "chunkable", "slot", "any_source", "receives", "nccl", "cupy", "code")
 
-    def __init__(self, name: str, *, methods: dict, check: Callable, plan: Callable, key: Optional[Callable] = None,
+    def __init__(self, name: str, *, methods: tuple, check: Callable, plan: Callable, key: Optional[Callable] = None,
                  composed: Optional[Callable] = None, legacy: tuple = (), p2p: bool = False, reducing: bool = False,
                  first: str = "out", roles: Optional[Callable] = None, nonblocking: bool = False,
                  chunkable: bool = False, slot: Optional[str] = None, any_source: bool = False,
                  receives: bool = False, nccl: Optional[Callable] = None, cupy: Optional[Callable] = None) -> None:
-        self.name, self.methods, self.legacy = name, dict(methods), tuple(legacy)
+        self.name, self.methods, self.legacy = name, tuple(methods), tuple(legacy)
         self.check, self.plan, self.composed = check, plan, composed
         self.key = key if key is not None else uncached
         self.p2p, self.reducing, self.first, self.roles = p2p, reducing, first, roles

@@ -36,6 +36,11 @@ _FLATTEN_BYTES = 1 << 18  # coalesced ops below this total go as one message
 # messages past this size go in pieces of it, which bounds that scratch (to 0.03x
 # at 1 GiB) at no measurable cost in bandwidth (each piece is itself bandwidth-bound).
 _ALLREDUCE_PIECE_BYTES = 64 << 20
+#: What a ReduceOp argument is, where a call's key takes it: torch's ``ReduceOp`` (what torch's options hold)
+#: or one of its kinds (``dist.ReduceOp.SUM``); each hashes to its kind's value (hpccomm._compat.redop_code).
+_REDOPS = (ReduceOp, RedOpType)
+
+
 def _signature(op: str, tensors, r) -> Signature:
     return Signature(op, tensors, (("op", r.name),))
 
@@ -51,7 +56,7 @@ def all_reduce_key(args):
     tensors, redop = args
     if tensors.__class__ is list and len(tensors) == 1:
         t = tensors[0]
-        if t.__class__ is Tensor and t.is_cpu and t.layout is STRIDED and redop.__class__ is ReduceOp:
+        if t.__class__ is Tensor and t.is_cpu and t.layout is STRIDED and redop.__class__ in _REDOPS:
             return (ALL_REDUCE, t.dtype, t.numel(), redop_code(redop))
     return None
 
@@ -385,7 +390,7 @@ def reduce_scatter_tensor_key(args):
     """reduce_scatter_tensor's shape: two dense CPU tensors' dtypes and counts, the ReduceOp."""
     output, input, redop = args
     if output.__class__ is Tensor and input.__class__ is Tensor and output.is_cpu and input.is_cpu and \
-            output.layout is STRIDED and input.layout is STRIDED and redop.__class__ is ReduceOp:
+            output.layout is STRIDED and input.layout is STRIDED and redop.__class__ in _REDOPS:
         return (REDUCE_SCATTER_TENSOR, output.dtype, output.numel(), input.dtype, input.numel(), redop_code(redop))
     return None
 
@@ -575,30 +580,30 @@ def _nccl_reduce_scatter_tensor_coalesced(b, a, o, options):
 # ----------------------------------------------------------------------------
 
 ALL_REDUCE = Op(
-    "all_reduce", methods={"allreduce": "tensors, reduceOp"}, key=all_reduce_key, check=check_all_reduce,
+    "all_reduce", methods=("allreduce",), key=all_reduce_key, check=check_all_reduce,
     plan=plan_all_reduce, composed=composed_all_reduce, reducing=True, first="inout", nonblocking=True,
     chunkable=True, nccl=_nccl_all_reduce, cupy=_cupy_all_reduce)
 ALL_REDUCE_SPARSE = Op(
-    "all_reduce", methods={"allreduce_sparse": "tensors, reduceOp"}, check=check_all_reduce_sparse,
+    "all_reduce", methods=("allreduce_sparse",), check=check_all_reduce_sparse,
     plan=plan_all_reduce_sparse, reducing=True, first="inout")
 ALL_REDUCE_COALESCED = Op(
-    "all_reduce_coalesced", methods={"allreduce_coalesced": "tensors, reduceOp"}, check=check_all_reduce_coalesced,
+    "all_reduce_coalesced", methods=("allreduce_coalesced",), check=check_all_reduce_coalesced,
     plan=plan_all_reduce_coalesced, composed=composed_all_reduce_coalesced, reducing=True, first="inout",
     nccl=_nccl_all_reduce_coalesced)
 REDUCE = Op(
-    "reduce", methods={"reduce": "tensors, rootRank, reduceOp"}, key=reduce_key, check=check_reduce,
+    "reduce", methods=("reduce",), key=reduce_key, check=check_reduce,
     plan=plan_reduce, composed=composed_reduce, reducing=True, first="inout", roles=_reduce_roles, chunkable=True,
     nccl=_nccl_reduce, cupy=_cupy_reduce)
 REDUCE_SCATTER = Op(
-    "reduce_scatter", methods={"reduce_scatter": "output, input, reduceOp"}, check=check_reduce_scatter,
+    "reduce_scatter", methods=("reduce_scatter",), check=check_reduce_scatter,
     plan=plan_reduce_scatter, composed=composed_reduce_scatter, reducing=True, nccl=_nccl_reduce_scatter)
 REDUCE_SCATTER_TENSOR = Op(
-    "reduce_scatter_tensor", methods={"reduce_scatter_single": "output, input, reduceOp"},
+    "reduce_scatter_tensor", methods=("reduce_scatter_single",),
     legacy=("_reduce_scatter_base",), key=reduce_scatter_tensor_key, check=check_reduce_scatter_tensor,
     plan=plan_reduce_scatter_tensor, composed=composed_reduce_scatter_tensor, reducing=True, nonblocking=True,
     slot="input", nccl=_nccl_reduce_scatter_tensor, cupy=_cupy_reduce_scatter_tensor)
 REDUCE_SCATTER_TENSOR_COALESCED = Op(
-    "reduce_scatter_tensor_coalesced", methods={"reduce_scatter_single_coalesced": "output, input, reduceOp"},
+    "reduce_scatter_tensor_coalesced", methods=("reduce_scatter_single_coalesced",),
     legacy=("reduce_scatter_tensor_coalesced",), check=check_reduce_scatter_tensor_coalesced,
     plan=plan_reduce_scatter_tensor_coalesced, composed=composed_reduce_scatter_tensor_coalesced, reducing=True,
     nccl=_nccl_reduce_scatter_tensor_coalesced)

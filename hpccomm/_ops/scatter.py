@@ -155,11 +155,11 @@ def _nccl_scatter(b, a, o, options):
 # ----------------------------------------------------------------------------
 
 BROADCAST = Op(
-    "broadcast", methods={"broadcast": "tensors, rootRank"}, key=broadcast_key, check=check_broadcast,
+    "broadcast", methods=("broadcast",), key=broadcast_key, check=check_broadcast,
     plan=plan_broadcast, first="inout", roles=_broadcast_roles, nonblocking=True, chunkable=True,
     nccl=_nccl_broadcast, cupy=_cupy_broadcast)
 SCATTER = Op(
-    "scatter", methods={"scatter": "output, input, rootRank"}, check=check_scatter, plan=plan_scatter,
+    "scatter", methods=("scatter",), check=check_scatter, plan=plan_scatter,
     nccl=_nccl_scatter)
 
 OPS = (BROADCAST, SCATTER)
