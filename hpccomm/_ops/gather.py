@@ -19,11 +19,13 @@ def _displs(counts):
     return [0, *itertools.accumulate(counts)][:-1]
 
 
-def allgather(group, input: torch.Tensor, out: torch.Tensor, recv, offset: int, counts, outputs, after):
+def allgather(group, input: torch.Tensor, out: torch.Tensor, recv, offset: int, counts, outputs, after, kind=None):
     """The plan of the Allgather(v) of this rank's ``input`` into contiguous
     ``out`` (``recv``: its MPI buffer), where this rank's slot starts
     ``offset`` bytes in; ``counts``: every rank's part (elements, laid end to
-    end), None for equal parts; ``outputs``, ``after``: the plan's.
+    end), None for equal parts; ``outputs``, ``after``: the plan's; ``kind``:
+    how the dtype travels, where the checked call knows it
+    (:func:`hpccomm._mpi.kind_of`).
 
     This rank's part is read where it is: MPI_IN_PLACE when ``input`` is its
     slot of ``out`` (FSDP's layout), ``input`` itself when contiguous and
@@ -34,16 +36,19 @@ def allgather(group, input: torch.Tensor, out: torch.Tensor, recv, offset: int, 
     mem = recv[0]
     sendbuf = send = before = None
     if input.is_contiguous():
-        part = _mpi.buffer(input)
-        here = part[0].address
-        if part[1] and here == mem.address + offset:
+        mtype, isize = kind or _mpi.kind_of(input.dtype)
+        here, n = input.data_ptr(), input.numel()
+        nbytes = n * isize
+        base, total_bytes = mem.address, mem.nbytes
+        if n and here == base + offset:
             sendbuf = _mpi.IN_PLACE
-        elif not staging.overlap(here, part[0].nbytes, mem.address, mem.nbytes):
-            sendbuf, send = part, input
+        elif not staging.overlap(here, nbytes, base, total_bytes):
+            sendbuf, send = [_mpi.fromaddress(here, nbytes), n, mtype], input
     if sendbuf is None:
         send, before = staging.copy_in(input)
-        part = sendbuf = _mpi.buffer(send)
-    keep, nbytes = (input, out, send), part[0].nbytes
+        sendbuf = _mpi.buffer(send)
+        nbytes = sendbuf[0].nbytes
+    keep = (input, out, send)
     total, size = recv[1], group.size
     if total > group.max_count:
         run = _bcasts(group, send, out, counts or [total // size] * size)
@@ -86,25 +91,26 @@ def all_gather_into_tensor_key(args):
 
 
 def check_all_gather_into_tensor(group, output, input, op: str = "all_gather_into_tensor") -> Call:
-    """Two tensors of one dtype, the output the group size times the input's elements."""
+    """Two tensors of one dtype, the output the group size times the input's
+    elements.  Facts: how the dtype travels."""
     checks.check_pair(group, op, output, input, "output")
-    return Call(Signature(op, ((input.dtype, input.numel()), (output.dtype, output.numel()))))
+    return Call(Signature(op, ((input.dtype, input.numel()), (output.dtype, output.numel()))),
+                _mpi.kind_of(input.dtype))
 
 
-def _into_tensor(group, output, input):
-    """The plan of all_gather_into_tensor: MPI writes the output in place, and
+def plan_all_gather_into_tensor(group, call: Call, args):
+    """all_gather_into_tensor's plan: MPI writes the output in place, and
     reads the input where it is when it can (:func:`allgather`)."""
+    output, input = args
     if output.is_contiguous():
         out, after = output, None
     else:
         out, after = staging.copy_out(output)
-    recv = _mpi.buffer(out)
-    return allgather(group, input, out, recv, group.rank * (recv[0].nbytes // group.size), None, [output], after)
-
-
-def plan_all_gather_into_tensor(group, call: Call, args):
-    output, input = args
-    return _into_tensor(group, output, input)
+    kind = call.facts
+    n = out.numel()
+    nbytes = n * kind[1]
+    recv = [_mpi.fromaddress(out.data_ptr(), nbytes), n, kind[0]]  # (the checked call knows its MPI datatype)
+    return allgather(group, input, out, recv, group.rank * (nbytes // group.size), None, [output], after, kind)
 
 
 def _nccl_all_gather_into_tensor(b, a, o, options):
@@ -123,12 +129,14 @@ def check_all_gather_into_tensor_coalesced(group, outputs, inputs,
         checks.check_list(group, op, outputs, 0, "outputs")  # (refused: not a list)
     checks.check_list(group, op, inputs, len(outputs), "inputs")
     calls = [check_all_gather_into_tensor(group, o, i, op) for o, i in zip(outputs, inputs)]
-    return Call(Signature(op, tuple(x for c in calls for x in c.signature.tensors)))
+    return Call(Signature(op, tuple(x for c in calls for x in c.signature.tensors)), calls)
 
 
 def plan_all_gather_into_tensor_coalesced(group, call: Call, args):
+    """Each pair's all_gather_into_tensor, in turn."""
     outputs, inputs = args
-    return sequence([_into_tensor(group, o, i) for o, i in zip(outputs, inputs)], outputs)
+    return sequence([plan_all_gather_into_tensor(group, c, (o, i)) for o, i, c in zip(outputs, inputs, call.facts)],
+                    outputs)
 
 
 def _nccl_all_gather_into_tensor_coalesced(b, a, o, options):

@@ -83,7 +83,7 @@ def _check(group, op: str, tensors, peer, side: str, tag: int) -> Call:
     None for any source; ``tag`` in MPI's range.  A refusal names this rank's
     next point-to-point op."""
     t = checks.message(group, op, tensors, peer, side, tag)
-    return Call(Signature(op, ((t.dtype, t.numel()),), ((side, peer), ("tag", tag))))
+    return Call(Signature(op, ((t.dtype, t.numel()),), ((side, peer), ("tag", tag))), _mpi.kind_of(t.dtype))
 
 
 def check_send(group, tensors, dst: int, tag: int, op: str = "send") -> Call:
@@ -94,10 +94,11 @@ def check_recv(group, tensors, src, tag: int, op: str = "recv") -> Call:
     return _check(group, op, tensors, src, "src", tag)
 
 
-def _message(group, tensors, receive: bool, icall, source, tag: int):
+def _message(group, tensors, receive: bool, icall, source, tag: int, kind):
     """The plan posting ``tensors[0]`` as one message (``icall``: the group's
     ``Isend`` or ``Irecv``) to or from ``source`` (a rank, or MPI's
-    ANY_SOURCE) with ``tag``.  The tensor's own memory when contiguous, else a contiguous
+    ANY_SOURCE) with ``tag``; ``kind``: how its dtype travels (the checked
+    call's facts, :func:`hpccomm._mpi.kind_of`).  The tensor's own memory when contiguous, else a contiguous
     copy: a send's taken now (it is posted now), a receive's written back
     once it arrived."""
     t = tensors[0]
@@ -108,9 +109,11 @@ def _message(group, tensors, receive: bool, icall, source, tag: int):
         else:
             buf = t.contiguous()
     keep = t if buf is t else (t, buf)
-    nbytes = t.numel() * t.element_size()
-    if buf.numel() <= group.max_count:
-        return (None, (_mpi.buffer(buf), source, tag), icall, tensors, keep, None, after, nbytes)
+    n = buf.numel()
+    nbytes = n * kind[1]
+    if n <= group.max_count:
+        spec = [_mpi.fromaddress(buf.data_ptr(), nbytes), n, kind[0]]  # (the checked call knows its MPI datatype)
+        return (None, (spec, source, tag), icall, tensors, keep, None, after, nbytes)
     return (None, (source, tag), partial(_post_large, icall, buf, group.max_count), tensors, keep,
             None, after, nbytes)
 
@@ -118,14 +121,15 @@ def _message(group, tensors, receive: bool, icall, source, tag: int):
 def plan_send(group, call: Call, args):
     """send's plan: ``tensors[0]`` to group rank ``dst`` (MPI_Isend)."""
     tensors, dst, tag = args
-    return _message(group, tensors, False, group.calls.Isend, dst, tag)
+    return _message(group, tensors, False, group.calls.Isend, dst, tag, call.facts)
 
 
 def plan_recv(group, call: Call, args):
     """recv's plan: into ``tensors[0]`` from group rank ``src`` (None: any
     source; MPI_Irecv).  What arrives is checked when it completes."""
     tensors, src, tag = args
-    return _message(group, tensors, True, group.calls.Irecv, _mpi.mpi().ANY_SOURCE if src is None else src, tag)
+    return _message(group, tensors, True, group.calls.Irecv, _mpi.mpi().ANY_SOURCE if src is None else src, tag,
+                    call.facts)
 
 
 def _nccl_send(b, a, o, options):

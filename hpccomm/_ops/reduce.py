@@ -432,32 +432,30 @@ def _reduce_scatter_plan(group, send, spec, out, recv, r, before, after, outputs
             outputs, keep, before, after, spec[0].nbytes)
 
 
-def _scatter_tensor(group, output, input, r):
-    """The plan of reduce_scatter ``r`` of ``input`` into ``output``: MPI reads
-    the input and writes the output in place when both are contiguous and
-    apart; else through copies."""
+def plan_reduce_scatter_tensor(group, call: Call, args):
+    """reduce_scatter_tensor's plan: MPI reads the input and writes the output
+    in place when both are contiguous and apart; else through copies."""
+    output, input, redop = args
+    r = call.facts
     if output.is_contiguous():
         out, after = output, None
     else:
         out, after = staging.copy_out(output)
-    recv = _mpi.buffer(out)
+    n, size = out.numel(), r.itemsize
+    out_at, out_bytes = out.data_ptr(), n * size
+    recv = [_mpi.fromaddress(out_at, out_bytes), n, r.mtype]  # (the checked call knows its MPI datatype)
     send, before, spec = input, None, None
     if r.factor is not None:  # PREMUL_SUM reduces a scaled copy
         send, before = staging.scaled(input, r.factor)
     elif input.is_contiguous():
-        spec = _mpi.buffer(input)
-        if staging.overlap(spec[0].address, spec[0].nbytes, recv[0].address, recv[0].nbytes):
-            spec = None  # aliased with the output: MPI forbids aliased buffers
+        at, m = input.data_ptr(), input.numel()
+        if not staging.overlap(at, m * size, out_at, out_bytes):  # (aliased with the output: MPI forbids it)
+            spec = [_mpi.fromaddress(at, m * size), m, r.mtype]
     if spec is None:
         if before is None:  # (strided, or aliased)
             send, before = staging.copy_in(input)
         spec = _mpi.buffer(send)
     return _reduce_scatter_plan(group, send, spec, out, recv, r, before, after, [output], (input, output, send, out))
-
-
-def plan_reduce_scatter_tensor(group, call: Call, args):
-    output, input, redop = args
-    return _scatter_tensor(group, output, input, call.facts)
 
 
 def _composed_scatter(group, outputs, output: torch.Tensor, fill, r, nbytes: int):
@@ -559,8 +557,10 @@ def check_reduce_scatter_tensor_coalesced(group, outputs, inputs, redop,
 
 
 def plan_reduce_scatter_tensor_coalesced(group, call: Call, args):
+    """Each pair's reduce_scatter_tensor, in turn."""
     outputs, inputs, redop = args
-    return sequence([_scatter_tensor(group, o, i, r) for o, i, r in zip(outputs, inputs, call.facts)], outputs)
+    return sequence([plan_reduce_scatter_tensor(group, _of(r), (o, i, redop))
+                     for o, i, r in zip(outputs, inputs, call.facts)], outputs)
 
 
 def composed_reduce_scatter_tensor_coalesced(group, call: Call, args):

@@ -24,9 +24,10 @@ def broadcast_key(args):
 
 
 def check_broadcast(group, tensors, root: int, op: str = "broadcast") -> Call:
+    """One dense tensor; the root a rank of the group.  Facts: how its dtype travels."""
     t = checks.single(group, op, tensors)
     checks.check_root(group, op, root, "src")
-    return Call(Signature(op, ((t.dtype, t.numel()),), (("root", root),)))
+    return Call(Signature(op, ((t.dtype, t.numel()),), (("root", root),)), _mpi.kind_of(t.dtype))
 
 
 def plan_broadcast(group, call: Call, args):
@@ -41,10 +42,12 @@ def plan_broadcast(group, call: Call, args):
             buf, before = staging.copy_in(t)
         else:
             buf, after = staging.copy_out(t)
-    spec = _mpi.buffer(buf)
-    nbytes = spec[0].nbytes
+    mtype, size = call.facts
+    n = buf.numel()
+    nbytes = n * size
+    spec = [_mpi.fromaddress(buf.data_ptr(), nbytes), n, mtype]  # (the checked call knows its MPI datatype)
     keep = t if buf is t else (t, buf)
-    if spec[1] > group.max_count:
+    if n > group.max_count:
         return (_bcast_chunks(group, buf, root), (), None, tensors, keep, before, after, nbytes)
     calls = group.calls
     return (calls.Bcast, (spec, root), calls.Ibcast, tensors, keep, before, after, nbytes)
