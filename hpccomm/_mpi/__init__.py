@@ -156,13 +156,27 @@ def _before_finalize() -> None:
 
 def abort(code: int) -> None:
     """MPI_Abort on the world, after giving the launcher time to forward what
-    this rank just wrote (Open MPI drops output still in flight at abort)."""
+    this rank just wrote (Open MPI drops output still in flight at abort).
+
+    What this rank said before is to be the last of it: MPICH and Intel MPI
+    print their own ``Abort(1) on node 0 ...`` line from the aborting process,
+    so its stdout and stderr go to /dev/null first (the pipes to the launcher
+    stay open on other descriptors: a closed one makes Open MPI's launcher
+    warn).  Open MPI's launcher prints its own report, after every rank."""
+    import os
     import sys
     import time
 
     sys.stdout.flush()
     sys.stderr.flush()
     time.sleep(0.5)
+    try:
+        kept = [os.dup(1), os.dup(2)]  # noqa: F841 - held open until the process ends
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+    except OSError:
+        pass
     mpi().COMM_WORLD.Abort(code)
 
 
