@@ -108,17 +108,19 @@ def _mpi_rendezvous(url: str = "mpi://", **kwargs):
 
 
 def _env_or_mpi(env_handler):
-    """torch's env:// handler, or MPI's rendezvous when an MPI launcher
-    started this process and env:// lacks what it needs (the rank, or
-    MASTER_ADDR/MASTER_PORT): rank, size and the store then come from MPI
-    (a rank or world size given anyway must agree with MPI's)."""
+    """torch's env:// handler, or MPI's rendezvous when env:// lacks what it
+    needs (the rank, or MASTER_ADDR/MASTER_PORT) and either an MPI launcher
+    started this process (rank, size and the store then come from MPI; a
+    rank or world size given anyway must agree with MPI's) or no launcher did
+    and the backend asked for is hpccomm (a plain ``python train.py``: a
+    world of one, as ``hpccomm.init_process_group()`` gives there)."""
     def handler(url: str, **kwargs):
         from urllib.parse import parse_qs, urlparse
 
         query = parse_qs(urlparse(url).query)
         rank = query.get("rank", [os.environ.get("RANK")])[0]
         complete = rank is not None and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ
-        if complete or not _mpi_launched():
+        if complete or not (_mpi_launched() or _alone_asking_for_hpccomm()):
             return env_handler(url, **kwargs)
         from .._start.bootstrap import _mpi_rendezvous as rendezvous
 
@@ -129,6 +131,16 @@ def _env_or_mpi(env_handler):
     handler.hpccomm = True  # marks the wrapper, so it is installed once
     handler.wrapped = env_handler
     return handler
+
+
+def _alone_asking_for_hpccomm() -> bool:
+    """Whether no launcher started this process and the
+    ``dist.init_process_group`` being run names the backend hpccomm."""
+    from .. import BACKEND_NAME, launcher
+    from .. import _compat as compat
+
+    backend = compat.requested_backend()
+    return launcher.detect().name == "single" and backend is not None and BACKEND_NAME in backend.lower()
 
 
 def _mpi_launched() -> bool:
