@@ -11,8 +11,9 @@ Registering itself is :mod:`hpccomm._torch.plugin`'s.
 
 The package this module belongs to is the folder ``hpccomm`` beside it: in site-packages for an
 install from a wheel, in the checkout for an editable one (setup.cfg puts the checkout itself on
-sys.path, where a package beats any folder without ``__init__.py``).  Only the standard library is
-used here, and ``import hpccomm`` runs only once it is known to be that package.
+sys.path, where a package beats any folder without ``__init__.py``).  Another copy of the package
+found first (a checkout on PYTHONPATH) is taken as the user's choice.  Only the standard library is
+used here, and ``import hpccomm`` runs only once it is known to be an hpccomm package.
 """
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ def _plugin():
         raise ImportError(f"hpccomm: `import hpccomm` here finds the folder {', '.join(locations) or '?'} (a folder "
                           f"named hpccomm without __init__.py), not the hpccomm package ({expected}); torch goes "
                           "on without hpccomm. Run from another folder, or rename that one")
-    if not _same(os.path.dirname(found), expected):
+    if not _same(os.path.dirname(found), expected) and not _is_hpccomm(found):
         shown = os.path.dirname(found) if os.path.basename(found) == "__init__.py" else found
         raise ImportError(f"hpccomm: `import hpccomm` here finds {shown}, not the hpccomm package ({expected}): it "
                           "comes first on sys.path (the current folder and PYTHONPATH come first); torch goes on "
@@ -110,6 +111,14 @@ def _plugin():
                           f"{exc}); torch goes on without it. Reinstall hpccomm (from a checkout: pip install -e . "
                           "there)") from exc
     return plugin
+
+
+def _is_hpccomm(found: str) -> bool:
+    """Whether ``found`` (what ``import hpccomm`` loads) is a copy of hpccomm's
+    package, another checkout on PYTHONPATH say: a package with this plugin
+    module.  Then it is the one torch gets, as the user asked."""
+    return os.path.basename(found) == "__init__.py" and \
+        os.path.isfile(os.path.join(os.path.dirname(found), "_torch", "plugin.py"))
 
 
 def _same(a: str, b: str) -> bool:

@@ -182,6 +182,19 @@ def test_something_else_named_hpccomm_first_on_the_path(installed, tmp_path, sha
     assert proc.returncode != 0 and f"finds {found}, not the hpccomm package" in proc.stderr, proc.stderr
 
 
+def test_another_copy_of_hpccomm_first_on_the_path_is_taken(installed, tmp_path):
+    """A copy of the hpccomm package found first (another checkout on
+    PYTHONPATH, as a developer or a test harness sets it) is the one torch
+    gets, without a word: it is an hpccomm, as the user chose."""
+    python, _, clone = installed
+    shutil.copytree(clone / "hpccomm", tmp_path / "other" / "hpccomm",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    proc = run(python, tmp_path, "-c", "import sys, torch, torch.distributed as dist; "
+               "print(sys.modules['hpccomm'].__file__, dist.Backend('hpccomm'))", PYTHONPATH=str(tmp_path / "other"))
+    assert proc.returncode == 0 and proc.stderr == "", proc.stdout + proc.stderr
+    assert proc.stdout.split() == [str(tmp_path / "other" / "hpccomm" / "__init__.py"), "hpccomm"], proc.stdout
+
+
 def test_a_damaged_install(installed, tmp_path):
     """A package that fails at its own import (a damaged file): torch imports
     and works; hpccomm's one line says that it cannot be imported, why, and
