@@ -28,6 +28,8 @@ MUST_AGREE = ("versions.", "mpi.library", "mpi.abi", "mpi.family", "mpi.standard
 
 #: Fields left out of the per-rank table: they say nothing about the job.
 NOT_TABULATED = ("host.fqdn", "pid")
+#: Rank numbers: left out of the per-rank table where each equals the rank of its row.
+RANK_NUMBERS = ("mpi.rank", "launcher.rank", "launcher.local_rank")
 
 
 # --------------------------------------------------------------------------
@@ -347,25 +349,36 @@ def _show(value) -> str:
 
 
 def render(reports: list, found: list) -> str:
-    """Rank 0's view, the per-rank table of differing fields, the problems."""
+    """Rank 0's view, the per-rank table of the fields that differ (besides
+    rank numbers equal to the rank), the problems.  Where torch sees no CUDA
+    device, the ``[gpu]`` section is one line (``--json`` has every field)."""
     lines = []
     first = reports[0]
     title = f"hpccomm info (rank 0 of {len(reports)})" if len(reports) > 1 else "hpccomm info"
     lines.append(title)
     for section in ("versions", "mpi", "launcher", "host", "interfaces", "store", "gpu", "options"):
+        fields = first.get(section, {})
+        if section == "gpu" and not fields.get("cuda") and not fields.get("devices"):
+            lines.append(f"[gpu] none: torch {first.get('versions', {}).get('torch', '')} sees no CUDA device here: "
+                         "CPU tensors only (hpccomm info --json has the GPU fields)")
+            continue
         lines.append(f"[{section}]")
-        for key, value in first.get(section, {}).items():
+        for key, value in fields.items():
             lines.append(f"  {key:26s} {_show(value)}")
     if len(reports) > 1:
-        keys = differing(reports)
-        lines.append(f"[per rank] fields that differ between the {len(reports)} ranks"
-                     + ("" if keys else ": none"))
+        flat = [flatten(r) for r in reports]
+        numbers = [k for k in RANK_NUMBERS if all(f.get(k) == r for r, f in enumerate(flat))]
+        keys = [k for k in differing(reports) if k not in numbers]
         if keys:
-            rows = [["rank", *keys]] + [[str(r), *(_show(flatten(rep).get(k)) for k in keys)]
-                                       for r, rep in enumerate(reports)]
+            lines.append(f"[per rank] fields that differ between the {len(reports)} ranks"
+                         + (f" (besides {', '.join(numbers)}: the rank)" if numbers else ""))
+            rows = [["rank", *keys]] + [[str(r), *(_show(f.get(k)) for k in keys)] for r, f in enumerate(flat)]
             widths = [max(len(row[i]) for row in rows) for i in range(len(keys) + 1)]
             for row in rows:
                 lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        else:
+            lines.append(f"[per rank] the {len(reports)} ranks differ only in their rank numbers"
+                         + (f" ({', '.join(numbers)})" if numbers else ""))
     if found:
         lines.append(f"[problems] {len(found)}")
         lines += [f"  - {p}" for p in found]

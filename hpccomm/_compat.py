@@ -266,6 +266,25 @@ def requested_device_backends():
     return None
 
 
+def requested_backend():
+    """The backend string of the ``dist.init_process_group`` call running on
+    this thread (``"hpccomm"``, ``"cpu:hpccomm,cuda:nccl"``, ``"gloo"`` ...),
+    or None when not called from it.  For the env:// rendezvous, which torch
+    runs before any backend is made and without saying for which: read from
+    torch's ``init_process_group`` frame, where torch 2.13 to 2.15 hold it as
+    ``backend``."""
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "init_process_group" and frame.f_globals.get("__name__") == dist.__name__ + \
+                ".distributed_c10d":
+            backend = frame.f_locals.get("backend")
+            return None if backend is None else str(backend)
+        frame = frame.f_back
+    return None
+
+
 _hidden = []  # (class, method names) waiting for Dynamo to be imported
 
 

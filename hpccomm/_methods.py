@@ -20,7 +20,7 @@ from __future__ import annotations
 import types
 
 from . import _mpi
-from ._core import comm_thread, failures, trace
+from ._core import comm_thread, failures, state, trace
 from ._gpu import dispatch
 from ._ops import alltoall, gather, op_path, p2p, reduce, scatter
 from . import _compat as compat
@@ -130,6 +130,7 @@ class TorchOps:
         if g.comm is not None and g.is_world:
             comm_thread.flush(g)
             trace.finish(g.comm)  # every rank destroys the world: gather the trace now
+            state.record_leaving(f"destroyed its process group ({state.last_op_text()})")
         dispatch.release(g)
         g.free()
 

@@ -76,7 +76,7 @@ SUITES = {
     "training": ["test_ddp.py", "test_fsdp.py", "test_mesh.py"],
     "failures": ["test_failures.py"],
     "exit": ["test_exit.py", "test_soak.py"],
-    "init": ["test_init.py"],
+    "init": ["test_init.py", "test_host.py"],
     # fault tolerance (ULFM): real jobs started by the tests, Open MPI only; under MPICH and Intel MPI the
     # same jobs check the refusal at init
     "ft": ["test_fault_tolerance.py"],

@@ -77,10 +77,13 @@ def test_info_text_alone():
     proc = run("info")
     assert proc.returncode == 0, describe(proc)
     out = proc.stdout
-    for section in ("[versions]", "[mpi]", "[launcher]", "[host]", "[interfaces]", "[store]", "[gpu]", "[options]"):
-        assert f"\n{section}\n" in out, describe(proc)
     import mpi4py
     import torch
+
+    for section in ("[versions]", "[mpi]", "[launcher]", "[host]", "[interfaces]", "[store]", "[options]"):
+        assert f"\n{section}\n" in out, describe(proc)
+    gpu = "\n[gpu]\n" if torch.cuda.is_available() else f"\n[gpu] none: torch {torch.__version__} sees no CUDA device"
+    assert gpu in out, describe(proc)
 
     assert f"  torch                      {torch.__version__}\n" in out
     assert f"  mpi4py                     {mpi4py.__version__}\n" in out
@@ -162,11 +165,9 @@ def test_info_text_under_mpirun_shows_per_rank_table():
     assert proc.returncode == 0, describe(proc)
     out = proc.stdout
     assert out.startswith("hpccomm info (rank 0 of 2)\n") and out.count("[versions]") == 1, out
-    table = out.split("[per rank] fields that differ between the 2 ranks\n", 1)[1].splitlines()
-    header = table[0].split()
-    assert header[0] == "rank" and "mpi.rank" in header and "launcher.rank" in header, table
-    col = header.index("mpi.rank")
-    assert [line.split()[col] for line in table[1:3]] == ["0", "1"], table
+    # One machine, one MPI: the ranks differ in their rank numbers only, which the table leaves out.
+    assert "\n[per rank] the 2 ranks differ only in their rank numbers (mpi.rank, launcher.rank, " \
+           "launcher.local_rank)\n" in out, out
     assert out.rstrip().endswith("[problems] none found"), out
 
 
@@ -447,12 +448,32 @@ def test_render_table():
     text = info.render(views, found)
     lines = text.splitlines()
     assert lines[0] == "hpccomm info (rank 0 of 3)"
-    start = lines.index("[per rank] fields that differ between the 3 ranks")
+    start = lines.index("[per rank] fields that differ between the 3 ranks (besides mpi.rank, launcher.rank: the rank)")
     header = lines[start + 1].split()
-    assert header == ["rank", "launcher.local_rank", "launcher.rank", "mpi.rank", "versions.torch"], header
-    assert lines[start + 4].split() == ["2", "0", "2", "2", "2.12.0"], lines
+    assert header == ["rank", "launcher.local_rank", "versions.torch"], header   # (2 ranks a node: local ranks 0 1 0)
+    assert lines[start + 4].split() == ["2", "0", "2.12.0"], lines
     assert lines[-2:] == ["[problems] 1", "  - versions.torch differs between ranks: '2.13.0+cpu' on ranks 0-1; "
                                           "'2.12.0' on rank 2"]
+
+
+def test_render_without_gpu_and_with_rank_numbers_only():
+    """On a CPU-only machine the [gpu] section is one line; ranks that differ
+    in rank numbers only get one line, not a table of them."""
+    views = [_view(r, 2, host="n1") for r in range(2)]
+    for r, v in enumerate(views):
+        v["launcher"]["local_rank"] = r
+    text = info.render(views, info.problems(views))
+    assert "\n[gpu] none: torch 2.13.0+cpu sees no CUDA device here: CPU tensors only (hpccomm info --json has the " \
+           "GPU fields)\n[options]\n" in text, text
+    assert "mpi_cuda_aware" not in text and "cuda_routes" not in text, text
+    assert "\n[per rank] the 2 ranks differ only in their rank numbers (mpi.rank, launcher.rank, " \
+           "launcher.local_rank)\n[problems] none found" in text, text
+    views[1]["gpu"].update(cuda=True, devices=1)   # a GPU on rank 1 only: rank 0's view has none, the table says
+    lines = info.render(views, []).splitlines()
+    start = lines.index("[per rank] fields that differ between the 2 ranks (besides mpi.rank, launcher.rank, "
+                        "launcher.local_rank: the rank)")
+    assert [x.split() for x in lines[start + 1:start + 4]] == [["rank", "gpu.cuda", "gpu.devices"],
+                                                               ["0", "False", "0"], ["1", "True", "1"]], lines
 
 
 def test_flatten_and_rank_ranges():

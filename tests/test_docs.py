@@ -26,6 +26,7 @@ program must exit 0; the examples check their own results with asserts.
 """
 from __future__ import annotations
 
+import ast
 import inspect
 import os
 import re
@@ -422,3 +423,243 @@ def test_links_to_repository_files_become_downloads(tmp_path):
     hpccomm_docs._link_repo_files(App, "guide", source)
     assert source[0] == ("[t](path:../jobs/cpu.sbatch) [d](design.md#x) [u](https://a.org/b) [m](../jobs/none.sh) [a](#x)\n"
                          "```bash\n[t](../jobs/cpu.sbatch)\n```\n")
+
+
+# -- the messages and fields the docs quote are the code's ------------------------
+
+#: The pages whose quotes are checked: the README and the docs, less the changelog (history: it
+#: quotes what older releases said).
+QUOTING = [p for p in PAGES if p.name != "changelog.md"]
+#: Where a quoted message starts: hpccomm's own prefixes (a line of torchrun's report may come first).
+MESSAGE_START = re.compile(r"hpccomm(?:\.errors\.\w+: |: | debug: | [a-z_]+ \(| init[: (])")
+#: What the docs write for a part of a message left out or standing for any value.
+ELIDED = re.compile(r"\.\.\.|<[^<>]*>")
+#: Text of other programs that hpccomm's messages carry as values (the OS's, torch's, MPI's).
+FOREIGN = ("Name or service not known", "The server socket has failed to listen on any local network address. "
+           "port: 29512, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use",
+           "cannot open shared object file: No such file or directory", "MPI_ERR_TRUNCATE: message truncated")
+
+
+def quoted_messages() -> list:
+    """(page, line, text) of every hpccomm message the docs quote: the lines of
+    ``text`` blocks (not ``hpccomm info`` samples) and the inline code that
+    start with one of hpccomm's prefixes, and the ``# fails with:`` and
+    ``# prints:`` lines of runnable blocks (run too, but not on every machine)."""
+    found = []
+    for page in QUOTING:
+        text = page.read_text()
+        spans = []
+        for m in CODE.finditer(text):
+            before = text[:m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+            spans.append((m.start(), m.end()))
+            body_line = text.count("\n", 0, m.start()) + 2
+            for k, line in enumerate(m.group(3).splitlines()):
+                if m.group(2) in ("text", "") and not OUTPUT_OF.match(before):
+                    start = MESSAGE_START.search(line)
+                    if start and not line[:start.start()].strip(" ").replace("traceback :", ""):
+                        found.append((page.name, body_line + k, line[start.start():].strip()))
+                elif line.startswith(("# fails with:", "# prints:")) and m.group(2) == "python":
+                    said = line.split(":", 1)[1].strip()
+                    if "print(" in m.group(3) and said.split()[0] in m.group(3).split(line, 1)[1]:
+                        continue  # the block's own print, not hpccomm's
+                    found.append((page.name, body_line + k, said))
+        for m in re.finditer(r"`([^`\n]+)`", text):
+            if any(a <= m.start() < b for a, b in spans):
+                continue
+            span = m.group(1)
+            if len(span) >= 30 and MESSAGE_START.match(span):
+                found.append((page.name, text.count("\n", 0, m.start()) + 1, span))
+    return found
+
+
+def code_texts() -> list:
+    """Every literal text of hpccomm's code that a message can be made of: its
+    string constants and the literal parts of its f-strings, docstrings left
+    out; of those with letters, the ones of 6 characters or more (words like
+    ``"the "`` or ``"s"`` would spell any prose; a shorter one read as a value
+    instead adds a word or two to a value, not four)."""
+    files = sorted((ROOT / "hpccomm").rglob("*.py")) + [ROOT / "_hpccomm_entry.py"]
+    texts = set()
+    for path in files:
+        tree = ast.parse(path.read_text())
+        docstrings = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+                first = node.body[0]
+                if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                    docstrings.add(id(first.value))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                texts.update(re.split(r"%[-#0 +]*\d*(?:\.\d+)?[sdrfg]", node.value))  # a logging format's parts
+    return sorted(t for t in texts if t and (len(t) >= 6 or not re.search("[A-Za-z]", t)))
+
+
+STITCH = 8  # what reading one text of the code costs, in value characters (see uncovered)
+
+
+def uncovered(message: str, texts: list) -> list:
+    """The runs of ``message`` that no literal text of the code accounts for:
+    the values (numbers, names, paths) between the texts.  ``message`` is read
+    as a sequence of whole literal texts and values, at the least cost: a
+    value character costs 1, a text ``STITCH`` (so a run of prose is not
+    stitched from short texts that happen to exist elsewhere in the code); a piece of it may begin inside a text (where the docs left out what
+    came before: the start, or ``...``) and end inside one (before ``...`` or
+    the end)."""
+    by_first: dict = {}
+    for t in texts:
+        by_first.setdefault(t[0], []).append(t)
+    runs = []
+    for piece in ELIDED.split(message):
+        for foreign in FOREIGN:
+            piece = piece.replace(foreign, "\x00")
+        n = len(piece)
+        best = [None] * (n + 1)   # fewest value characters to read piece[:i], and how
+        best[0] = (0, None)
+        # a beginning inside a text: any suffix of a text that piece starts with
+        for t in texts:
+            for k in range(1, len(t)):
+                if piece.startswith(t[k:]) and len(t) - k >= 3:
+                    size = len(t) - k
+                    if best[size] is None or best[size][0] > STITCH:
+                        best[size] = (STITCH, (0, "text"))
+        for i in range(n):
+            if best[i] is None:
+                continue
+            cost = best[i][0]
+            step = (cost + (piece[i] != "\x00"), (i, "value"))
+            if best[i + 1] is None or best[i + 1][0] > step[0]:
+                best[i + 1] = step
+            for t in by_first.get(piece[i], ()):
+                end = i + len(t)
+                if piece.startswith(t, i) and (best[end] is None or best[end][0] > cost + STITCH):
+                    best[end] = (cost + STITCH, (i, "text"))
+            # an end inside a text: piece's rest is a prefix of a text
+            rest = piece[i:]
+            if len(rest) >= 3 and any(t.startswith(rest) for t in by_first.get(piece[i], ())):
+                if best[n] is None or best[n][0] > cost + STITCH:
+                    best[n] = (cost + STITCH, (i, "text"))
+        # the value characters, as runs
+        i, marks = n, [False] * n
+        while i > 0:
+            j, how = best[i][1]
+            if how == "value":
+                marks[j] = True
+            i = j
+        run = ""
+        for ch, value in zip(piece, marks + [False]):
+            if value:
+                run += ch
+            elif run:
+                runs.append(run)
+                run = ""
+        if run:
+            runs.append(run)
+    return runs
+
+
+#: Prose: four words in a row (letters only), which no value of a message is.
+PROSE = re.compile(r"(?:\b[A-Za-z]{2,}\b[ ,;]+){3}\b[A-Za-z]{2,}\b")
+
+
+def test_every_quoted_message_is_the_codes():
+    """Every hpccomm message the README and the docs quote can be made from
+    hpccomm's code: its literal texts, in order, with values between them
+    (numbers, names, paths, the text of another program's error).  A message
+    the code no longer makes, or quoted with words of its own, leaves prose
+    no text of the code accounts for, and fails here."""
+    texts = code_texts()
+    quotes = quoted_messages()
+    assert len(quotes) >= 30, quotes   # the pages quote that many; a broken finder would find none
+    bad = []
+    for page, line, message in quotes:
+        body = re.sub(r"^hpccomm\.errors\.(\w+): ", "", message)
+        if body != message:
+            assert hasattr(hpccomm.errors, message.split(":")[0].split(".")[-1]), (page, line, message)
+        prose = [r for r in uncovered(body, texts) if PROSE.search(r)]
+        if prose:
+            bad.append(f"{page}:{line}: {prose} in {message!r}")
+    assert not bad, "quoted messages with text the code does not make:\n" + "\n".join(bad)
+
+
+def test_the_message_check_finds_a_message_that_is_not_the_codes():
+    """The check above, on a message the code used to make (the GPU refusal
+    before the GPU routes existed) and on one it makes."""
+    texts = code_texts()
+    gone = ("hpccomm all_reduce (op #1 on group '0', rank 0/2): tensor is on device cuda:0; hpccomm moves CPU "
+            "tensors only in this release (the GPU transports are not built yet). Move it to the CPU with .cpu()")
+    assert any(PROSE.search(r) for r in uncovered(gone, texts)), uncovered(gone, texts)
+    made = ("hpccomm: rank 1 of 3 ended by SIGTERM (the launcher ends the job) while in all_reduce (op #2 on group "
+            "'0', for 0.3 s); rank 2 (pid 27359 on vm) is dead")
+    assert not any(PROSE.search(r) for r in uncovered(made, texts)), uncovered(made, texts)
+
+
+def info_field_references() -> list:
+    """(page, text) of the inline code in the paragraphs that mention ``hpccomm
+    info`` which names a field of it: ``[section]``, ``[section] key``,
+    ``section.key``, or a bare ``key_name``."""
+    found = []
+    for page in QUOTING:
+        text = CODE.sub(lambda m: "\n" * m.group(0).count("\n"), page.read_text())
+        for paragraph in re.split(r"\n\s*\n", text):
+            if "hpccomm info" in paragraph:
+                found += [(page.name, m.group(1)) for m in re.finditer(r"`([^`\n]+)`", paragraph)
+                          if re.fullmatch(r"\[[a-z ]+\]( \w+)?|[a-z]+\.\w+|[a-z]+(_[a-z]+)+", m.group(1))]
+    return found
+
+
+@pytest.mark.slow
+def test_every_hpccomm_info_field_the_docs_name_is_real(tmp_path):
+    """The fields of ``hpccomm info`` the docs name are the ones it prints
+    (``hpccomm info --json`` here): a section, a section's key, or a bare key
+    of some section.  A bare name that is not one but reads like one (a
+    section's name joined to one of its keys, as ``mpi_library`` for
+    ``[mpi] library``, or part of a key, as ``thread_level`` of
+    ``thread_level_granted``) is an old or wrong name and fails; other names
+    (``async_op``, ``init_process_group``) are not about hpccomm info."""
+    proc = subprocess.run([sys.executable, "-m", "hpccomm", "info", "--json"], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120, env=require().env())
+    view = __import__("json").loads(proc.stdout)["ranks"][0]
+    sections = {s: set(v) for s, v in view.items() if isinstance(v, dict)}
+    sections.update({"per rank": set(), "problems": set()})
+    keys = set().union(*sections.values())
+    refs = info_field_references()
+    assert len(refs) >= 20, refs
+    bad = []
+    for page, ref in refs:
+        m = re.fullmatch(r"\[([a-z ]+)\](?: (\w+))?", ref)
+        if m:
+            ok = m.group(1) in sections and (m.group(2) is None or m.group(2) in sections[m.group(1)])
+        elif "." in ref:
+            section, _, key = ref.partition(".")
+            ok = section not in sections or key in sections[section]
+        else:
+            looks = any(ref == f"{s.replace(' ', '_')}_{k}" for s, ks in sections.items() for k in ks) or \
+                any(ref in k for k in keys)
+            ok = ref in keys or not looks
+        if not ok:
+            bad.append(f"{page}: `{ref}`")
+    assert not bad, f"hpccomm info has no such field (sections and keys: {sorted(sections)}):\n" + "\n".join(bad)
+
+
+def test_each_figure_is_stated_once():
+    """The supported torch minors (from setup.cfg's torch requirement) are
+    stated in one place, the README's "Supported torch", and the time the
+    CI matrix takes in one place, docs/testing.md (its Timings table holds the
+    runs it comes from); other pages refer to them.  A second statement of a
+    figure drifts from the first."""
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    need = next(x for x in cfg["options"]["install_requires"].split("\n") if x.strip().startswith("torch"))
+    low, high = re.fullmatch(r"\s*torch>=2\.(\d+),<2\.(\d+)\s*", need).groups()
+    minors = [f"2.{m}" for m in range(int(low), int(high))]
+    phrase = ", ".join(minors[:-1]) + " and " + minors[-1]
+    texts = {p.name: p.read_text() for p in QUOTING}
+    assert f"**Supported torch**: the three newest minor releases, today {phrase};" in texts["README.md"]
+    listed = re.compile(r"\b" + r",? ".join(re.escape(m) + r"(?:,| and| or)?" for m in minors) + r"(?![.\d])")
+    stated = [(name, m.group(0)) for name, text in texts.items() for m in listed.finditer(text)]
+    assert stated == [("README.md", phrase)], stated
+    matrix = [(name, line.strip()) for name, text in texts.items() for line in text.splitlines()
+              if not line.startswith("|") and re.search(r"matrix.*\babout \d+ min", line)]
+    assert len(matrix) == 1 and matrix[0][0] == "testing.md", matrix

@@ -3,6 +3,7 @@ that raises, a rank that is killed.  Each case launches a real mpirun job
 from pytest and checks its exit status, its time to end, and the message."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -138,7 +139,8 @@ def test_timeout_of_rank_0_leaves_hpccomm_the_last_word(tmp_path):
 
 
 MISMATCH_HINT = ("The ranks of a group must call the same collectives in the same order with matching sizes, "
-                 "dtypes, ReduceOps and roots. HPCCOMM_DEBUG=DETAIL compares every call across ranks")
+                 "dtypes, ReduceOps and roots. HPCCOMM_DEBUG=DETAIL compares every call across ranks and names each "
+                 "rank's call")
 
 
 def test_a_call_new_on_one_rank_only_is_named_on_both_within_seconds(tmp_path):
@@ -158,6 +160,69 @@ def test_a_call_new_on_one_rank_only_is_named_on_both_within_seconds(tmp_path):
            f"differently: {said}" in proc.stderr, proc.stderr
     assert f"hpccomm: rank 1: all_reduce(float32[6], SUM) (op #2 on group '0', rank 1/2) cannot run: the ranks " \
            f"called this collective differently: {said}" in proc.stderr, proc.stderr
+    assert require().after_hpccomm(proc.stderr) == [] and "frame #" not in proc.stderr, proc.stderr
+    assert no_orphans(tmp_path)
+
+
+def test_a_mismatch_is_the_last_line_of_each_rank(tmp_path):
+    """The first-call check raises on every rank, uncaught: each rank says,
+    in one piece, that the job ends, its traceback without hpccomm's and
+    torch's frames (the user's own line), and the mismatch last, once; no
+    other rank's output between its lines, and nothing after them but the
+    launcher's closing report."""
+    proc, took = launch(tmp_path, """
+        hpccomm.init_process_group(timeout=timedelta(seconds=60))
+        t = torch.ones(4 if dist.get_rank() == 0 else 8)
+        dist.all_reduce(t)
+    """, n=2, env=USER_LOGS)
+    assert proc.returncode != 0 and took < 30, (proc.returncode, took, proc.stderr)
+    lines = proc.stderr.splitlines()
+    calls = ("rank 0 called all_reduce(float32[4], SUM) (op #1); rank 1 called all_reduce(float32[8], SUM) (op #1). "
+             "Nothing was sent. The ranks of a group must call the same collectives in the same order with matching "
+             "sizes, dtypes, ReduceOps and roots")
+    line_of_call = HEADER.count("\n") + 4   # the script's all_reduce line
+    for rank in (0, 1):
+        block = [f"hpccomm: rank {rank} of 2 raised an uncaught HpccommError; aborting the job so the other ranks "
+                 "do not wait for it (HPCCOMM_ABORT_ON_EXCEPTION=0 turns this off)",
+                 "Traceback (most recent call last; hpccomm's and torch's frames left out):",
+                 f'  File "{tmp_path / "job.py"}", line {line_of_call}, in <module>',
+                 "    dist.all_reduce(t)",
+                 f"hpccomm.errors.HpccommError: hpccomm all_reduce (op #1 on group '0', rank {rank}/2): the ranks "
+                 f"called this collective differently: {calls}"]
+        at = lines.index(block[0]) if block[0] in lines else -1
+        assert at >= 0 and lines[at:at + len(block)] == block, (rank, proc.stderr)
+    assert proc.stderr.count("the ranks called this collective differently") == 2, proc.stderr
+    assert "torch/distributed" not in proc.stderr and "hpccomm/_core" not in proc.stderr, proc.stderr
+    assert require().after_hpccomm(proc.stderr) == [] and "frame #" not in proc.stderr, proc.stderr
+    assert no_orphans(tmp_path)
+
+
+def test_a_timeout_names_the_ranks_that_left(tmp_path):
+    """Rank 1 destroys its process group and ends; rank 2 ends without
+    destroying it; rank 0 waits for both in its next all_reduce (on a group
+    with a short timeout: init keeps the default one, which also bounds
+    MPI_Init on a busy machine).  Its timeout line names each as gone, and
+    how, not as hung or dead."""
+    proc, took = launch(tmp_path, """
+        hpccomm.init_process_group(timeout=timedelta(seconds=60))
+        sub = dist.new_group([0, 1, 2], timeout=timedelta(seconds=3))
+        dist.all_reduce(torch.ones(4), group=sub)
+        if dist.get_rank() == 1:
+            dist.destroy_process_group()
+        if dist.get_rank() == 0:
+            dist.all_reduce(torch.ones(4), group=sub)
+    """, n=3)
+    assert proc.returncode != 0 and took < 40, (proc.returncode, took, proc.stderr)
+    line = next((x for x in proc.stderr.splitlines() if x.startswith("hpccomm: rank 0: all_reduce (op #2 on group")),
+                "")
+    name = re.search(r"on group '([^']*)'", line)
+    assert name and line == (
+        f"hpccomm: rank 0: all_reduce (op #2 on group '{name.group(1)}', rank 0/3) did not complete within its "
+        f"timeout of 0:00:03: rank 1 left: it destroyed its process group (last op: all_reduce (op #1 on group "
+        f"'{name.group(1)}', rank 1/3)), then ended its program; rank 2 left: it ended its program (last op: "
+        f"all_reduce (op #1 on group '{name.group(1)}', rank 2/3)); waiting in it: [0]; aborting the job "
+        "(HPCCOMM_ON_TIMEOUT=abort)"), proc.stderr
+    assert "never arrived" not in proc.stderr, proc.stderr
     assert require().after_hpccomm(proc.stderr) == [] and "frame #" not in proc.stderr, proc.stderr
     assert no_orphans(tmp_path)
 

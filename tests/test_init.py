@@ -574,6 +574,48 @@ def test_env_rendezvous_from_mpi_serves_any_backend(tmp_path):
         assert rep["result"] == [_sum_of_ranks_plus_one(3)] * 3, rep
 
 
+THREE_WAYS = '''
+import torch, torch.distributed as dist
+way = sys.argv[1]
+if way != "backend":
+    import hpccomm
+if way == "hpccomm":
+    hpccomm.init_process_group()
+elif way == "init_method":
+    dist.init_process_group("hpccomm", init_method="mpi://")
+else:
+    try:
+        dist.init_process_group("hpccomm" if way == "backend" else way)   # env:// with nothing set, no launcher
+    except ValueError as exc:
+        report(way=way, error=str(exc).splitlines()[0])
+        sys.exit(0)
+t = torch.ones(3)
+dist.all_reduce(t)
+report(way=way, backend=str(dist.get_backend()), rank=dist.get_rank(), size=dist.get_world_size(), result=t.tolist())
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.parametrize("way", ["hpccomm", "init_method", "backend"])   # (an id "mpi" reads as pytest-mpi's mark)
+def test_three_ways_in_alike_under_plain_python(tmp_path, way):
+    """(k) The README's three ways in, run as ``python train.py`` with no
+    launcher and nothing set, all give a world of one: hpccomm's init,
+    ``init_method="mpi://"``, and ``dist.init_process_group("hpccomm")``
+    (env://, which alone would want RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT), even without ``import hpccomm``."""
+    job = single(worker(tmp_path, "three", THREE_WAYS), way).ok(1)
+    assert job.reports[0] == {"way": way, "backend": "hpccomm", "rank": 0, "size": 1, "result": [1.0] * 3}, \
+        job.describe()
+
+
+def test_other_backends_keep_torchs_env_rendezvous(tmp_path):
+    """(k) Only a process group of hpccomm's gets a world of one from MPI
+    without a launcher: gloo there still gets torch's own env:// error."""
+    job = single(worker(tmp_path, "three", THREE_WAYS), "gloo").ok(1)
+    assert job.reports[0] == {"way": "gloo", "error": "Error initializing torch.distributed using env:// rendezvous: "
+                                                      "environment variable RANK expected, but not set"}, job.describe()
+
+
 ENTRY_POINT = '''
 import torch, torch.distributed as dist
 # the launcher's own variables (Open MPI's; Hydra's, for MPICH and Intel MPI): no `import hpccomm` here

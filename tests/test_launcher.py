@@ -608,6 +608,22 @@ def test_real_torchrun_is_refused(tmp_path, how):
         assert f"Launch with mpirun -n 2 (or srun --mpi={require().spec.srun_mpi}) instead" in rep["error"], rep
 
 
+def test_real_torchrun_refusal_ends_the_output(tmp_path):
+    """A torchrun job whose init is refused, uncaught: the refusal is what
+    torchrun's closing report names as the root cause, in the last lines of
+    the job's output, not only in the workers' tracebacks above it."""
+    script = tmp_path / "job.py"
+    script.write_text("import hpccomm\nhpccomm.init_process_group()\n")
+    proc = subprocess.run(["timeout", "--kill-after=10", str(TIMEOUT - 15), sys.executable, "-m",
+                           "torch.distributed.run", "--nproc-per-node", "2", str(script)],
+                          env=require().env(), cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    last = [x.strip() for x in proc.stderr.splitlines() if x.strip()][-2:]
+    assert last[-2].startswith("traceback : hpccomm.errors.InitError: hpccomm init: torchrun started 2 processes "
+                               "(WORLD_SIZE=2) but MPI sees a world of 1"), last
+    assert set(last[-1]) == {"="}, last
+
+
 def test_real_single_process(tmp_path):
     (rep,) = _launch([sys.executable, "SCRIPT"], tmp_path)
     assert rep["launch"] == asdict(L("single", 0, 1, 0, 1, 0, "python")), rep

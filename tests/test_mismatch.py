@@ -17,8 +17,7 @@ from helpers import R, hgroup, verdict_comm
 pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.usefixtures("world")]
 
 HINT = ("Nothing was sent. The ranks of a group must call the same collectives in the same order with matching "
-        "sizes, dtypes, ReduceOps and roots. HPCCOMM_DEBUG=DETAIL compares every call across ranks (not only the "
-        "first of each signature) and names both sides")
+        "sizes, dtypes, ReduceOps and roots")
 SENTINEL = -7.0
 
 

@@ -104,6 +104,9 @@ before = snapshot()
 for i in range(2, ROUNDS):
     one_round(i)
 after = snapshot()
+# every rank's snapshot before any rank destroys the world: a rank that destroys it says so in the
+# store (a key its peers read if they time out waiting for it: hpccomm._core.state.record_leaving)
+dist.barrier()
 report(rank=r, ops=ops, wrong=wrong[:5], before=before, after=after)
 dist.destroy_process_group()
 '''

@@ -17,12 +17,20 @@ Threads (an exception to hpccomm._core.comm_thread's one-owner rule): whichever
 thread sees a failure revokes every hpccomm communicator, including ones
 another thread is blocked in: interrupting them is what MPI_Comm_revoke is for.
 
+Ending the job (:func:`end_job`): a rank that cannot go on (an uncaught
+exception, a timeout, a refusal the others may wait behind) says why in one
+piece, hpccomm's line last, records it for the other ranks' lines and calls
+MPI_Abort; an uncaught error of hpccomm's own is told as :func:`uncaught`
+says.
+
 Recovery (shrinking the world, rebuilding torch's groups) is
 :mod:`hpccomm.fault_tolerance`'s, above; the launch checks are start-up's
 (hpccomm._start.bootstrap).
 """
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from typing import NamedTuple, Optional
@@ -332,3 +340,74 @@ def abort_group(g) -> bool:
     revoke(g)
     g.free(flush=True)  # queued ops fail at once on the revoked communicators
     return True
+
+
+# ----------------------------------------------------------------------------
+# ending the job
+# ----------------------------------------------------------------------------
+
+def end_job(text: str, why: str, code: int) -> None:
+    """End the whole job from this rank, ``text`` being the last it says.
+
+    ``text`` (one or more lines, hpccomm's line last) goes to stderr in one
+    write, so that the other ranks' output cannot come between its lines;
+    ``why`` (``"timed out in ..."``) is recorded in the world's key-value
+    store, for the lines of the ranks the launcher then ends
+    (hpccomm._core.signals); then MPI_Abort with ``code``
+    (:func:`hpccomm._mpi.abort`, which keeps the MPI library's own abort line
+    from following ``text`` where it is printed by this process).
+    """
+    say_last(text)
+    state.record_failure(why)
+    _mpi.abort(code)
+
+
+def say_last(text: str) -> None:
+    """Write ``text`` to the process's stderr in one piece (after what Python
+    buffered for stdout and stderr)."""
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed or odd stream: write anyway
+            pass
+    data = (text.rstrip("\n") + "\n").encode(errors="replace")
+    while data:
+        data = data[os.write(2, data):]
+
+
+def uncaught(kind, value, tb, rank: int, size: int, where: str, told: bool) -> str:
+    """What rank ``rank`` of ``size`` says last when exception ``value`` (of
+    type ``kind``, traceback ``tb``) ends its program while the job goes on
+    elsewhere; ``where``: its last op (hpccomm._core.state.last_op_text);
+    ``told``: whether its traceback was printed already (by Python's hook).
+
+    An error of hpccomm's own (:class:`hpccomm.HpccommError`) names the op,
+    its group and the rank itself: unless told, a line saying that the job
+    ends, the traceback without hpccomm's and torch's frames (the user's own
+    calls), and the error's line last.  Else the line that names the rank and
+    its last op, after Python's traceback.
+    """
+    ending = ("aborting the job so the other ranks do not wait for it (HPCCOMM_ABORT_ON_EXCEPTION=0 turns "
+              "this off)")
+    if told or not issubclass(kind, HpccommError):
+        return f"hpccomm: rank {rank} of {size} raised an uncaught {kind.__name__} ({where}); {ending}"
+    import traceback
+
+    frames = traceback.extract_tb(tb)
+    mine = [f for f in frames if not _inside(f.filename)] or frames[-1:]
+    return "".join([f"hpccomm: rank {rank} of {size} raised an uncaught {kind.__name__}; {ending}\n",
+                    "Traceback (most recent call last; hpccomm's and torch's frames left out):\n",
+                    *traceback.format_list(mine), *traceback.format_exception_only(kind, value)])
+
+
+def _inside(filename: str) -> bool:
+    """Whether ``filename`` is a file of hpccomm's or torch's."""
+    if not _internal:
+        import torch
+
+        _internal.extend(os.path.join(os.path.dirname(os.path.realpath(m.__file__)), "")
+                         for m in (sys.modules[__name__.split(".")[0]], torch))
+    return os.path.realpath(filename).startswith(tuple(_internal))
+
+
+_internal: list = []  # the folders of hpccomm and torch (with a trailing separator)

@@ -28,7 +28,7 @@ import socket
 import sys
 import threading
 import time
-from .. import config
+from .. import _mpi, config
 from . import state
 from .watchdog import current
 
@@ -47,6 +47,8 @@ def install(comm, store) -> None:
         return
     # collective, so before any per-rank decision (settings may differ between ranks)
     state.set_world(rank, size, store, comm.allgather((socket.gethostname(), os.getpid())))
+    if all(hook is not _program_ends for _, hook in _mpi.at_exit):
+        _mpi.at_exit.append((_AT_EXIT_ORDER, _program_ends))
     if _installed or not config.get("HPCCOMM_SIGNAL_REPORT"):
         return
     if threading.current_thread() is not threading.main_thread():
@@ -69,6 +71,15 @@ def install(comm, store) -> None:
         threading.Thread(target=_listen, args=(read_fd,), name="hpccomm-signals", daemon=True).start()
     signal.signal(signal.SIGTERM, _handler)
     _installed = True
+
+
+_AT_EXIT_ORDER = 0.5  # once the ops still queued have run (hpccomm._mpi.at_exit)
+
+
+def _program_ends() -> None:
+    """At exit: this rank's program ended; a rank still waiting for it in an
+    op will say so when the op times out (hpccomm._core.state.record_leaving)."""
+    state.record_leaving("ended its program" + ("" if state.has_left() else f" ({state.last_op_text()})"))
 
 
 def _handler(signum, frame) -> None:

@@ -74,8 +74,10 @@ MAX_SIGNATURES = 1024
 _WAIT = 3.0  # seconds the rank that found the mismatch waits for the checking rank's own line
 
 HINT = ("The ranks of a group must call the same collectives in the same order with matching sizes, dtypes, "
-        "ReduceOps and roots. HPCCOMM_DEBUG=DETAIL compares every call across ranks (not only the first of "
-        "each signature) and names both sides")
+        "ReduceOps and roots")
+#: The watchdog's lines (:func:`watch`) name one rank's call only (an agreed call is not sent again): debug mode
+#: names each.
+DETAIL = "HPCCOMM_DEBUG=DETAIL compares every call across ranks and names each rank's call"
 
 
 def enabled() -> bool:
@@ -226,7 +228,7 @@ def watch(op, noted: set) -> bool:
         said = store.get(key).decode(errors="replace")
         me = g.global_ranks[g.rank]
         _say(f"hpccomm: rank {me}: {call} ({op.where()}) cannot run: the ranks called this "
-             f"collective differently: {said}. {HINT}; aborting the job")
+             f"collective differently: {said}. {HINT}. {DETAIL}; aborting the job")
         store.set(key + "/seen", "1")
         _end(f"called op #{op.seq} on group '{g.name}' differently from other ranks")
         return True
@@ -242,7 +244,7 @@ def watch(op, noted: set) -> bool:
     said = (f"rank {other} called {what} (op #{seq}), a call new to this group, while rank {me} called {mine} "
             "with a signature the group had agreed on before")
     _say(f"hpccomm: rank {me}: {op.name} ({op.where()}) cannot complete: the ranks called op #{seq} "
-         f"differently: {said}. {HINT}; aborting the job")
+         f"differently: {said}. {HINT}. {DETAIL}; aborting the job")
     verdict = _verdict_key(g, seq)
     store.set(verdict, said)
     deadline = time.monotonic() + _WAIT  # the checking rank prints its own line first

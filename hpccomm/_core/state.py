@@ -10,9 +10,13 @@
   key-value store (:func:`record_failure`), so that the other ranks' lines
   can name it; :data:`failures` holds what fault tolerance (hpccomm.fault_tolerance)
   knows of lost ranks.
+- Who left: a rank that destroys its world group or ends its program says so
+  in the world's key-value store (:func:`record_leaving`), so that a rank
+  whose op times out waiting for it names it as gone rather than hung
+  (:func:`who_left`).
 - The keys of the key-value store that ranks use to tell each other of a
-  failure, a refusal or a timeout: :func:`failure_key`, :func:`refusal_key`,
-  :func:`timeout_key`.
+  failure, a refusal, a departure or a timeout: :func:`failure_key`,
+  :func:`refusal_key`, :func:`left_key`, :func:`timeout_key`.
 
 The watchdog (timeouts), the SIGTERM reporter (hpccomm._core.signals), the
 excepthook and hpccomm.errors' messages read it.  Nothing here calls MPI or
@@ -161,6 +165,11 @@ def failure_key() -> str:
     return "hpccomm/failure"
 
 
+def left_key(rank) -> str:
+    """The world store's key where world rank ``rank`` says it left (:func:`record_leaving`)."""
+    return f"hpccomm/left/{rank}"
+
+
 def refusal_key(g, kind: str, seq=None, from_rank=None, to_rank=None) -> str:
     """Where a rank announces that it refused an op the others may wait in
     (hpccomm._ops.op_path.refused): a collective by its number on the group, a
@@ -189,6 +198,7 @@ def set_world_group(group) -> None:
 def set_world(rank: int, size: int, store, peers) -> None:
     """Called when the world group is made, with every rank's (host, pid)."""
     world.rank, world.size, world.store, world.peers = rank, size, store, list(peers)
+    _leaving.clear()
 
 
 def record_failure(what: str) -> None:
@@ -200,6 +210,44 @@ def record_failure(what: str) -> None:
         store.set(failure_key(), f"rank {world.rank} {what}")
     except Exception:  # noqa: BLE001 - the store's host may be the one failing
         pass
+
+
+_leaving: list = []  # what this rank recorded of its leaving, in order
+
+
+def record_leaving(what: str) -> None:
+    """This rank leaves the job's collectives (``what``: ``"destroyed its
+    process group ..."``, ``"ended its program"``): say so in the world's
+    key-value store, after what it said before, for the timeout lines of the
+    ranks still waiting for it (hpccomm._core.watchdog)."""
+    store = world.store
+    if store is None or world.size == 1:
+        return
+    _leaving.append(what)
+    try:
+        store.set(left_key(world.rank), ", then ".join(_leaving))
+    except Exception:  # noqa: BLE001 - the store's host (rank 0) may be gone already
+        pass
+
+
+def has_left() -> bool:
+    """Whether this rank recorded leaving (:func:`record_leaving`) since the world was made."""
+    return bool(_leaving)
+
+
+def who_left(ranks) -> dict:
+    """``{world rank: what it said}`` for those of ``ranks`` that left (:func:`record_leaving`)."""
+    store = world.store
+    if store is None:
+        return {}
+    found = {}
+    for r in ranks:
+        try:
+            if store.check([left_key(r)]):
+                found[r] = store.get(left_key(r)).decode(errors="replace")
+        except Exception:  # noqa: BLE001 - the store's host (rank 0) may be the one gone
+            break
+    return found
 
 
 def recorded_failure() -> Optional[str]:

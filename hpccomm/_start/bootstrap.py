@@ -209,9 +209,48 @@ def agree(comm, check) -> None:
     rank, (kind, message, variable) = next(((r, v) for r, v in refused if r == comm.Get_rank()), refused[0])
     if rank != comm.Get_rank():
         message = f"{message} (as rank {rank} reports; this rank, {comm.Get_rank()}, is refused with it)"
-    if kind == "ConfigError":
-        raise ConfigError(message, variable)
-    raise InitError(message)
+    error = ConfigError(message, variable) if kind == "ConfigError" else InitError(message)
+    _tell_torchrun(error)
+    raise error
+
+
+def _tell_torchrun(error: Exception) -> None:
+    """Under torchrun, a refusal at init (``error``) that goes uncaught is also
+    written where torchrun's agent reads each worker's error
+    (TORCHELASTIC_ERROR_FILE, the file torch's ``@record`` writes): the
+    agent's closing report, the last lines of the job's output, then names it
+    as the root cause instead of pointing to torch's docs.  A file written
+    already (by ``@record``) is left alone."""
+    import sys
+
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE") or launcher.detect().name != "torchrun":
+        return
+    previous = sys.excepthook
+    if getattr(previous, "hpccomm_refusal", False):
+        return
+
+    def hook(kind, value, tb):
+        if isinstance(value, (InitError, ConfigError)):
+            _write_error_file(os.environ.get("TORCHELASTIC_ERROR_FILE", ""), value)
+        previous(kind, value, tb)
+
+    hook.hpccomm_refusal = True
+    sys.excepthook = hook
+
+
+def _write_error_file(path: str, error: Exception) -> None:
+    """torch's error file format (torch.distributed.elastic's ErrorHandler), with ``error``'s line as the traceback."""
+    import json
+    import time
+
+    line = f"{type(error).__module__}.{type(error).__name__}: {error}"
+    try:
+        if path and not os.path.exists(path):
+            with open(path, "w") as f:
+                json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                      "timestamp": str(int(time.time()))}}}, f)
+    except OSError:  # the agent then says less; the error is raised all the same
+        pass
 
 
 def _start(comm=None, timeout: Optional[timedelta] = None):

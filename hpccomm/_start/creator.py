@@ -209,33 +209,36 @@ _hook_installed = False
 
 
 def _install_excepthook(rank: int, size: int) -> None:
-    """An uncaught exception on one rank ends the whole job at once, with a
-    line saying which rank and where, instead of leaving the other ranks in
-    their next collective until the timeout."""
+    """An uncaught exception on one rank ends the whole job at once, with
+    what that rank says last (:func:`hpccomm._core.failures.uncaught`),
+    instead of leaving the other ranks in their next collective until the
+    timeout."""
     global _hook_installed
     if _hook_installed or size == 1 or not config.get("HPCCOMM_ABORT_ON_EXCEPTION"):
         return
     _hook_installed = True
     import sys
 
+    from ..errors import HpccommError
+
     previous = sys.excepthook
 
     def hook(kind, value, tb):
-        previous(kind, value, tb)
         if state.world.group is None or state.world.group.freed:
+            previous(kind, value, tb)
             return
-        out = sys.__stderr__
-        if sys.stderr is not out:  # torch's own hook captures the traceback to prefix it: print it here
-            import traceback
+        # hpccomm's own errors are told short (failures.uncaught) unless another hook is in charge
+        told = not (issubclass(kind, HpccommError) and previous is sys.__excepthook__)
+        if told:
+            previous(kind, value, tb)
+            if sys.stderr is not sys.__stderr__:  # torch's own hook captures the traceback to prefix it
+                import traceback
 
-            traceback.print_exception(kind, value, tb, file=out)
+                traceback.print_exception(kind, value, tb, file=sys.__stderr__)
         where = state.last_op_text()
         rank, size = state.world.rank, state.world.size  # as renumbered by hpccomm.shrink()
-        print(f"hpccomm: rank {rank} of {size} raised an uncaught {kind.__name__} ({where}); aborting the job "
-              "so the other ranks do not wait for it (HPCCOMM_ABORT_ON_EXCEPTION=0 turns this off)",
-              file=out, flush=True)
-        state.record_failure(f"raised an uncaught {kind.__name__} ({where})")
-        _mpi.abort(1)
+        failures.end_job(failures.uncaught(kind, value, tb, rank, size, where, told),
+                         f"raised an uncaught {kind.__name__} ({where})", 1)
 
     sys.excepthook = hook
 

@@ -103,8 +103,9 @@ def test_metadata():
     assert {"openmpi", "mpich", "impi", "test", "frameworks"} <= set(meta.get_all("Provides-Extra"))
     points = {(e.group, e.name): e.value for e in dist.entry_points}
     assert points == {("console_scripts", "hpccomm"): "hpccomm.__main__:main",
-                      ("torch.distributed.backends", "hpccomm"): "hpccomm._torch.plugin:register",
-                      ("torch.backends", "hpccomm"): "hpccomm._torch.plugin:autoload"}, points
+                      ("torch.distributed.backends", "hpccomm"): "_hpccomm_entry:register",
+                      ("torch.backends", "hpccomm"): "_hpccomm_entry:autoload"}, points
+    assert "_hpccomm_entry.py" in {str(f) for f in dist.files or []}, "the entry points' module is not installed"
 
 
 def test_hpccomm_command():
