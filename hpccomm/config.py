@@ -147,7 +147,8 @@ OPTIONS: dict[str, Option] = {
         ),
         Option(
             "HPCCOMM_MISMATCH_CHECK", _lower, "first",
-            "First (the default): the first call of each collective signature (op and byte count) on a "
+            "First (the default): the first call of each collective signature (the op, every tensor's dtype and "
+            "element count, the ReduceOp, the root) on a "
             "group is compared across its ranks, and a mismatch (different sizes, dtypes, ReduceOps or "
             "roots) raises on every rank before any data moves; later calls with that signature run at "
             "once (a set lookup). 'off': no comparison (an MPI error or wrong data, as MPI gives). Set "
