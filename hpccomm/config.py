@@ -146,14 +146,15 @@ OPTIONS: dict[str, Option] = {
             ("OFF", "INFO", "DETAIL"),
         ),
         Option(
-            "HPCCOMM_MISMATCH_CHECK", _lower, "first",
-            "First (the default): the first call of each collective signature (the op, every tensor's dtype and "
-            "element count, the ReduceOp, the root) on a "
-            "group is compared across its ranks, and a mismatch (different sizes, dtypes, ReduceOps or "
-            "roots) raises on every rank before any data moves; later calls with that signature run at "
-            "once (a set lookup). 'off': no comparison (an MPI error or wrong data, as MPI gives). Set "
-            "it alike on every rank. HPCCOMM_DEBUG=DETAIL compares every call.",
-            ("first", "off"),
+            "HPCCOMM_MISMATCH_CHECK", _lower, "every",
+            "every (the default): every collective call is compared across its group's ranks before any data "
+            "moves (one allreduce of 56 bytes per call: a fingerprint of its signature, the op, every tensor's "
+            "dtype and element count, the ReduceOp, the root, all_to_all's splits), and a mismatch raises on "
+            "every rank naming each rank's call. 'first': only the first call of each signature on a group "
+            "(later calls of an agreed signature run at once). 'off': no comparison (an MPI error or wrong "
+            "data, as MPI gives). Set it alike on every rank. HPCCOMM_DEBUG=DETAIL compares every call's "
+            "whole description instead.",
+            ("every", "first", "off"),
         ),
         Option(
             "HPCCOMM_ASYNC_NONBLOCKING", _bool, False,

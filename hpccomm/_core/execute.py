@@ -4,10 +4,11 @@ The one place that runs a collective blocking, in the calling thread or on
 the comm thread (a queued op, hpccomm._core.record): it is numbered and
 recorded as running while it communicates (hpccomm._core.state: the watchdog
 and the SIGTERM reporter read it), and an MPI error raises naming the op.
-The first call of each signature on a group is compared across its ranks
-first (hpccomm._core.signatures: a mismatch raises on every rank); debug
-mode, the tracer and per-op debug logging add their steps around it
-(``group.instrumented``: one attribute test when all are off).
+Every call (or the first of each signature, ``HPCCOMM_MISMATCH_CHECK``) is
+compared across the group's ranks first (hpccomm._core.signatures: a
+mismatch raises on every rank); debug mode, the tracer and per-op debug
+logging add their steps around it (``group.instrumented``: one attribute
+test when all are off).
 """
 from __future__ import annotations
 
@@ -48,8 +49,14 @@ def execute(g, op, call, plan, args, record=None, asynchronous: bool = False):
             seq = state.start(g, name)
             if record is not None:
                 record.running(seq)
-            if not call.agreed and g.checks.agreed is not None and plan[CALL].__class__ is not Waited:
-                _first_call(g, call, seq)  # compared across ranks first (not the nonblocking form)
+            checks = g.checks
+            if checks.every:  # every call, compared across ranks first (hpccomm._core.signatures)
+                try:
+                    signatures.compare(g, call, seq)
+                except _mpi.mpi().Exception as exc:
+                    raise failures.mpi_error(f"{name}{signatures.LABEL} ({g.where(seq)})", exc) from exc
+            elif not call.agreed and checks.agreed is not None and plan[CALL].__class__ is not Waited:
+                _first_call(g, call, seq)  # its signature's first call, compared first (not the nonblocking form)
         if observed:
             tracer, logged = trace.active(), log.isEnabledFor(logging.DEBUG)
             began, t0 = trace.now_ns() if tracer else 0, time.perf_counter()

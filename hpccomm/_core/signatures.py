@@ -1,52 +1,57 @@
-"""The first-call check: the first call of each collective signature on a
-group is compared across its ranks, and a mismatch raises on every rank.
+"""The mismatch checks: a collective that the ranks of a group call
+differently (another op, size, dtype, ReduceOp or root, splits that do not
+fit) raises on every rank, naming each rank's call, before any data moves.
 
 The most common mistake in distributed code is a collective that the ranks
-call with different sizes (or dtypes, ReduceOps, roots).  Left to MPI it
-raises ``MPI_ERR_TRUNCATE`` on some ranks while others return wrong data, and
-a broadcast returns wrong data everywhere without a word.  So, on by default
-(``HPCCOMM_MISMATCH_CHECK=first``):
+call differently: left to MPI it raises ``MPI_ERR_TRUNCATE`` on some ranks
+while others return wrong data, returns wrong data everywhere without a word
+(a broadcast; any op under MPICH and Intel MPI), or hangs (a rank in another
+collective).  What must agree is each op's declared signature
+(hpccomm._ops.op.Signature: the op, every tensor's dtype and element count,
+the ReduceOp, the root; all_to_all's splits as pairs that must fit).
+``HPCCOMM_MISMATCH_CHECK`` says how it is compared:
 
-- a rank remembers, per group, the signatures its ranks have agreed on
-  (:class:`Checks`, ``group.checks``): each op's signature is declared with
-  the op (hpccomm._ops.op.Signature: the op, every tensor's dtype and
-  element count, the ReduceOp, the root; for the coalesced ops every
-  tensor); a call whose signature is among them runs at once: the op path
-  pays an attribute test where the checked call is cached by its shape
-  (hpccomm._ops.op_path), a set lookup otherwise
-  (:func:`hpccomm._core.execute.execute`);
-- any other call is first compared (:func:`check`): the ranks allgather what
-  each is about to do, on the group's ``checks`` communicator (a duplicate
-  that only checks use, so a check never matches an op), and either raise
-  together, before any data moves, naming every rank's call, or agree and
-  remember the signature.  A training loop pays on its first step only.
+``every`` (the default)
+    every collective call, in every form (blocking, queued on the comm
+    thread, posted), is compared before it runs (:func:`compare`): the ranks
+    sum a fixed-size fingerprint of their signatures in one small allreduce
+    on the group's ``checks`` communicator (a duplicate that only checks use,
+    so a check never matches an op), and each compares the sum with what it
+    would be had every rank called what it called.  The fingerprint
+    (:func:`fingerprint`) is three 20-bit hashes of the signature, each with
+    its square, and a sum of hashes of what this rank sends each peer minus
+    what it expects from each: the sums equal ``size`` times this rank's own
+    hashes and squares only where every rank's hashes are equal (a sum of
+    squared differences is zero only then), and the pairs' sum is zero only
+    where every send meets an equal receive.  A mismatch (or a rank whose
+    own checks refused the call, :func:`refuse`) takes every rank to one
+    allgather of the calls' descriptions and the same error everywhere
+    (:func:`_differ`).  Fixed size: the cost grows with the group as an
+    allreduce of 56 bytes does (log P), never with the descriptions; a
+    cached checked call keeps its fingerprint (docs/benchmarks.md: the cost).
+``first``
+    the first call of each signature on a group is compared (:func:`check`):
+    the ranks allgather what each is about to do and either raise together
+    or agree and remember the signature; later calls of an agreed signature
+    run at once.  Not compared: a later call whose signature each rank had
+    agreed on before but which differ now, and the nonblocking forms (posted
+    or queued: whether one is posted depends on each rank's queue).  A rank
+    in a check while another runs an agreed op is found by the watchdog
+    (:func:`watch`), which names it on both and ends the job.
+``off``
+    no comparison: what MPI gives.
 
-Why it never makes ranks disagree on which collectives run: the set is the
-same on every rank (a signature joins it when the gathered keys are equal
-everywhere, a decision made from the same gathered data on every rank), and
-the signature's key holds only what is equal on every rank of a correct
-program (all_gather's list of every rank's size, not its input's;
-all_to_all's splits, which may differ, are its ``pairs``, compared for fit on
-the first call of its key, the op and dtype).  So if one rank skips the check and another runs it,
-their calls differ: the ranks really did call op #k differently.  The skipping
-rank is then in the op on the group's communicator and the checking one in
-the check on its own: neither can go on.  The watchdog resolves it within a
-few seconds (:func:`watch`): a check that has waited a second leaves a note
-in the group's store (deleted when the check ends); a rank whose op has waited a second and that finds a
-note of a check of an op it did not check prints that the ranks called that
-op differently, waits for the checking rank to say so too, and ends the job.
-A rank whose op completed without the others (a broadcast root) and that
-then ends its program is caught by the timeout instead.
+``HPCCOMM_DEBUG=DETAIL`` compares every call's whole description instead
+(hpccomm._core.debug_mode), one allgather per op.
 
-What is not caught by default: a later call whose signature was agreed on
-before on one rank while another rank calls a different one that the group
-also agreed on before (the ranks then run different collectives: MPI's own
-error, or the timeout), ``all_to_all``'s splits after its first call, and the async collectives that take their
-nonblocking MPI form (``HPCCOMM_ASYNC_NONBLOCKING=1``): posted, the check
-would block the caller until every rank arrives, and whether such a call is
-posted or queued depends on each rank's own queue, so the queued one is not
-checked either; ``HPCCOMM_DEBUG=DETAIL`` compares every call
-(hpccomm._core.debug_mode).  Cost: docs/troubleshooting.md.
+Why no mode makes ranks disagree on which collectives run: in ``every``
+mode every collective call is compared, in every form, in the thread that
+runs it and in the group's op order (a posted call is posted only with
+nothing queued before it); in ``first`` mode the set of agreed signatures is
+the same on every rank (a signature joins it when the gathered keys are equal
+everywhere) and the signature holds only what is equal on every rank of a
+correct program, so a rank that skips the check while another runs it means
+the ranks really did call that op differently.
 
 Threads: a check runs in the thread that runs the op (the group's collectives
 run one at a time, in issue order), on the group's ``checks`` communicator,
@@ -57,6 +62,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import struct
 import sys
 import time
 
@@ -66,9 +72,11 @@ from . import debug_mode, state
 
 log = logging.getLogger("hpccomm")
 
+#: ``HPCCOMM_MISMATCH_CHECK``'s values (see the module docstring).
+EVERY, FIRST, OFF = "every", "first", "off"
 #: What an MPI error in a check is said to come from.
-LABEL = " (first-call signature check)"
-#: Signatures remembered per group; past this many the group stops checking (the
+LABEL = " (signature check)"
+#: Signatures remembered per group by the first-call check; past this many the group stops checking (the
 #: count is equal on every rank, so every rank stops at the same call), said once.
 MAX_SIGNATURES = 1024
 _WAIT = 3.0  # seconds the rank that found the mismatch waits for the checking rank's own line
@@ -79,30 +87,39 @@ HINT = ("The ranks of a group must call the same collectives in the same order w
 #: names each.
 DETAIL = "HPCCOMM_DEBUG=DETAIL compares every call across ranks and names each rank's call"
 
+_M64 = (1 << 64) - 1
+_BITS = 20  # bits of each of the fingerprint's three hashes (a sum of P squares fits 64 bits up to 2^22 ranks)
+_MASK = (1 << _BITS) - 1
+_REFUSED = (1 << _BITS) + 1  # the hashes of a refused call: none of a real call's
+_PACK = struct.Struct("<7Q")  # the fingerprint: three hashes, each with its square, and the pairs' sum
 
-def enabled() -> bool:
-    return config.get("HPCCOMM_MISMATCH_CHECK") == "first"
+
+def mode() -> str:
+    """``HPCCOMM_MISMATCH_CHECK`` (read at init: hpccomm.config)."""
+    return config.get("HPCCOMM_MISMATCH_CHECK")
 
 
 class Checks:
     """A group's checks (its one attribute ``checks``): ``comm``, a duplicate
     of the group's communicator that only the cross-rank checks use (this
-    module's and debug mode's); ``agreed``, the keys of the signatures agreed
-    on (hpccomm._ops.op.Signature.key; None: the first-call check is off);
+    module's and debug mode's); ``every``: every call is compared
+    (:func:`compare`), with ``box`` the bytes its sums land in and ``spec``
+    that as an MPI buffer; ``agreed``, the keys of the signatures agreed on by
+    the first-call check (hpccomm._ops.op.Signature.key; None: it is off);
     ``done``, the op numbers this rank compared (the watchdog's test of a
     stuck check); ``count``, the signatures agreed on; ``noted``, the op
     number of the check the watchdog left a note of (0: none); ``current``,
-    ``(op number, the call described)`` while this rank compares a call (None
-    otherwise; the op runs under its own name meanwhile, so that a timeout
-    names the op as it always did).  One attribute of the group, not several:
-    past 30 attributes CPython 3.11 stops sharing an instance's dict keys, and
-    every attribute read of the group on the op path gets slower (measured:
-    150 to 500 instructions per op)."""
+    ``(op number, the call described)`` while this rank compares a call
+    (None otherwise; the op runs under its own name meanwhile, so that a
+    timeout names the op as it always did).  One attribute of the group."""
 
-    __slots__ = ("comm", "agreed", "done", "count", "noted", "current")
+    __slots__ = ("comm", "every", "box", "spec", "agreed", "done", "count", "noted", "current")
 
-    def __init__(self, comm, on: bool) -> None:
-        self.comm, self.agreed = comm, set() if on else None
+    def __init__(self, comm, how: str) -> None:
+        self.comm, self.every = comm, how == EVERY
+        self.box = bytearray(_PACK.size)
+        self.spec = [self.box, _PACK.size // 8, _mpi.mpi().UINT64_T] if self.every else None
+        self.agreed = set() if how == FIRST else None
         self.done, self.count, self.noted, self.current = set(), 0, 0, None
 
 
@@ -110,7 +127,7 @@ def attach(group) -> None:
     """Give a new group (every member, at creation) its :class:`Checks` (the
     members dup the communicator together, here, so that no check ever runs
     on ``comm``)."""
-    group.checks = Checks(group.comm.Dup(), enabled())
+    group.checks = Checks(group.comm.Dup(), mode())
 
 
 def detach(group) -> None:
@@ -121,11 +138,123 @@ def detach(group) -> None:
         comm.Free()
 
 
+# ----------------------------------------------------------------------------
+# every call: a fixed-size fingerprint, summed across the group
+# ----------------------------------------------------------------------------
+
+def _mix(x: int) -> int:
+    """splitmix64's finalizer: a 64-bit hash of ``x`` (the same in every process)."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def _pairs_term(rank: int, pairs) -> int:
+    """This rank's part of the pairs' sum: the hashes of what it sends each
+    peer minus those of what it expects from each, as ``(from, to, count)``;
+    summed over the group it is zero where every send meets an equal receive."""
+    if pairs is None:
+        return 0
+    sends, receives = pairs
+    total = 0
+    for peer, n in enumerate(sends):
+        total += _mix(_mix((rank << 32) | peer) ^ n)
+    for peer, n in enumerate(receives):
+        total -= _mix(_mix((peer << 32) | rank) ^ n)
+    return total & _M64
+
+
+def _pack(hashes, size: int, term: int = 0):
+    """``(sent, expected)``: the fingerprint of ``hashes`` and its sum over a
+    group of ``size`` ranks that all sent the same hashes."""
+    vector, sums = [], []
+    for h in hashes:
+        vector += [h, h * h]
+        sums += [size * h, size * h * h]
+    return _PACK.pack(*vector, term), _PACK.pack(*sums, 0)
+
+
+def fingerprint(group, call):
+    """``(sent, expected)`` bytes of checked ``call`` on ``group`` (see the
+    module docstring), made once per call (a cached call keeps it)."""
+    made = call.fingerprint
+    if made is None:
+        digest = call.signature.digest()
+        hashes = (digest & _MASK, (digest >> _BITS) & _MASK, (digest >> 2 * _BITS) & _MASK)
+        made = _pack(hashes, group.size, _pairs_term(group.rank, call.signature.pairs))
+        if call.signature.pairs is None:
+            call.fingerprint = made  # (pairs are this call's own: made again every call)
+    return made
+
+
+def compare(group, call, seq: int) -> None:
+    """Collective ``seq`` of ``group`` (checked ``call``), before it runs:
+    every rank sums its fingerprint with the others' (one allreduce of 56
+    bytes on the group's ``checks`` communicator); a sum that is not what an
+    agreement gives raises on every rank (:func:`_differ`).
+
+    :raises HpccommError: the ranks called op ``seq`` differently (nothing was sent).
+    :raises mpi4py.MPI.Exception: the exchange itself failed (the op path names the op).
+    """
+    made = call.fingerprint or fingerprint(group, call)
+    checks = group.checks
+    box = checks.box
+    box[:] = made[0]
+    checks.comm.Allreduce(_mpi.IN_PLACE, checks.spec, _mpi.SUM)
+    if box != made[1]:
+        _differ(group, call.signature, seq)
+
+
+def refuse(group, op: str, seq: int, refusal) -> None:
+    """This rank's own checks refused collective ``seq`` (``refusal``, an
+    OpError, of op ``op``) while the other ranks may call it and wait: it
+    joins their comparison with a fingerprint no call has, so every rank
+    learns of it at once and raises (this rank its own refusal).
+
+    :raises OpError: ``refusal``, on this rank.
+    """
+    sent, _ = _pack((_REFUSED,) * 3, group.size)
+    checks = group.checks
+    checks.box[:] = sent
+    checks.comm.Allreduce(_mpi.IN_PLACE, checks.spec, _mpi.SUM)
+    _differ(group, None, seq, refusal, op)
+
+
+def _differ(group, signature, seq: int, refusal=None, op: str = "") -> None:
+    """The ranks' sums say the calls differ (or this rank refused its own):
+    every rank sends its call's description, and raises the same error,
+    naming each rank's call and what does not fit; a refusal is raised as
+    the refusing rank's message.  ``signature`` None: this rank refused."""
+    if signature is None:
+        mine = (seq, f"{op}(refused here)", None, None, (type(refusal).__name__, str(refusal)))
+    else:
+        mine = (seq, signature.describe(), signature.key, signature.pairs, None)
+        op = signature.op
+    everyone = group.checks.comm.allgather(mine)
+    refusals = [(r, e[4]) for r, e in enumerate(everyone) if e[4] is not None]
+    if refusal is not None:
+        raise refusal
+    if refusals:
+        r, (kind, text) = refusals[0]
+        raise HpccommError(f"hpccomm {op} ({group.where(seq)}): rank {group.global_ranks[r]} refused this "
+                           f"call ({kind}: {text}). Nothing was sent")
+    problem = _compare(group, [e[:4] for e in everyone])
+    if problem:
+        raise HpccommError(f"hpccomm {op} ({group.where(seq)}): the ranks called this collective differently: "
+                           f"{problem}. Nothing was sent. {HINT}")
+
+
+# ----------------------------------------------------------------------------
+# the first call of each signature
+# ----------------------------------------------------------------------------
+
 def compared(group, call) -> bool:
     """Whether checked ``call`` (hpccomm._ops.op.Call) on ``group`` would be
-    compared across ranks before it runs (debug mode, or its signature is new
-    to the group): :func:`hpccomm.explain` says it."""
-    if group.debug:
+    compared across ranks before it runs (every call is, by default; in
+    ``first`` mode a signature new to the group; debug mode compares every
+    call): :func:`hpccomm.explain` says it."""
+    if group.debug or group.checks.every:
         return True
     agreed = group.checks.agreed
     return agreed is not None and call.signature.key not in agreed

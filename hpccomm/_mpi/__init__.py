@@ -23,6 +23,8 @@ _lock = threading.Lock()
 IN_PLACE = None
 #: ``MPI.buffer.fromaddress``, the same way (the op path's hottest callers).
 fromaddress = None
+#: ``MPI.SUM``, the same way (the every-call signature check sums fingerprints: hpccomm._core.signatures).
+SUM = None
 
 
 def mpi(init_timeout: float = 0.0):
@@ -57,9 +59,10 @@ def mpi(init_timeout: float = 0.0):
                 finally:
                     returned.set()
 
-                global IN_PLACE, fromaddress
+                global IN_PLACE, fromaddress, SUM
                 IN_PLACE = MPI.IN_PLACE
                 fromaddress = MPI.buffer.fromaddress
+                SUM = MPI.SUM
                 _MPI = MPI
                 atexit.register(_before_finalize)  # runs before mpi4py finalizes MPI
     return _MPI

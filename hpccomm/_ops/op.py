@@ -41,6 +41,7 @@ is point-to-point, reduces, has a nonblocking form, can be cut into chunks.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 from typing import Callable, Optional
 
@@ -81,6 +82,13 @@ class Signature:
         parts += [str(v) if label == "op" else f"{label} {v}" for label, v in self.fields]
         return f"{self.op}({', '.join(parts)})"
 
+    def digest(self) -> int:
+        """A 64-bit hash of :attr:`key`, the same in every process (Python's
+        ``hash`` of a string is salted per process): what the every-call check
+        exchanges (hpccomm._core.signatures)."""
+        text = repr((self.op, tuple((dtype_name(d), n) for d, n in self.tensors), self.fields))
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
     def __eq__(self, other) -> bool:
         return isinstance(other, Signature) and (self.key, self.pairs) == (other.key, other.pairs)
 
@@ -114,12 +122,14 @@ class Call:
     PREMUL_SUM, whose factor is the call's own: checked every time);
     ``agreed``: its group's ranks agreed on its signature
     (hpccomm._core.signatures: the first-call check), so a cached call skips
-    that lookup."""
+    that lookup; ``fingerprint``: what the every-call check sends and expects
+    back for it (made once: a cached call's is reused)."""
 
-    __slots__ = ("signature", "facts", "cacheable", "agreed")
+    __slots__ = ("signature", "facts", "cacheable", "agreed", "fingerprint")
 
     def __init__(self, signature: Signature, facts=None, cacheable: bool = True) -> None:
         self.signature, self.facts, self.cacheable, self.agreed = signature, facts, cacheable, False
+        self.fingerprint = None  # (hpccomm._core.signatures: made at the call's first check, kept with it)
 
 
 def uncached(args) -> None:

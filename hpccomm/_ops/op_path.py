@@ -22,7 +22,7 @@ torch's options, and returns the op's Work (hpccomm._core.work):
 """
 from __future__ import annotations
 
-from .._core import comm_thread, debug_mode, state
+from .._core import comm_thread, debug_mode, signatures, state
 from .._core.execute import execute
 from .._core.plan import ICALL, NBYTES, OUTPUTS, waited
 from .._core.record import OpRecord
@@ -156,24 +156,30 @@ def refused(g, op, args, exc: OpError) -> OpError:
     it correctly and wait.  Returns the refusal to raise, named after the
     refused call: a collective's number on the group comes after the ops this
     rank still has queued, so they run first (a refusal found while they wait
-    would otherwise name the first of them).  Make sure the other ranks learn
-    of it: in debug mode every rank raises it together (the refusal joins the
-    cross-rank comparison, which raises here too); otherwise it is announced
-    in the group's store, where a waiting rank's watchdog finds it within a
-    second or two and ends the job with this message (hpccomm._core.watchdog)
-    instead of waiting for the timeout."""
+    would otherwise name the first of them).  The other ranks learn of it:
+    a collective's refusal joins their comparison of the call (the every-call
+    check, hpccomm._core.signatures.refuse, or debug mode's), so every rank
+    raises at once (this one its own refusal); with the comparison off, and
+    for a point-to-point op, it is announced in the group's store, where a
+    waiting rank's watchdog finds it within a second or two and ends the job
+    with this message (hpccomm._core.watchdog) instead of waiting for the
+    timeout."""
     if not op.p2p and g.queued and not comm_thread.on_it():
         comm_thread.flush(g)  # the ops queued before this one are numbered first, as they run
         exc = type(exc)(exc.op, g.where(), exc.what, exc.fix)
-    if g.size > 1 and g.store is not None:
-        if not op.p2p and g.debug:
-            seq = state.start(g, op.name + " (debug-mode fingerprint check)")
-            try:
+    if g.size == 1 or g.comm is None:
+        return exc
+    if not op.p2p and (g.debug or g.checks.every):
+        seq = state.start(g, op.name + " (refused: the other ranks are told)")
+        try:
+            if g.debug:
                 debug_mode.check(g, None, seq, refused=exc, op=op.name)
-            finally:
-                state.finished(g)
-        else:
-            announce_refusal(g, op, args, exc)
+            else:
+                signatures.refuse(g, op.name, seq, exc)  # raises exc, every other rank theirs
+        finally:
+            state.finished(g)
+    elif g.store is not None:
+        announce_refusal(g, op, args, exc)
     return exc
 
 
