@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import hpccomm
+import helpers
 from helpers import fill, hgroup, nonblocking_async, same_on_all_ranks, verdict_comm
 
 pytestmark = pytest.mark.mpi
@@ -227,19 +228,23 @@ def test_posted_back_to_back_waited_in_reverse(world, posted):
     assert same_on_all_ranks(flat)
 
 
-def test_posted_here_and_queued_there_skip_the_first_call_check_alike(world):
+@pytest.mark.parametrize("mode", ["every", "first"])
+def test_posted_here_and_queued_there_are_checked_alike(world, mode):
     """Whether an async call is posted or queued depends on each rank's own
     queue.  Here rank 0 queues a new-signature all_reduce behind an
     all_to_all that still waits for the other ranks, which post it with
-    their queues empty.  Neither nonblocking form runs the first-call check,
-    so the ranks agree (when the queued form checked, rank 0 waited in the
-    check, the others in the op, and the watchdog ended the job as a
-    mismatch: exit code 6)."""
+    their queues empty.  The ranks agree on which collectives run whatever
+    the forms: compared in both (every call: the posted one before it is
+    posted, the queued one where it runs), or in neither (the first-call
+    mode does not check the nonblocking forms; when only the queued form
+    checked, rank 0 waited in the check, the others in the op, and the
+    watchdog ended the job as a mismatch: exit code 6)."""
     from hpccomm._core import comm_thread
 
     rank, size = world
     assert comm_thread.usable(), "this test needs MPI_THREAD_MULTIPLE (the comm thread)"
-    pg = dist.new_group(list(range(size)))  # a new group: every signature is new to it
+    with helpers.setting("HPCCOMM_MISMATCH_CHECK", mode):
+        pg = dist.new_group(list(range(size)))  # a new group: every signature is new to it
     g = hgroup(pg)
     with nonblocking_async():
         inp = torch.arange(2 * size, dtype=torch.float64) + 100 * rank

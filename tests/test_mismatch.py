@@ -431,3 +431,48 @@ def test_only_the_first_call_of_a_signature_is_compared():
     assert not hpccomm.explain("all_to_all_single", torch.empty(0), torch.empty(0), [], [], group=pg).compared
     assert torch.all(t == dist.get_world_size())
 
+
+
+# --------------------------------------------------------------------------
+# a different collective: the classic desync
+# --------------------------------------------------------------------------
+
+@TWO
+@pytest.mark.parametrize("form", FORMS)
+def test_a_different_collective_is_named_on_every_rank(form):
+    """The last rank calls another collective whose signature the group
+    knows (a broadcast where the others all_reduce, both agreed on before),
+    or skips a step's all_reduce and calls the next op (a barrier): every rank
+    raises, naming each rank's call, before any data moves (without the
+    check: wrong data, or a hang until the timeout)."""
+    pg, rank, size = dist.new_group(list(range(dist.get_world_size()))), dist.get_rank(), dist.get_world_size()
+    g, last = hgroup(pg), rank == size - 1
+    dist.all_reduce(torch.ones(4), group=pg)
+    dist.broadcast(torch.ones(4), src=0, group=pg)
+    dist.barrier(group=pg)
+    for other, described in (("broadcast", "broadcast(float32[4], root 0)"), ("barrier", "barrier()")):
+        seq = g.seq + 1
+        t = torch.full((4,), SENTINEL)
+        outcome = None
+        try:
+            with helpers.nonblocking_async() if form == "posted" else contextlib.nullcontext():
+                a = form != "blocking"
+                if not last:
+                    work = dist.all_reduce(t, group=pg, async_op=a)
+                elif other == "broadcast":
+                    work = dist.broadcast(t, src=0, group=pg, async_op=a)
+                else:
+                    work = dist.barrier(group=pg, async_op=a)
+                if work is not None:
+                    work.wait()
+        except hpccomm.HpccommError as exc:
+            outcome = str(exc)
+        mine = other if last else "all_reduce"
+        calls = ["all_reduce(float32[4], SUM)"] * (size - 1) + [described]
+        want = (f"hpccomm {mine} (op #{seq} on group '{g.name}', rank {rank}/{size}): the ranks called this "
+                f"collective differently: {listing(calls, seq)}. {HINT}")
+        verdict(outcome == want, (form, other, outcome, want))
+        verdict(bool(torch.all(t == SENTINEL)), (form, other, t))
+    t = torch.ones(3)
+    dist.all_reduce(t, group=pg)
+    verdict(bool(torch.all(t == size)), t)
