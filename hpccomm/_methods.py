@@ -28,7 +28,6 @@ from . import BACKEND_NAME
 from ._compat import ReduceOp
 
 _SUM = ReduceOp.SUM
-_run = op_path.run
 
 
 def _reduce_op(opts):
@@ -52,69 +51,69 @@ class TorchOps:
 
     # -- collectives ----------------------------------------------------------
     def allreduce(self, tensors, opts=None):
-        return _run(self._g, reduce.ALL_REDUCE, (tensors, _reduce_op(opts)), opts)
+        return op_path.run(self._g, reduce.ALL_REDUCE, (tensors, _reduce_op(opts)), opts)
 
     def allreduce_sparse(self, tensors, opts=None):
-        return _run(self._g, reduce.ALL_REDUCE_SPARSE, (tensors, _reduce_op(opts)), opts)
+        return op_path.run(self._g, reduce.ALL_REDUCE_SPARSE, (tensors, _reduce_op(opts)), opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
-        return _run(self._g, reduce.ALL_REDUCE_COALESCED, (tensors, _reduce_op(opts)), opts)
+        return op_path.run(self._g, reduce.ALL_REDUCE_COALESCED, (tensors, _reduce_op(opts)), opts)
 
     def reduce(self, tensors, opts):
-        return _run(self._g, reduce.REDUCE, (tensors, opts.rootRank, opts.reduceOp), opts)
+        return op_path.run(self._g, reduce.REDUCE, (tensors, opts.rootRank, opts.reduceOp), opts)
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
-        return _run(self._g, reduce.REDUCE_SCATTER, (outputs, input_lists, _reduce_op(opts)), opts)
+        return op_path.run(self._g, reduce.REDUCE_SCATTER, (outputs, input_lists, _reduce_op(opts)), opts)
 
     def reduce_scatter_single(self, output, input, opts=None):
-        return _run(self._g, reduce.REDUCE_SCATTER_TENSOR, (output, input, _reduce_op(opts)), opts)
+        return op_path.run(self._g, reduce.REDUCE_SCATTER_TENSOR, (output, input, _reduce_op(opts)), opts)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        return _run(self._g, reduce.REDUCE_SCATTER_TENSOR_COALESCED, (outputs, inputs, _reduce_op(opts)), opts)
+        return op_path.run(self._g, reduce.REDUCE_SCATTER_TENSOR_COALESCED, (outputs, inputs, _reduce_op(opts)), opts)
 
     def broadcast(self, tensors, opts):
-        return _run(self._g, scatter.BROADCAST, (tensors, opts.rootRank), opts)
+        return op_path.run(self._g, scatter.BROADCAST, (tensors, opts.rootRank), opts)
 
     def scatter(self, outputs, input_lists, opts):
-        return _run(self._g, scatter.SCATTER, (outputs, input_lists, opts.rootRank), opts)
+        return op_path.run(self._g, scatter.SCATTER, (outputs, input_lists, opts.rootRank), opts)
 
     def allgather(self, output_lists, inputs, opts=None):
-        return _run(self._g, gather.ALL_GATHER, (output_lists, inputs), opts)
+        return op_path.run(self._g, gather.ALL_GATHER, (output_lists, inputs), opts)
 
     def all_gather_single(self, output, input, opts=None):
-        return _run(self._g, gather.ALL_GATHER_INTO_TENSOR, (output, input), opts)
+        return op_path.run(self._g, gather.ALL_GATHER_INTO_TENSOR, (output, input), opts)
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
-        return _run(self._g, gather.ALL_GATHER_COALESCED, (output_lists, inputs), opts)
+        return op_path.run(self._g, gather.ALL_GATHER_COALESCED, (output_lists, inputs), opts)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        return _run(self._g, gather.ALL_GATHER_INTO_TENSOR_COALESCED, (outputs, inputs), opts)
+        return op_path.run(self._g, gather.ALL_GATHER_INTO_TENSOR_COALESCED, (outputs, inputs), opts)
 
     def gather(self, output_lists, inputs, opts):
-        return _run(self._g, gather.GATHER, (output_lists, inputs, opts.rootRank), opts)
+        return op_path.run(self._g, gather.GATHER, (output_lists, inputs, opts.rootRank), opts)
 
     def gather_single(self, output, input, opts):
-        return _run(self._g, gather.GATHER_SINGLE, (output, input, opts.rootRank), opts)
+        return op_path.run(self._g, gather.GATHER_SINGLE, (output, input, opts.rootRank), opts)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        return _run(self._g, alltoall.ALL_TO_ALL_SINGLE, (output, input, output_split_sizes, input_split_sizes),
+        return op_path.run(self._g, alltoall.ALL_TO_ALL_SINGLE, (output, input, output_split_sizes, input_split_sizes),
                     opts)
 
     def alltoall(self, outputs, inputs, opts=None):
-        return _run(self._g, alltoall.ALL_TO_ALL, (outputs, inputs), opts)
+        return op_path.run(self._g, alltoall.ALL_TO_ALL, (outputs, inputs), opts)
 
     def barrier(self, opts=None):
-        return _run(self._g, p2p.BARRIER, (), opts)
+        return op_path.run(self._g, p2p.BARRIER, (), opts)
 
     # -- point-to-point -------------------------------------------------------
     def send(self, tensors, dst: int, tag: int = 0):
-        return _run(self._g, p2p.SEND, (tensors, dst, tag))
+        return op_path.run(self._g, p2p.SEND, (tensors, dst, tag))
 
     def recv(self, tensors, src: int, tag: int = 0):
-        return _run(self._g, p2p.RECV, (tensors, src, tag))
+        return op_path.run(self._g, p2p.RECV, (tensors, src, tag))
 
     def recv_anysource(self, tensors, tag: int = 0):
-        return _run(self._g, p2p.RECV, (tensors, None, tag))
+        return op_path.run(self._g, p2p.RECV, (tensors, None, tag))
 
     # -- lifetime -------------------------------------------------------------
     def abort(self) -> None:

@@ -147,7 +147,7 @@ OPTIONS: dict[str, Option] = {
         ),
         Option(
             "HPCCOMM_MISMATCH_CHECK", _lower, "every",
-            "every (the default): every collective call is compared across its group's ranks before any data "
+            "Every (the default): every collective call is compared across its group's ranks before any data "
             "moves (one allreduce of 56 bytes per call: a fingerprint of its signature, the op, every tensor's "
             "dtype and element count, the ReduceOp, the root, all_to_all's splits), and a mismatch raises on "
             "every rank naming each rank's call. 'first': only the first call of each signature on a group "

@@ -702,7 +702,7 @@ def test_wait_returns_only_after_the_future_completed(monkeypatch):
 
     class Group:  # what running a queued op reads of its group (no MPI: its plan calls no MPI)
         name, rank, size, seq, queued, instrumented = "test", 0, 1, 0, 0, False
-        checks = SimpleNamespace(agreed=None)  # no first-call comparison (hpccomm._core.signatures)
+        checks = SimpleNamespace(agreed=None, every=False)  # no comparison across ranks (hpccomm._core.signatures)
         _seqs = itertools.count(1)
 
         def where(self, seq=None):
@@ -714,7 +714,7 @@ def test_wait_returns_only_after_the_future_completed(monkeypatch):
     plan = (lambda: go.wait(10), (), None, out, out, None, None, 0)  # blocks the comm thread until go
     record = core_record.OpRecord(Group(), _op("all_reduce"), _call("all_reduce"), plan)
     work = core_work.pending(record, out)
-    record.queue((), True)
+    record.queue(True)
 
     class HeldFuture:  # holds the completing thread just before it completes the future
         def __init__(self, raw):
@@ -796,11 +796,11 @@ def test_record_queued_submitted_running_done(self_group):
 
     gate, running, go = threading.Event(), threading.Event(), threading.Event()
     first = rec.OpRecord(self_group, _op("barrier"), _call("barrier"), _plan(lambda: gate.wait(30)))
-    first.queue((), True)
+    first.queue(True)
     out = [torch.ones(1)]
     second = rec.OpRecord(self_group, _op("all_reduce"), _call("all_reduce"), _plan(lambda: (running.set(), go.wait(30)), outputs=out))
     w = core_work.pending(second, out)
-    second.queue((), True)
+    second.queue(True)
     assert second.state == rec.SUBMITTED and second.seq is None and second.describe() == "all_reduce (group 'self')"
     ran = []
     chained = w.get_future().then(lambda f: ran.append(threading.current_thread().name) or f.value())
@@ -824,7 +824,7 @@ def test_record_queued_failed(self_group):
 
     r = rec.OpRecord(self_group, _op("all_reduce"), _call("all_reduce"), _plan(broken))
     w = core_work.pending(r, [])
-    r.queue((), True)
+    r.queue(True)
     with pytest.raises(errors.HpccommError, match=r"hpccomm all_reduce \(op #\d+ on group 'self', rank 0/1\): "
                                                   r"RuntimeError: the plan broke"):
         w.wait()
@@ -832,7 +832,7 @@ def test_record_queued_failed(self_group):
     with pytest.raises(RuntimeError, match="HpccommError: hpccomm all_reduce .*the plan broke"):  # (torch's wrapping)
         w.get_future().wait()
     ok = rec.OpRecord(self_group, _op("all_reduce"), _call("all_reduce"), _plan())
-    ok.queue((), True)
+    ok.queue(True)
     ok.wait()
     assert ok.state == rec.DONE
 
@@ -887,7 +887,7 @@ def test_record_future_hands_a_posted_collective_to_the_comm_thread(self_group):
     fut = w.get_future().then(lambda f: ran.append(threading.current_thread().name))
     assert r.by_comm_thread and self_group.queued == 1 and w._op is r
     later = rec.OpRecord(self_group, _op("barrier"), _call("barrier"), _plan())
-    later.queue((), True)  # behind it
+    later.queue(True)  # behind it
     assert later.state == rec.SUBMITTED
     req.finish()
     fut.wait()

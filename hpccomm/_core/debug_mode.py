@@ -32,7 +32,7 @@ def enabled() -> bool:
     return config.get("HPCCOMM_DEBUG") == "DETAIL" or torch_level.upper() == "DETAIL"
 
 
-def check(group, signature, seq: int, refused=None, asynchronous=None, op: str = "") -> None:
+def compare(group, signature, seq: int, refused=None, asynchronous=None, op: str = "") -> None:
     """Compare op number ``seq`` across the group's ranks; raise on every
     rank if they differ.  ``signature``: the call's (hpccomm._ops.op.Signature),
     None for a call this rank's own checks refused: ``refused``, the OpError

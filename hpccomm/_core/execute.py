@@ -19,16 +19,15 @@ from .. import _mpi
 from ..errors import HpccommError
 from . import debug_mode, failures, signatures, state, trace
 from .comm_thread import THREAD_NAME
-from .plan import CALL, OUTPUTS, Waited
+from .plan import CALL, NBYTES, OUTPUTS, Waited
 from .plan import run as run_plan
 
 log = logging.getLogger("hpccomm")
 
 
-def execute(g, op, call, plan, args, record=None, asynchronous: bool = False):
+def execute(g, op, call, plan, record=None, asynchronous: bool = False):
     """Run checked ``call``'s ``plan`` (a call of ``op``, a declaration of
-    hpccomm._ops.op, on group ``g`` with torch's ``args``) blocking, here; its
-    outputs.  ``record``: the queued op it runs for (hpccomm._core.record),
+    hpccomm._ops.op, on group ``g``) blocking, here; its outputs.  ``record``: the queued op it runs for (hpccomm._core.record),
     told its number; ``asynchronous``: the call's ``async_op`` (debug mode
     compares it).
 
@@ -66,7 +65,7 @@ def execute(g, op, call, plan, args, record=None, asynchronous: bool = False):
             raise failures.mpi_error(f"{name} ({g.where(seq)})", exc) from exc
         finally:
             if observed and tracer:
-                tracer.record(name, g.name, seq, nbytes(args), began, trace.now_ns(),
+                tracer.record(name, g.name, seq, plan[NBYTES], began, trace.now_ns(),
                               None if record is None else THREAD_NAME)
         if observed and logged:
             log.debug("%s (%s): %.1f us", name, g.where(seq), (time.perf_counter() - t0) * 1e6)
@@ -78,20 +77,9 @@ def execute(g, op, call, plan, args, record=None, asynchronous: bool = False):
 def _first_call(g, call, seq: int) -> None:
     """The first-call signature check of op ``seq`` (hpccomm._core.signatures)."""
     try:
-        signatures.check(g, call, seq)
+        signatures.first_call(g, call, seq)
     except _mpi.mpi().Exception as exc:
         raise failures.mpi_error(f"{call.signature.op}{signatures.LABEL} ({g.where(seq)})", exc) from exc
-
-
-def nbytes(args) -> int:
-    """Bytes in the tensors among an op's arguments (for the trace)."""
-    total = 0
-    for a in args:
-        if isinstance(a, (list, tuple)):
-            total += nbytes(a)
-        elif hasattr(a, "element_size") and hasattr(a, "numel"):
-            total += a.numel() * a.element_size()
-    return total
 
 
 def _fingerprints(g, call, seq: int, asynchronous: bool) -> None:
@@ -101,7 +89,7 @@ def _fingerprints(g, call, seq: int, asynchronous: bool) -> None:
         # (compared only where it decides the MPI form: HPCCOMM_ASYNC_NONBLOCKING; torch's own
         # DDP Join passes async_op=True on some ranks and False on others)
         flag = bool(asynchronous) if g.nonblocking else None
-        debug_mode.check(g, call.signature, seq, asynchronous=flag)
+        debug_mode.compare(g, call.signature, seq, asynchronous=flag)
     except _mpi.mpi().Exception as exc:
         raise failures.mpi_error(label, exc) from exc
     except HpccommError:

@@ -51,7 +51,7 @@ class OpRecord:
     ``deadline``, ``token``: given by hpccomm._core.state when numbered."""
 
     __slots__ = ("group", "op", "call", "name", "plan", "kind", "peer", "devices", "state", "lock",
-                 "by_comm_thread", "seq", "start", "deadline", "token", "args", "asynchronous", "req", "status",
+                 "by_comm_thread", "seq", "start", "deadline", "token", "asynchronous", "req", "status",
                  "error", "source", "timed_out", "parts", "traced", "latch", "fut", "raw")
 
     def __init__(self, group, op, call, plan, kind: str = "collective", peer=None, devices=None,
@@ -91,11 +91,10 @@ class OpRecord:
         return record
 
     # -- two ways to start it (the op path) ---------------------------------
-    def queue(self, args, asynchronous: bool) -> None:
+    def queue(self, asynchronous: bool) -> None:
         """Queue it: the comm thread runs its plan's blocking form after the
-        group's earlier queued ops (torch's ``args`` and ``async_op``: debug
-        mode compares them)."""
-        self.args, self.asynchronous, self.by_comm_thread = args, asynchronous, True
+        group's earlier queued ops (its ``async_op``: debug mode compares it)."""
+        self.asynchronous, self.by_comm_thread = asynchronous, True
         comm_thread.submit(self)
 
     def post(self) -> None:
@@ -135,7 +134,7 @@ class OpRecord:
             if self.req is not None:
                 self.req.Wait(self.status)
             else:
-                execute(self.group, self.op, self.call, self.plan, self.args, self, self.asynchronous)
+                execute(self.group, self.op, self.call, self.plan, self, self.asynchronous)
         except BaseException as exc:  # noqa: BLE001 - handed to its waiters
             error = exc
         with self.lock:

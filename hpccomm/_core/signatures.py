@@ -30,7 +30,7 @@ the ReduceOp, the root; all_to_all's splits as pairs that must fit).
     allreduce of 56 bytes does (log P), never with the descriptions; a
     cached checked call keeps its fingerprint (docs/benchmarks.md: the cost).
 ``first``
-    the first call of each signature on a group is compared (:func:`check`):
+    the first call of each signature on a group is compared (:func:`first_call`):
     the ranks allgather what each is about to do and either raise together
     or agree and remember the signature; later calls of an agreed signature
     run at once.  Not compared: a later call whose signature each rank had
@@ -260,7 +260,7 @@ def compared(group, call) -> bool:
     return agreed is not None and call.signature.key not in agreed
 
 
-def check(group, call, seq: int) -> None:
+def first_call(group, call, seq: int) -> None:
     """The first call of a signature on ``group`` (``call``: the checked call,
     hpccomm._ops.op.Call), op number ``seq``: compare it across the group's
     ranks before it runs (its key, equal on every rank of a correct program,

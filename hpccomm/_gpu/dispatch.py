@@ -232,14 +232,27 @@ def transport_named(group, device, name: str):
     return made
 
 
-def route(group, op, device, args):
+def find(group, op, call, args):
+    """Where checked ``call`` of ``op`` (a declaration of hpccomm._ops.op) with
+    ``args`` goes: None for a call with no CUDA tensor (the CPU path), else
+    ``(transport, wire, device)`` (:func:`route`).  Raises OpError before any
+    communication (a call mixing devices, a route that cannot take it)."""
+    device = cuda_device(group, op, args)
+    if device is None:
+        return None
+    transport, wire = route(group, op, device, args, call.signature)
+    return transport, wire, device
+
+
+def route(group, op, device, args, signature=None):
     """``(transport, wire)`` for a checked call of ``op`` (a declaration of
     hpccomm._ops.op) with ``args`` on ``device``: ``wire`` (the call as NCCL
     takes it, hpccomm._gpu.nccl_wire) when an NCCL transport takes it, else None
     and the transport makes the op's plan.  The route is a lookup on the
     group's table (made once per device from every rank's findings), never
-    a failed attempt at another route.  Raises OpError before any
-    communication."""
+    a failed attempt at another route; ``signature``: the checked call's
+    (hpccomm._ops.op.Signature), which the once-per-kind log names.  Raises
+    OpError before any communication."""
     if op.p2p:
         name, fallback = _p2p_route(group, op.name, device)
     else:
@@ -257,11 +270,11 @@ def route(group, op, device, args):
     wire = nccl_wire.rewrite(made.ability, op, args, group.rank, group.size)
     if wire is None:  # nothing NCCL takes exactly: this call only, through the fallback
         _record(group, op.name, fallback, f"{name} cannot take it exactly")
-        _say_once(group, device, op, args, f"{fallback} (this call: {name} has no exact form for it)")
+        _say_once(group, device, signature, f"{fallback} (this call: {name} has no exact form for it)")
         return transport_named(group, device, fallback), None
     _record(group, op.name, name, "; ".join(wire.forms))
     if wire.forms:
-        _say_once(group, device, op, args, f"{name}, {'; '.join(wire.forms)}")
+        _say_once(group, device, signature, f"{name}, {'; '.join(wire.forms)}")
     return made, wire
 
 
@@ -269,15 +282,16 @@ def _record(group, op: str, name: str, how: str) -> None:
     _ran.setdefault(group, {})[op] = f"{name} ({how})" if how else name
 
 
-def _say_once(group, device, op, args, how: str) -> None:
-    dtype = next(tensors_in(args)).dtype
-    redop = ""
-    if op.reducing:
-        redop = " " + str(compat.reduce_op_type(args[-1])).split(".")[-1]
-    key = (op.name, dtype, redop, how)
+def _say_once(group, device, signature, how: str) -> None:
+    """Log once per kind of call (its op, first dtype and ReduceOp: its signature's) the route it took."""
+    if signature is None:
+        return
+    dtype = signature.tensors[0][0] if signature.tensors else None
+    redop = "".join(f" {v}" for label, v in signature.fields if label == "op")
+    key = (signature.op, dtype, redop, how)
     if key not in _said:
         _said.add(key)
-        log.info("hpccomm: group '%s', %s: %s of %s%s goes through %s", group.name, device, op.name,
+        log.info("hpccomm: group '%s', %s: %s of %s%s goes through %s", group.name, device, signature.op,
                  str(dtype).replace("torch.", ""), redop, how)
 
 

@@ -61,9 +61,9 @@ def run(g, op, args, opts=None, call=None, plan=None, devices=None):
         call = g.checked.get(key)  # (a key of None is never stored)
         if call is None:
             call = check(g, op, args)
-            device = dispatch.cuda_device(g, op, args)  # (an OpValueError when the call mixes devices)
-            if device is not None:
-                return _on_device(g, op, call, args, opts, device)
+            routed = _routed(g, op, call, args)
+            if routed is not None:  # CUDA tensors: the route of the group for their device
+                return _on_device(g, op, call, args, opts, *routed)
             if key is not None and call.cacheable:
                 remember(g, key, call)
         plan = op.plan(g, call, args)
@@ -77,10 +77,10 @@ def run(g, op, args, opts=None, call=None, plan=None, devices=None):
             return work.pending(record, plan[OUTPUTS])
         plan = waited(plan)  # posted and waited for where it runs
     if where is HERE:  # the latency-bound case: blocking, here
-        return work.finished(execute(g, op, call, plan, args, None, asynchronous), devices)
+        return work.finished(execute(g, op, call, plan, None, asynchronous), devices)
     record = OpRecord(g, op, call, plan, "collective", None, devices)
     queued = work.pending(record, plan[OUTPUTS])  # (made first: its waiter more often finds the op not taken yet)
-    record.queue(args, asynchronous)
+    record.queue(asynchronous)
     if not asynchronous:  # queued only to keep this group's issue order
         queued.wait()
     return queued
@@ -94,7 +94,7 @@ def check(g, op, args):
     try:
         return op.check(g, *args)  # raises OpError before any communication
     except OpError as exc:
-        raise refused(g, op, args, exc) from None  # the other ranks must not wait for this op
+        raise refused(g, op, exc, args[1] if op.p2p else None) from None  # the other ranks must not wait for it
 
 
 def remember(g, key, call) -> None:
@@ -105,18 +105,27 @@ def remember(g, key, call) -> None:
     checked[key] = call
 
 
-def _on_device(g, op, call, args, opts, device):
-    """:func:`run` for a call with CUDA tensors: the route its group takes for
-    that device and op family (chosen once, hpccomm._gpu.dispatch) hands the
-    call to NCCL, rewritten into what NCCL takes, or makes the plan of the
-    checked call (CUDA-aware MPI, composed, staged), which runs as any."""
+def _routed(g, op, call, args):
+    """``(transport, wire, device)`` of a checked call with CUDA tensors (the
+    route its group takes for that device and op family, chosen once:
+    hpccomm._gpu.dispatch), None for a CPU call; a refusal (a call mixing
+    devices, a route that cannot take it) is announced and raised."""
     try:
-        transport, wire = dispatch.route(g, op, device, args)
-        if wire is not None:  # NCCL takes the call
-            return dispatch.delegated(transport, g, op, wire, opts)
+        return dispatch.find(g, op, call, args)
+    except OpError as exc:
+        raise refused(g, op, exc, args[1] if op.p2p else None) from None
+
+
+def _on_device(g, op, call, args, opts, transport, wire, device):
+    """:func:`run` for a checked call with CUDA tensors: NCCL takes the call
+    rewritten into what NCCL takes (``wire``), or ``transport`` makes the plan
+    of the checked call (CUDA-aware MPI, composed, staged), which runs as any."""
+    if wire is not None:
+        return dispatch.delegated(transport, g, op, wire, opts)
+    try:
         plan = transport.plan(op, g, call, args)
     except OpError as exc:
-        raise refused(g, op, args, exc) from None
+        raise refused(g, op, exc, args[1] if op.p2p else None) from None
     return run(g, op, args, opts, call, plan, dispatch.future_devices(device))
 
 
@@ -151,9 +160,10 @@ def form(g, op, plan, asynchronous: bool):
     return QUEUED, nonblocking
 
 
-def refused(g, op, args, exc: OpError) -> OpError:
-    """This rank's checks refused ``op`` (``exc``); the other ranks may call
-    it correctly and wait.  Returns the refusal to raise, named after the
+def refused(g, op, exc: OpError, peer=None) -> OpError:
+    """This rank's checks refused ``op`` (``exc``; a point-to-point op's
+    ``peer``: the rank it names, which may wait); the other ranks may call it
+    correctly and wait.  Returns the refusal to raise, named after the
     refused call: a collective's number on the group comes after the ops this
     rank still has queued, so they run first (a refusal found while they wait
     would otherwise name the first of them).  The other ranks learn of it:
@@ -173,22 +183,21 @@ def refused(g, op, args, exc: OpError) -> OpError:
         seq = state.start(g, op.name + " (refused: the other ranks are told)")
         try:
             if g.debug:
-                debug_mode.check(g, None, seq, refused=exc, op=op.name)
+                debug_mode.compare(g, None, seq, refused=exc, op=op.name)
             else:
                 signatures.refuse(g, op.name, seq, exc)  # raises exc, every other rank theirs
         finally:
             state.finished(g)
     elif g.store is not None:
-        announce_refusal(g, op, args, exc)
+        announce_refusal(g, op, exc, peer)
     return exc
 
 
-def announce_refusal(g, op, args, exc: OpError) -> None:
+def announce_refusal(g, op, exc: OpError, peer=None) -> None:
     """Record in the group's store that this rank refused ``op`` (see :func:`refused`)."""
     me = g.global_ranks[g.rank]
     try:
         if op.p2p:  # the peer waits in the matching receive or send
-            peer = args[1] if len(args) > 1 else None
             check_root(g, op.name, peer)  # raises (and nothing is announced) unless a rank of the group
             g.store.set(state.refusal_key(g, "p2p", from_rank=me, to_rank=g.global_ranks[peer]), str(exc))
         else:
