@@ -476,3 +476,38 @@ def test_a_different_collective_is_named_on_every_rank(form):
     t = torch.ones(3)
     dist.all_reduce(t, group=pg)
     verdict(bool(torch.all(t == size)), t)
+
+
+@TWO
+@pytest.mark.parametrize("form", ["blocking", "async"])
+def test_a_refusal_on_one_rank_is_raised_on_every_rank(form):
+    """The last rank's own checks refuse the call (its list does not fit its
+    input) while the others call it correctly: its refusal joins their
+    comparison, so every rank raises at once (that rank its own OpError, the
+    others an error naming it, its message and the fix), nothing is sent,
+    and no rank waits for the timeout."""
+    pg, rank, size = dist.new_group(list(range(dist.get_world_size()))), dist.get_rank(), dist.get_world_size()
+    g, last = hgroup(pg), rank == size - 1
+    dist.all_gather([torch.empty(2) for _ in range(size)], torch.ones(2), group=pg)
+    seq = g.seq + 1
+    outs = [torch.full((2,), SENTINEL) for _ in range(size)]
+    refused = (f"hpccomm all_gather (op #{seq} on group '{g.name}', rank {size - 1}/{size}): tensor_list[{size - 1}] "
+               f"(this rank's slot) has 2 elements but the input has 3")
+    outcome = None
+    try:
+        work = dist.all_gather(outs, torch.ones(3 if last else 2), group=pg, async_op=form == "async")
+        if work is not None:
+            work.wait()
+    except hpccomm.HpccommError as exc:
+        outcome = (type(exc).__name__, str(exc))
+    if last:
+        want = ("OpValueError", refused)
+    else:
+        want = ("HpccommError", f"hpccomm all_gather (op #{seq} on group '{g.name}', rank {rank}/{size}): rank "
+                                f"{size - 1} refused this call (OpValueError: {refused}). Nothing was sent. Fix the "
+                                f"call on rank {size - 1}: its message says what is wrong")
+    verdict(outcome == want, (outcome, want))
+    verdict(all(bool(torch.all(o == SENTINEL)) for o in outs), outs)
+    t = torch.ones(3)
+    dist.all_reduce(t, group=pg)
+    verdict(bool(torch.all(t == size)), t)

@@ -237,8 +237,9 @@ def _differ(group, signature, seq: int, refusal=None, op: str = "") -> None:
         raise refusal
     if refusals:
         r, (kind, text) = refusals[0]
-        raise HpccommError(f"hpccomm {op} ({group.where(seq)}): rank {group.global_ranks[r]} refused this "
-                           f"call ({kind}: {text}). Nothing was sent")
+        who = group.global_ranks[r]
+        raise HpccommError(f"hpccomm {op} ({group.where(seq)}): rank {who} refused this call ({kind}: {text}). "
+                           f"Nothing was sent. Fix the call on rank {who}: its message says what is wrong")
     problem = _compare(group, [e[:4] for e in everyone])
     if problem:
         raise HpccommError(f"hpccomm {op} ({group.where(seq)}): the ranks called this collective differently: "
