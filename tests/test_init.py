@@ -720,6 +720,41 @@ def test_store_failure_raises_on_every_rank(tmp_path, case):
         assert rep["took"] < 30, rep  # not the 30-minute default timeout
 
 
+SHARED_SETTING = '''
+import time
+import hpccomm
+from hpccomm.errors import ConfigError
+name, value, other = sys.argv[1:4]
+os.environ[name] = value if int(os.environ[RANK_VARIABLE]) == 0 else other
+t0 = time.monotonic()
+try:
+    hpccomm.init_process_group()
+    report(error=None)
+except ConfigError as exc:
+    report(error="ConfigError", message=str(exc), setting=exc.variable, took=time.monotonic() - t0)
+'''
+
+
+@pytest.mark.parametrize("name, value, other", [("HPCCOMM_MISMATCH_CHECK", "first", "every"),
+                                                 ("HPCCOMM_ASYNC_NONBLOCKING", "1", "0"),
+                                                 ("HPCCOMM_DEBUG", "DETAIL", "OFF")])
+def test_ranks_that_differ_in_a_shared_setting_are_refused(tmp_path, name, value, other):
+    """A setting that decides how every collective runs, different on rank 0
+    than on the others: init raises ConfigError on every rank, naming the
+    setting and each rank's value (ranks that differ would wait for each
+    other in different calls)."""
+    n = 3
+    job = mpirun(n, worker(tmp_path, "shared", SHARED_SETTING), name, value, other)
+    assert sorted(job.reports) == list(range(n)), job.describe()
+    for rep in job.reports.values():
+        assert rep["error"] == "ConfigError", rep
+        assert rep["setting"] == name, rep
+        msg = rep["message"]
+        assert msg.startswith(f"hpccomm init: the ranks disagree on {name} (rank 0: "), msg
+        assert msg.endswith(f"set {name} alike on every rank"), msg
+        assert rep["took"] < 30, rep
+
+
 @pytest.mark.parametrize("first", ["import hpccomm; import torch", "import torch; import hpccomm", "import torch"])
 def test_registration_in_any_import_order_warns_nothing(first):
     """(h) hpccomm registers with torch whichever comes first, `import

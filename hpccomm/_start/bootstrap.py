@@ -278,16 +278,27 @@ def _start(comm=None, timeout: Optional[timedelta] = None):
     return base
 
 
+#: The settings every rank must share: each decides how every collective runs (fault tolerance; whether and
+#: how each call is compared first; the MPI form of async calls), and ranks that differ would wait for each
+#: other in different calls.
+SHARED = ("HPCCOMM_FAULT_TOLERANCE", "HPCCOMM_MISMATCH_CHECK", "HPCCOMM_DEBUG", "HPCCOMM_ASYNC_NONBLOCKING")
+
+
 def _agree_fault_tolerance(comm, mode: str) -> None:
-    """Every rank of ``comm`` runs in the same fault-tolerance mode, or
-    every rank raises (one allgather of the mode's name)."""
+    """Every rank of ``comm`` runs with the same :data:`SHARED` settings (the
+    fault-tolerance ``mode`` as init asked for it), or every rank raises,
+    naming each rank's value (one allgather)."""
+    mine = (mode, *(config.get(name) for name in SHARED[1:]))
     if comm.Get_size() > 1:
-        modes = comm.allgather(mode)
-        if len(set(modes)) > 1:
-            said = ", ".join(f"rank {r}: {m}" for r, m in enumerate(modes))
-            raise ConfigError(f"hpccomm init: the ranks disagree on fault tolerance ({said}); set "
-                              "HPCCOMM_FAULT_TOLERANCE (or init_process_group's fault_tolerance) alike on every rank",
-                              "HPCCOMM_FAULT_TOLERANCE")
+        everyone = comm.allgather(mine)
+        for i, name in enumerate(SHARED):
+            values = [e[i] for e in everyone]
+            if len(set(values)) > 1:
+                said = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+                what = "fault tolerance" if i == 0 else name
+                fix = ("HPCCOMM_FAULT_TOLERANCE (or init_process_group's fault_tolerance)" if i == 0 else name)
+                raise ConfigError(f"hpccomm init: the ranks disagree on {what} ({said}); set {fix} alike on every "
+                                  "rank", name)
     state.set_fault_tolerance(mode == "ulfm")
 
 
