@@ -16,18 +16,20 @@ import time
 
 from .. import _mpi
 from ..errors import HpccommError
-from . import debug_mode, failures, signatures, state, trace
+from . import debug_mode, failures, flight, signatures, state, trace
 from .comm_thread import THREAD_NAME
 from .plan import AFTER, ARGS, BEFORE, CALL, NBYTES, OUTPUTS, Waited
 
 log = logging.getLogger("hpccomm")
 
 
-def execute(g, name: str, plan, args, record=None, asynchronous: bool = False):
+def execute(g, name: str, plan, args, record=None, asynchronous: bool = False, io=None):
     """Run a checked collective's ``plan`` (op ``name`` of group ``g``,
     called with torch's ``args``) blocking, here; its outputs.  ``record``:
     the queued op it runs for (hpccomm._core.record), told its number;
-    ``asynchronous``: the call's ``async_op`` (debug mode compares it).
+    ``asynchronous``: the call's ``async_op`` (debug mode compares it);
+    ``io``: its sizes and dtypes for the flight recorder (hpccomm._core.flight;
+    None: not recorded).
 
     With ``g.instrumented``: debug mode first compares the op across ranks
     (an exchange numbered as the op, under its own label, and timed as any
@@ -39,12 +41,16 @@ def execute(g, name: str, plan, args, record=None, asynchronous: bool = False):
             seq = state.start(g, name + " (debug-mode fingerprint check)")
             if record is not None:
                 record.running(seq)
+            if io is not None:  # recorded before the check: a mismatch it finds is in the record
+                flight.recorded(g, "collective", seq, name, io, g.last[2])
             _fingerprints(g, name, args, seq, record, asynchronous)
             state.relabel(g, name)
         else:
             seq = state.start(g, name)
             if record is not None:
                 record.running(seq)
+            if io is not None:
+                flight.recorded(g, "collective", seq, name, io, g.last[2])
             agreed = g.checks.agreed
             if agreed is not None and plan[NBYTES] not in agreed[name] and plan[CALL].__class__ is not Waited:
                 _first_call(g, name, plan, args, seq)  # compared across ranks first (not the nonblocking form)

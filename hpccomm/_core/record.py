@@ -34,7 +34,7 @@ import torch
 from .. import _mpi
 from .._compat import hide_from_compiler
 from ..errors import HpccommError
-from . import comm_thread, failures, state, trace
+from . import comm_thread, failures, flight, state, trace
 from .execute import execute
 from .plan import AFTER, ARGS, BEFORE, ICALL, NBYTES, OUTPUTS
 
@@ -45,14 +45,17 @@ class OpRecord:
     """Op ``name`` of ``group`` with ``plan`` (hpccomm._core.plan); ``kind``
     ``"collective"``, ``"p2p"`` (``peer``: the other rank, None for any) or
     ``"batch"`` (torch's coalesced point-to-point ops: ``parts``);
-    ``devices``: the CUDA devices its future names.  ``seq``, ``start``,
+    ``devices``: the CUDA devices its future names; ``io``: its sizes and
+    dtypes for the flight recorder (hpccomm._core.flight; None: not
+    recorded).  ``seq``, ``start``,
     ``deadline``, ``token``: given by hpccomm._core.state when numbered."""
 
     __slots__ = ("group", "name", "plan", "kind", "peer", "devices", "state", "lock", "by_comm_thread", "seq",
                  "start", "deadline", "token", "args", "asynchronous", "req", "status", "error", "source",
-                 "timed_out", "parts", "traced", "latch", "fut", "raw")
+                 "timed_out", "parts", "traced", "latch", "fut", "raw", "io")
 
-    def __init__(self, group, name: str, plan, kind: str = "collective", peer=None, devices=None) -> None:
+    def __init__(self, group, name: str, plan, kind: str = "collective", peer=None, devices=None,
+                 io=None) -> None:
         self.group = group
         self.name = name
         self.plan = plan
@@ -67,6 +70,7 @@ class OpRecord:
         self.parts = ()
         self.traced = 0
         self.latch = self.fut = self.raw = None  # a queued op's waiters' latch, its futures: made when needed
+        self.io = io
 
     @classmethod
     def noted(cls, group, name: str, seq: int, start: float, seconds=None, kind="collective", peer=None):
@@ -102,6 +106,8 @@ class OpRecord:
         if self.name == "recv":
             self.status = _mpi.status()
         state.start(g, self.name, self)
+        if self.io is not None:
+            flight.recorded(g, self.kind, self.seq, self.name, self.io, self.start, self.peer)
         if g.instrumented and self.kind == "collective" and trace.active():
             self.traced = trace.now_ns()
         try:
@@ -129,7 +135,7 @@ class OpRecord:
             if self.req is not None:
                 self.req.Wait(self.status)
             else:
-                execute(self.group, self.name, self.plan, self.args, self, self.asynchronous)
+                execute(self.group, self.name, self.plan, self.args, self, self.asynchronous, self.io)
         except BaseException as exc:  # noqa: BLE001 - handed to its waiters
             error = exc
         with self.lock:

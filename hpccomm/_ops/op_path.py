@@ -18,7 +18,7 @@ arguments and torch's options) and returns the op's Work (hpccomm._core.work):
 """
 from __future__ import annotations
 
-from .._core import comm_thread, debug_mode, state
+from .._core import comm_thread, debug_mode, flight, state
 from .._core.execute import execute
 from .._core.plan import ICALL, NBYTES, OUTPUTS, waited
 from .._core.record import OpRecord
@@ -62,19 +62,20 @@ def run(g, op, args, opts=None, plan=None, devices=None):
         if plan is None:  # (outside the except clause: a device error carries no unrelated context)
             return _on_device(g, op, args, opts, not_cpu)
     asynchronous = opts is not None and getattr(opts, "asyncOp", False)
+    io = None if g.flight is None else flight.tensors_io(op.first, args)  # (what the flight recorder keeps)
     if not (asynchronous or g.queued or op.p2p):  # form()'s first answer, without its call frame
-        return work.finished(execute(g, op.name, plan, args, None, False), devices)
+        return work.finished(execute(g, op.name, plan, args, None, False, io), devices)
     where, nonblocking = form(g, op, plan, asynchronous)
     if nonblocking:
         if where is POSTED:
             record = OpRecord(g, op.name, plan, "p2p" if op.p2p else "collective", args[1] if op.p2p else None,
-                              devices)
+                              devices, io)
             record.post()
             return work.pending(record, plan[OUTPUTS])
         plan = waited(plan)  # posted and waited for where it runs
     if where is HERE:  # the latency-bound case: blocking, here
-        return work.finished(execute(g, op.name, plan, args, None, asynchronous), devices)
-    record = OpRecord(g, op.name, plan, "collective", None, devices)
+        return work.finished(execute(g, op.name, plan, args, None, asynchronous, io), devices)
+    record = OpRecord(g, op.name, plan, "collective", None, devices, io)
     queued = work.pending(record, plan[OUTPUTS])  # (made first: its waiter more often finds the op not taken yet)
     record.queue(args, asynchronous)
     if not asynchronous:  # queued only to keep this group's issue order
