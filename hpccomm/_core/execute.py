@@ -16,7 +16,7 @@ import time
 
 from .. import _mpi
 from ..errors import HpccommError
-from . import debug_mode, failures, flight, signatures, state, trace
+from . import debug_mode, failures, signatures, state, trace
 from .comm_thread import THREAD_NAME
 from .plan import AFTER, ARGS, BEFORE, CALL, NBYTES, OUTPUTS, Waited
 
@@ -28,7 +28,7 @@ def execute(g, name: str, plan, args, record=None, asynchronous: bool = False, i
     called with torch's ``args``) blocking, here; its outputs.  ``record``:
     the queued op it runs for (hpccomm._core.record), told its number;
     ``asynchronous``: the call's ``async_op`` (debug mode compares it);
-    ``io``: its sizes and dtypes for the flight recorder (hpccomm._core.flight;
+    ``io``: its sizes and dtypes for the flight recorder (hpccomm._core.state.start;
     None: not recorded).
 
     With ``g.instrumented``: debug mode first compares the op across ranks
@@ -38,19 +38,16 @@ def execute(g, name: str, plan, args, record=None, asynchronous: bool = False, i
     observed = g.instrumented
     try:
         if observed and g.debug:
-            seq = state.start(g, name + " (debug-mode fingerprint check)")
+            seq = state.start(g, name, None, io)  # (in the flight record as the op: a mismatch found is there)
+            state.relabel(g, name + " (debug-mode fingerprint check)")
             if record is not None:
                 record.running(seq)
-            if io is not None:  # recorded before the check: a mismatch it finds is in the record
-                flight.recorded(g, "collective", seq, name, io, g.last[2])
             _fingerprints(g, name, args, seq, record, asynchronous)
             state.relabel(g, name)
         else:
-            seq = state.start(g, name)
+            seq = state.start(g, name, None, io)
             if record is not None:
                 record.running(seq)
-            if io is not None:
-                flight.recorded(g, "collective", seq, name, io, g.last[2])
             agreed = g.checks.agreed
             if agreed is not None and plan[NBYTES] not in agreed[name] and plan[CALL].__class__ is not Waited:
                 _first_call(g, name, plan, args, seq)  # compared across ranks first (not the nonblocking form)

@@ -46,7 +46,6 @@ Example::
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import os
 import pickle
@@ -83,18 +82,11 @@ TORCH_NAMES = {
 #: (``(inputs stacked, outputs stacked)``): fr_trace compares these sizes with the group's size.
 STACKED = {"all_gather": (False, True), "reduce_scatter": (True, False), "all_to_all": (True, True)}
 
-#: The fields of an op's entry in its group's ring, by index.  A tuple of plain values, which
-#: Python's garbage collector stops tracking (a ring of lists, or of ``torch.Size``, made every
-#: collection longer while the ring filled), made of what the op path has at hand: the start is
-#: the ``time.monotonic()`` hpccomm._core.state numbered the op at (a second clock read cost 600
-#: instructions per op), and whether the op is over is asked of hpccomm._core.state when a record
-#: is written (what runs is its to know): an op then running is ``started``, any other
-#: ``completed`` (torch's states; its ``scheduled``, queued and not numbered yet, is not recorded).
-ID, KIND, SEQ, OTHER_SEQ, NAME, PEER, IO, START = range(8)
-#: The fields of an entry's ``io``, by index.
+#: The fields of an entry's ``io``, by index (an entry's own: hpccomm._core.state.F_ID ...).
 SIZES_IN, DTYPES_IN, SIZES_OUT, DTYPES_OUT = range(4)
+ID, KIND, SEQ, OTHER_SEQ, NAME, PEER, IO, START = (state.F_ID, state.F_KIND, state.F_SEQ, state.F_OTHER_SEQ,
+                                                   state.F_NAME, state.F_PEER, state.F_IO, state.F_START)
 
-_ids = itertools.count()  # the record id: every op of this process, whatever its group, in order
 _Tensor = torch.Tensor
 _BOUND = 5.0  # seconds a dump on a failure may take, whatever the file system or the store do
 _WAIT = 3.0  # seconds a rank ending the job waits for the others' records
@@ -123,30 +115,8 @@ def ring():
     return collections.deque(maxlen=size)
 
 
-def recorded(group, kind: str, seq: int, name: str, io, start: float, peer=None) -> None:
-    """Record op ``name`` of ``group``, numbered now, in the group's ring (``group.flight``, which
-    must not be None).
-
-    :param kind: ``"collective"``, or ``"p2p"`` for a point-to-point op.
-    :param seq: its number on the group (a point-to-point op's by this rank's own numbering).
-    :param io: ``(sizes_in, dtypes_in, sizes_out, dtypes_out)``: per input tensor, then per output
-        tensor, its size (an element count, or a shape as a tuple of ints) and dtype (a
-        ``torch.dtype``, or torch's name of it), each a tuple.  Kept as it is (the same tuple may
-        serve every call of a cached op); it must hold no tensor (nor a ``torch.Size``: see
-        :data:`ID`).
-    :param start: when it was numbered, ``time.monotonic()`` (hpccomm._core.state's).
-    :param peer: a point-to-point op's other rank, in the group (None: any).
-
-    Example::
-
-        recorded(g, "collective", 3, "all_reduce", ((4,), (torch.float32,), (4,), (torch.float32,)), time.monotonic())
-    """
-    group.flight.append((next(_ids), kind, seq, group.seq if kind == "p2p" else group.p2p_seq, name, peer, io,
-                         start))
-
-
 def tensors_io(first: str, args) -> tuple:
-    """The ``io`` of :func:`recorded` for an op called with torch's ``args`` (the adapter's, after
+    """The ``io`` of an op (hpccomm._core.state.start records it) called with torch's ``args`` (the adapter's, after
     the group), whose first argument is ``first`` (the op table's word: ``"out"``, written, its
     inputs then in the second argument; ``"inout"``, read and written; ``"in"``, read): each
     tensor's element count and dtype; no tensor is kept.  (A plain tensor, alone or alone in a
@@ -167,6 +137,8 @@ def tensors_io(first: str, args) -> tuple:
         y = y[0]
     if y.__class__ is _Tensor:
         return (y.numel(),), (y.dtype,), sizes, dtypes
+    if y.__class__ is int or y is None:  # a receive's source
+        return (), (), sizes, dtypes
     sizes_in, dtypes_in = _counts(y)
     return sizes_in, dtypes_in, sizes, dtypes
 

@@ -34,7 +34,7 @@ import torch
 from .. import _mpi
 from .._compat import hide_from_compiler
 from ..errors import HpccommError
-from . import comm_thread, failures, flight, state, trace
+from . import comm_thread, failures, state, trace
 from .execute import execute
 from .plan import AFTER, ARGS, BEFORE, ICALL, NBYTES, OUTPUTS
 
@@ -46,7 +46,7 @@ class OpRecord:
     ``"collective"``, ``"p2p"`` (``peer``: the other rank, None for any) or
     ``"batch"`` (torch's coalesced point-to-point ops: ``parts``);
     ``devices``: the CUDA devices its future names; ``io``: its sizes and
-    dtypes for the flight recorder (hpccomm._core.flight; None: not
+    dtypes for the flight recorder (hpccomm._core.state.start; None: not
     recorded).  ``seq``, ``start``,
     ``deadline``, ``token``: given by hpccomm._core.state when numbered."""
 
@@ -106,8 +106,6 @@ class OpRecord:
         if self.name == "recv":
             self.status = _mpi.status()
         state.start(g, self.name, self)
-        if self.io is not None:
-            flight.recorded(g, self.kind, self.seq, self.name, self.io, self.start, self.peer)
         if g.instrumented and self.kind == "collective" and trace.active():
             self.traced = trace.now_ns()
         try:

@@ -58,7 +58,7 @@ import time
 
 from .. import _mpi, config
 from ..errors import HpccommError
-from . import debug_mode, state
+from . import debug_mode, flight, state
 
 log = logging.getLogger("hpccomm")
 
@@ -177,6 +177,7 @@ def check(group, op: str, nbytes: int, args, seq: int) -> None:
             _unnote(group)
     problem = _compare(group, everyone)
     if problem:
+        flight.dump_quietly(f"the ranks called op #{seq} on group '{group.name}' differently")
         raise HpccommError(f"hpccomm {op} ({group.where(seq)}): the ranks called this collective differently: "
                            f"{problem}. Nothing was sent. {HINT}")
     if all(e[3] == key for e in everyone):
