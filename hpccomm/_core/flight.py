@@ -1,43 +1,46 @@
 """The flight recorder: each group's last ops on this rank, written in the format torch's analyser reads.
 
 Every group keeps its last ``HPCCOMM_FR_BUFFER_SIZE`` ops (default 2000; 0 turns the recorder off)
-in ``group.flight``, a ring (a ``collections.deque`` with a maximum length).  The op path calls
-:func:`recorded` when it numbers an op (hpccomm._core.state) and :func:`completed` when the op is
-over; an entry holds plain values only (record id, op numbers, name, peer, sizes, dtypes, times),
-never a tensor.  What the entry is made of is the caller's: today the op path reads the sizes and
-dtypes off torch's arguments (:func:`tensors_io`); the API takes them as they are, so an op that
-states its sizes itself hands them over unchanged.
+in ``group.flight``, a ring (a ``collections.deque`` with a maximum length, made by :func:`ring`).
+hpccomm._core.state.start, which numbers every op, puts the op in its group's ring when the op path
+hands it the op's ``io``: per input and per output tensor, its element count and dtype.  An entry
+is a tuple of plain values (the fields hpccomm._core.state.F_ID ...), never a tensor.  Where the
+``io`` comes from is the op path's business: today it reads the counts and dtypes off torch's
+arguments (:func:`tensors_io`); an op that states them itself hands them over as they are (the
+same tuple may serve every call of a cached op).
 
-A dump (:func:`write`) is one pickle per rank, the file torch's own backends write their flight
-record to: the prefix in ``TORCH_FR_DUMP_TEMP_FILE`` (or its older name
+A record (:func:`write`) is one pickle per rank, in the file torch's own backends write their
+flight record to: the prefix in ``TORCH_FR_DUMP_TEMP_FILE`` (or its older name
 ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``), else torch's default
 ``$XDG_CACHE_HOME/torch/comm_lib_trace_rank_`` (``XDG_CACHE_HOME`` unset: ``$HOME/.cache``,
-``HOME`` unset: ``/tmp/.cache``), followed by the world rank.  It holds what torch's
-``python -m torch.distributed.flight_recorder.fr_trace DIR -p PREFIX`` reads (its
-``components/loader.py`` and ``builder.py``, torch 2.13 to 2.15): ``version`` ``"2.10"``,
-``pg_config`` (each group's name, description and world ranks), ``pg_status`` and ``entries``
-(one dict per op, torch's keys), plus ``hpccomm`` (what hpccomm adds: why it was written, the
-rank, host and pid; fr_trace ignores it).  fr_trace takes only the op names of torch's own
-backends (``nccl:``, ``gloo:`` ...), so hpccomm names its ops as torch's CPU backend does:
-``gloo:all_reduce``, ``gloo:send 0->1``; ``comm_lib_version`` says it was hpccomm, and over which
-MPI library.
+``HOME`` unset: ``/tmp/.cache``), followed by the world rank (:func:`prefix`).  It holds what
+torch's ``python -m torch.distributed.flight_recorder.fr_trace DIR -p PREFIX`` reads (its
+``components/loader.py``, ``builder.py`` and ``types.py``, torch 2.13 to 2.15): ``version``
+``"2.10"``, ``pg_config`` (each group's name, description and world ranks), ``pg_status`` and
+``entries`` (one dict per op, torch's keys), plus ``hpccomm`` (why it was written, the rank, host
+and pid; fr_trace ignores it).  fr_trace takes only the op names of torch's own backends
+(``nccl:``, ``gloo:`` ...), so hpccomm names its ops as torch's CPU backend does:
+``gloo:all_reduce``, ``gloo:send 0->1``; ``comm_lib_version`` says hpccomm, over which MPI
+library.  Whether an op is over is asked of hpccomm._core.state as the record is written: one it
+lists as running is ``started``, any other ``completed``.
 
-When a record is written: on request (:func:`write`, public as ``hpccomm.dump_flight_record()``),
+When a record is written: on request (:func:`write`, public as ``hpccomm.dump_flight_record()``);
 and, quietly and within a bound (:func:`dump_quietly`: a dump never raises into the job's error
 path, never holds it up more than a few seconds), when an op times out (hpccomm._core.watchdog),
-the ranks call a collective differently (hpccomm._core.signatures, debug mode), a rank fails
-(hpccomm._core.failures, and the SIGTERM a launcher sends when one died, hpccomm._core.signals),
-and before hpccomm ends the job with MPI_Abort (:func:`before_abort`, on ``hpccomm._mpi.at_abort``:
-an uncaught exception, a timeout, a mismatch).  A rank ending the job asks the others, through the
-world's key-value store, to write theirs too (:func:`answer`: each one's watchdog asks while an op
-of its has waited a second or more) and waits for them a few seconds at most: under MPICH and
-Intel MPI the launcher ends them with SIGKILL, which leaves no chance afterwards.
+the ranks call a collective differently and every rank raises (hpccomm._core.signatures, debug
+mode), a rank fails (the first RankFailure, hpccomm._core.failures; the SIGTERM a launcher sends
+when one died, hpccomm._core.signals), and before hpccomm ends the job with MPI_Abort
+(:func:`before_abort`, on ``hpccomm._mpi.at_abort``: an uncaught exception, a timeout, a mismatch
+seen by the watchdog).  A rank ending the job asks the others, through the world's key-value
+store, to write theirs too, and waits for them a few seconds at most (:func:`answer`: each one's
+watchdog looks while an op of its has waited a second or more): under MPICH and Intel MPI the
+launcher ends the others with SIGKILL, which leaves them no chance afterwards.
 
-Threads: :func:`recorded` and :func:`completed` run in the thread that runs the op (a ring's
-``append`` is atomic); a dump runs in the thread that asks for it (the watchdog, the signal
-thread, an excepthook, the caller) and copies each ring at once (``list(deque)`` runs without
-releasing the GIL), inside a thread of its own (``hpccomm-flight``) when it must be bounded.
-Nothing here calls MPI.
+Threads: entries are appended in the thread that numbers the op (a ring's ``append`` is atomic);
+a record is written in the thread that asks for it (the watchdog, the signal thread, an
+excepthook, the caller), copying each ring at once (``list(deque)`` runs without releasing the
+GIL), inside a thread of its own (``hpccomm-flight``) when it must be bounded.  Nothing here calls
+MPI.
 
 Example::
 
@@ -92,7 +95,6 @@ _BOUND = 5.0  # seconds a dump on a failure may take, whatever the file system o
 _WAIT = 3.0  # seconds a rank ending the job waits for the others' records
 _REQUEST = "hpccomm/flight/request"  # world store: a rank ending the job asks the others for theirs
 _WRITTEN = "hpccomm/flight/written"  # world store: how many ranks wrote theirs since
-_lock = threading.Lock()
 
 
 class _Once:
@@ -116,11 +118,16 @@ def ring():
 
 
 def tensors_io(first: str, args) -> tuple:
-    """The ``io`` of an op (hpccomm._core.state.start records it) called with torch's ``args`` (the adapter's, after
-    the group), whose first argument is ``first`` (the op table's word: ``"out"``, written, its
-    inputs then in the second argument; ``"inout"``, read and written; ``"in"``, read): each
-    tensor's element count and dtype; no tensor is kept.  (A plain tensor, alone or alone in a
-    list, is read without a loop: the common case, on every op.)"""
+    """The ``io`` of an op (hpccomm._core.state.start records it) called with torch's ``args``
+    (the adapter's, after the group), whose first argument is ``first`` (the op table's word:
+    ``"out"``, written, its inputs then in the second argument; ``"inout"``, read and written;
+    ``"in"``, read): each tensor's element count and dtype; no tensor is kept.  (A plain tensor,
+    alone or alone in a list, is read without a loop: the common case, on every op.)
+
+    Example::
+
+        tensors_io("inout", ([torch.ones(4)], ReduceOp.SUM))   # ((4,), (torch.float32,), (4,), (torch.float32,))
+    """
     x = args[0] if args else None
     if x.__class__ is list and len(x) == 1:
         x = x[0]
@@ -187,17 +194,18 @@ def write(reason: str = "on request") -> str:
     path = prefix() + str(state.world.rank)
     folder = os.path.dirname(path) or "."
     os.makedirs(folder, exist_ok=True)
-    # Written beside it under a name fr_trace skips (it reads every file holding the prefix), then
-    # renamed: a reader never sees half a record, and a dump cut short leaves the last one whole.
+    # Written beside it under a name of this thread's that fr_trace skips (it reads every file
+    # holding the prefix), then renamed: a reader never sees half a record, a dump cut short leaves
+    # the last one whole, and two threads writing at once (the watchdog's and a signal's) need no
+    # lock that a hung file system could leave held: the later rename wins.
     part = os.path.join(folder, f".hpccomm-flight-{os.getpid()}-{threading.get_ident()}.part")
-    with _lock:
-        try:
-            with open(part, "wb") as f:
-                pickle.dump(record, f, protocol=pickle.HIGHEST_PROTOCOL)
-            os.replace(part, path)
-        finally:
-            if os.path.exists(part):
-                os.unlink(part)
+    try:
+        with open(part, "wb") as f:
+            pickle.dump(record, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(part, path)
+    finally:
+        if os.path.exists(part):
+            os.unlink(part)
     log.info("hpccomm: rank %d wrote its flight record (%s) to %s", state.world.rank, reason, path)
     return path
 
@@ -302,8 +310,6 @@ def _dtype_name(dtype) -> str:
         return dtype
     name = _DTYPE_NAMES.get(dtype)
     if name is None:
-        import torch
-
         try:  # torch.empty(0, dtype=torch.float32).type() is 'torch.FloatTensor'
             name = torch.empty(0, dtype=dtype).type().rpartition(".")[2].removesuffix("Tensor")
         except Exception:  # noqa: BLE001 - a dtype without a CPU tensor type: its Python name
