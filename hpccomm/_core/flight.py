@@ -92,7 +92,7 @@ ID, KIND, SEQ, OTHER_SEQ, NAME, PEER, IO, START = (state.F_ID, state.F_KIND, sta
 
 _Tensor = torch.Tensor
 _BOUND = 5.0  # seconds a dump on a failure may take, whatever the file system or the store do
-_WAIT = 3.0  # seconds a rank ending the job waits for the others' records
+_WAIT = 2.0  # seconds a rank ending the job waits for the others' records (where it must: before_abort)
 _REQUEST = "hpccomm/flight/request"  # world store: a rank ending the job asks the others for theirs
 _WRITTEN = "hpccomm/flight/written"  # world store: how many ranks wrote theirs since
 
@@ -340,10 +340,10 @@ def _library() -> str:
 
 def dump_quietly(reason: str, ending: bool = False, ask: bool = False) -> Optional[str]:
     """Write this rank's record after a failure (``reason``), in a thread of its own, waiting at
-    most a few seconds; never raises.  ``ending``: the job ends now (the record is counted in the
-    world store, for a rank waiting for the others'); ``ask``: this rank ends the job, so ask every
-    rank to write its record and wait for them (a few seconds at most).  Returns the path, or
-    None (the recorder is off, nothing to write, or the write failed or did not end in time)."""
+    most a few seconds; never raises.  ``ending``: this rank ends the job now: the record is
+    counted in the world store, and every rank asked for its own; ``ask``: then wait until every
+    rank counted its record (:data:`_WAIT` seconds at most).  Returns the path, or None (the
+    recorder is off, nothing to write, or the write failed or did not end in time)."""
     if not config.get("HPCCOMM_FR_BUFFER_SIZE"):
         return None
     done: list = []
@@ -372,7 +372,7 @@ def _dump(reason: str, ending: bool, ask: bool, done: list) -> None:
 
 def _count_and_wait(ask: bool) -> None:
     store = state.world.store
-    if ask and not store.check([_REQUEST]):
+    if not store.check([_REQUEST]):  # (ranks whose op has waited a second write theirs at once)
         store.set(_REQUEST, str(state.world.rank))
     if not _once.counted:
         _once.counted = True
@@ -384,8 +384,18 @@ def _count_and_wait(ask: bool) -> None:
 
 
 def before_abort(code: int) -> None:
-    """On ``hpccomm._mpi.at_abort``: hpccomm ends the job (MPI_Abort ``code``)."""
-    dump_quietly(f"the job ends (MPI_Abort {code})", ending=True, ask=True)
+    """On ``hpccomm._mpi.at_abort``: hpccomm ends the job (MPI_Abort ``code``).  This rank writes
+    its record and asks the others for theirs; it waits for them (:data:`_WAIT` at most) unless
+    the launcher will end them with SIGTERM, on which each writes its own (Open MPI's, with
+    ``HPCCOMM_SIGNAL_REPORT`` on: hpccomm._core.signals): Hydra (MPICH, Intel MPI) sends SIGKILL."""
+    from .._mpi import library
+
+    try:
+        family = library.family()
+        sigterm = family is not None and family.name == "openmpi" and config.get("HPCCOMM_SIGNAL_REPORT")
+    except Exception:  # noqa: BLE001 - not known: wait
+        sigterm = False
+    dump_quietly(f"the job ends (MPI_Abort {code})", ending=True, ask=not sigterm)
 
 
 def answer() -> bool:

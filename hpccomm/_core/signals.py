@@ -96,7 +96,7 @@ def _report_and_exit() -> None:
             return
         _reported = True
         try:
-            flight.dump_quietly("ended by SIGTERM (the launcher ends the job)", ending=True)
+            flight.dump_quietly("ended by SIGTERM (the launcher ends the job)")  # (the store may be gone)
             print(report_line(), file=sys.__stderr__, flush=True)
             # The launcher drops output that arrives after it sees the process exit: give it
             # a moment to read the line (it sends SIGKILL later if it will not wait).
