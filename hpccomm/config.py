@@ -78,6 +78,16 @@ def _positive_int(raw: str) -> int:
 _positive_int.__name__ = "positive integer"
 
 
+def _count(raw: str) -> int:
+    value = int(raw, 0)
+    if value < 0:
+        raise ValueError("must be 0 or more")
+    return value
+
+
+_count.__name__ = "count"
+
+
 def _port(raw: str) -> int:
     value = int(raw)
     if not 0 <= value <= 65535:
@@ -183,6 +193,14 @@ OPTIONS: dict[str, Option] = {
             "When the launcher ends a rank with SIGTERM (because another rank died), print one line "
             "saying which op this rank was in and which rank failed, then exit with status 143. "
             "Installed at init only if the program has no SIGTERM handler of its own.",
+        ),
+        Option(
+            "HPCCOMM_FR_BUFFER_SIZE", _count, 2000,
+            "The flight recorder: how many of its last ops each group keeps on each rank (op, sizes, dtypes, "
+            "state, times, op numbers), written on a timeout, a mismatch, a failed rank, before hpccomm ends "
+            "the job, and on hpccomm.dump_flight_record(), to the file torch's own recorders use "
+            "(TORCH_FR_DUMP_TEMP_FILE + rank, by default ~/.cache/torch/comm_lib_trace_rank_<rank>), which "
+            "python -m torch.distributed.flight_recorder.fr_trace reads. 0 turns it off.",
         ),
         Option(
             "HPCCOMM_TRACE", str, "",

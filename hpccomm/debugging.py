@@ -1,5 +1,6 @@
 """Debugging aids: :func:`hpccomm.explain`, what hpccomm would hand MPI for a
-call, without making it.
+call, without making it; :func:`hpccomm.dump_flight_record`, this rank's last
+ops written where torch's flight-recorder analyser reads them.
 
 A supported debugging aid (and what the tests ask instead of patching the op
 path): the op's checks run (a refusal raises as the call would), its plan (hpccomm._core.plan) is made and the form the call would
@@ -10,7 +11,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from . import _mpi
-from ._core import signatures
+from ._core import flight, signatures
 from ._core.plan import AFTER, ARGS, BEFORE, CALL, ICALL, NBYTES
 from ._ops.op_path import form
 from ._ops.registry import BY_NAME
@@ -92,3 +93,28 @@ def explain(op: str, *args, group=None, async_op: bool = False) -> Explained:
     return Explained(info.name, where, made.__name__ if mpi_call else "", buffers, plan[BEFORE] is not None,
                      plan[AFTER] is not None, plan[NBYTES],
                      not info.p2p and where != "posted" and signatures.compared(g, call))
+
+
+def dump_flight_record() -> str:
+    """Write this rank's flight record now: the last ops of each of its hpccomm
+    groups (``HPCCOMM_FR_BUFFER_SIZE`` per group: name, element counts and
+    dtypes, state, start time, op numbers), to the file torch's own backends
+    write theirs to: ``TORCH_FR_DUMP_TEMP_FILE`` followed by this rank's world
+    rank (unset: torch's default, ``$XDG_CACHE_HOME/torch/comm_lib_trace_rank_``,
+    else ``~/.cache/torch/comm_lib_trace_rank_``), replacing the last one.
+    hpccomm writes it by itself on a timeout, a mismatch, a failed rank and
+    before it ends the job; call this on every rank (a hang you are looking
+    into from another thread, say) and read them together with
+    ``python -m torch.distributed.flight_recorder.fr_trace DIR -p PREFIX``
+    (docs/troubleshooting.md).
+
+    :returns: the path written.
+    :raises hpccomm.HpccommError: the recorder is off (``HPCCOMM_FR_BUFFER_SIZE=0``)
+        or no hpccomm group exists.
+    :raises OSError: the file could not be written.
+
+    Example::
+
+        path = hpccomm.dump_flight_record()   # '/home/me/.cache/torch/comm_lib_trace_rank_0'
+    """
+    return flight.write("on request (hpccomm.dump_flight_record)")

@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+# The flight records hpccomm writes when a test makes ranks disagree (tests/test_mismatch.py ...) go
+# to a folder of the test run's, not to the user's ~/.cache/torch (tests that read them set their own).
+os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(tempfile.gettempdir(),
+                                                              f"hpccomm-tests-{os.getuid()}", "flight_rank_"))
 
 import helpers  # noqa: E402
 

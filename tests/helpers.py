@@ -278,7 +278,7 @@ def fake_group(rank: int = 1, size: int = 4, store=None, timeout=None, done: int
     for _ in range(done):
         state.start(g, "done")
         state.finished(g)
-        record = types.SimpleNamespace(kind="p2p", deadline=None)
+        record = types.SimpleNamespace(kind="p2p", deadline=None, io=None)  # (io: not in the flight record)
         state.start(g, "done", record)
         state.end(record.token)
     return g

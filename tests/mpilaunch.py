@@ -74,7 +74,7 @@ SUITES = {
             "test_debug.py", "test_mismatch.py", "test_properties.py", "test_large.py", "test_routes.py",
             "test_composed.py"],
     "training": ["test_ddp.py", "test_fsdp.py", "test_mesh.py"],
-    "failures": ["test_failures.py"],
+    "failures": ["test_failures.py", "test_flight.py"],
     "exit": ["test_exit.py", "test_soak.py"],
     "init": ["test_init.py", "test_host.py"],
     # fault tolerance (ULFM): real jobs started by the tests, Open MPI only; under MPICH and Intel MPI the

@@ -33,7 +33,7 @@ MAP = {
         "hpccomm.errors", "hpccomm.config", "hpccomm.launcher", "hpccomm._compat"],
     "the MPI layer": ["hpccomm._mpi", "hpccomm._mpi.library"],
     "run-time state and instruments": [
-        "hpccomm._core", "hpccomm._core.state", "hpccomm._core.debug_mode", "hpccomm._core.trace",
+        "hpccomm._core", "hpccomm._core.state", "hpccomm._core.flight", "hpccomm._core.debug_mode", "hpccomm._core.trace",
         "hpccomm._core.gloo_exit"],
     "the op core: plans, the comm thread, the op record, the Work": [
         "hpccomm._core.plan", "hpccomm._core.steps", "hpccomm._core.comm_thread", "hpccomm._core.signatures",

@@ -33,6 +33,8 @@ def parse(argv=None):
     p.add_argument("--which", default="hpccomm,floor")
     p.add_argument("--n1", type=int, default=200)
     p.add_argument("--n2", type=int, default=800)
+    p.add_argument("--warmup", type=int, default=200, help="ops run before each case's counts (HPCCOMM_FR_BUFFER_SIZE "
+                   "or more: the flight recorder's rings full, as in a long run)")
     p.add_argument("--keep", metavar="DIR", help="keep the callgrind dumps in DIR")
     p.add_argument("--inner", metavar="DIR", help=argparse.SUPPRESS)  # set when running under callgrind
     return p.parse_args(argv)
@@ -100,7 +102,7 @@ def inner(args) -> int:
             for g in groups:
                 for w in which:
                     one = make(pgs[w, g], op, mode == "async")
-                    for _ in range(200):
+                    for _ in range(args.warmup):
                         one()
                     for count in (args.n1, args.n2):
                         control("-z")

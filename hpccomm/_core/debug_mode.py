@@ -25,6 +25,7 @@ import os
 
 from .. import config
 from ..errors import HpccommError
+from . import flight
 
 
 def enabled() -> bool:
@@ -58,6 +59,7 @@ def compare(group, signature, seq: int, refused=None, asynchronous=None, op: str
     first_seq, first, _, _, _ = everyone[0]
     for r, (s, what, _, _, _) in enumerate(everyone):
         if (s, what) != (first_seq, first):
+            flight.dump_quietly(f"debug mode: the ranks called op #{seq} on group '{group.name}' differently")
             raise HpccommError(
                 f"hpccomm debug: rank {group.global_ranks[r]} called {what} (op #{s} on group '{group.name}') "
                 f"but rank {group.global_ranks[0]} called {first} (op #{first_seq}); this rank "
@@ -65,6 +67,7 @@ def compare(group, signature, seq: int, refused=None, asynchronous=None, op: str
                 "collectives in the same order with matching dtypes, sizes, roots and ReduceOps")
     flags = {e[4] for e in everyone if e[4] is not None}
     if len(flags) > 1:
+        flight.dump_quietly(f"debug mode: async_op differs across ranks in op #{seq} on group '{group.name}'")
         g = group.global_ranks
         on = [g[r] for r, e in enumerate(everyone) if e[4] is True]
         off = [g[r] for r, e in enumerate(everyone) if e[4] is False]
@@ -76,6 +79,7 @@ def compare(group, signature, seq: int, refused=None, asynchronous=None, op: str
             "(torch's gloo and NCCL do not require this; MPI does)")
     problem = sizes_fit(group, [e[2] for e in everyone])
     if problem:
+        flight.dump_quietly(f"debug mode: sizes that do not fit in op #{seq} on group '{group.name}'")
         raise HpccommError(f"hpccomm debug: {common} (op #{seq} on group '{group.name}', rank {group.rank}/"
                            f"{group.size}): {problem}. The sizes each rank passes must fit together")
 

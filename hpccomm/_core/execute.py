@@ -25,11 +25,13 @@ from .plan import run as run_plan
 log = logging.getLogger("hpccomm")
 
 
-def execute(g, op, call, plan, record=None, asynchronous: bool = False):
+def execute(g, op, call, plan, record=None, asynchronous: bool = False, io=None):
     """Run checked ``call``'s ``plan`` (a call of ``op``, a declaration of
-    hpccomm._ops.op, on group ``g``) blocking, here; its outputs.  ``record``: the queued op it runs for (hpccomm._core.record),
-    told its number; ``asynchronous``: the call's ``async_op`` (debug mode
-    compares it).
+    hpccomm._ops.op, on group ``g``) blocking, here; its outputs.  ``record``:
+    the queued op it runs for (hpccomm._core.record), told its number;
+    ``asynchronous``: the call's ``async_op`` (debug mode compares it);
+    ``io``: its sizes and dtypes for the flight recorder
+    (hpccomm._core.state.start; None: not recorded).
 
     With ``g.instrumented``: debug mode first compares the op across ranks
     (an exchange numbered as the op, under its own label, and timed as any
@@ -39,13 +41,14 @@ def execute(g, op, call, plan, record=None, asynchronous: bool = False):
     observed = g.instrumented
     try:
         if observed and g.debug:
-            seq = state.start(g, name + " (debug-mode fingerprint check)")
+            seq = state.start(g, name, None, io)  # (in the flight record as the op: a mismatch found is there)
+            state.relabel(g, name + " (debug-mode fingerprint check)")
             if record is not None:
                 record.running(seq)
             _fingerprints(g, call, seq, asynchronous)
             state.relabel(g, name)
         else:
-            seq = state.start(g, name)
+            seq = state.start(g, name, None, io)
             if record is not None:
                 record.running(seq)
             checks = g.checks

@@ -38,7 +38,7 @@ from typing import NamedTuple, Optional
 from .. import _mpi
 from .._compat import DistBackendError
 from ..errors import HpccommError
-from . import signatures, state
+from . import flight, signatures, state
 
 #: How long a rank that saw only a revocation waits for MPI to say who died.
 _NAME_WAIT = 2.0
@@ -136,9 +136,7 @@ def failure(what: str, exc) -> Optional[RankFailure]:
                "which rank died: hpccomm.shrink() agrees on it)")
     error = RankFailure(f"hpccomm {what}: {who}. The job can go on without it: call hpccomm.shrink() on every "
                         "surviving rank (docs/fault-tolerance.md)", failed)
-    with _lock:
-        if state.failures.first is None:
-            state.failures.first = error
+    _first(error)
     return error
 
 
@@ -198,10 +196,19 @@ def damaged(what: str, exc) -> Optional[RankFailure]:
     error = RankFailure(f"hpccomm {what}: {_describe(failed)} failed (the exchange returned a damaged message: "
                         f"{type(exc).__name__}: {exc}). The job can go on without it: call hpccomm.shrink() on "
                         "every surviving rank (docs/fault-tolerance.md)", failed)
-    with _lock:
-        if state.failures.first is None:
-            state.failures.first = error
+    _first(error)
     return error
+
+
+def _first(error: RankFailure) -> None:
+    """Keep ``error`` as the first failure since the last shrink, if it is; the first one writes
+    this rank's flight record (hpccomm._core.flight)."""
+    with _lock:
+        first = state.failures.first is None
+        if first:
+            state.failures.first = error
+    if first:
+        flight.dump_quietly(f"a rank failed: {error}")
 
 
 def rank_failure(exc: Optional[BaseException] = None) -> Optional[RankFailure]:

@@ -15,7 +15,7 @@ import threading
 from typing import Optional, Sequence
 
 from .. import _mpi, config
-from . import comm_thread, debug_mode, shutdown, signatures, state
+from . import comm_thread, debug_mode, flight, shutdown, signatures, state
 
 _ids = itertools.count()
 _made: dict = {}  # global ranks -> groups of exactly those ranks this process made
@@ -54,7 +54,7 @@ class Group:
     __slots__ = ("comm", "p2p", "checks", "calls", "rank", "size", "global_ranks", "key", "name", "desc", "store",
                  "_timeout", "timeout_s", "seq", "p2p_seq", "_seqs", "_p2p_seqs", "running", "last", "queued",
                  "is_world", "coalescing", "checked", "_observed", "_debug", "instrumented", "nonblocking",
-                 "max_count", "tag_ub", "_owns_comm", "_lock", "barriers", "__weakref__")
+                 "max_count", "tag_ub", "_owns_comm", "_lock", "barriers", "flight", "__weakref__")
 
     def __init__(self, comm, global_ranks: Sequence[int], name: str = "", store=None,
                  timeout=None, owns_comm: bool = True, tag_ub: Optional[int] = None) -> None:
@@ -80,6 +80,7 @@ class Group:
         self._seqs, self._p2p_seqs = itertools.count(1), itertools.count(1)  # next() is atomic under the GIL
         self.running = None  # (name, seq, start) of the collective running now (hpccomm._core.state)
         self.last = None  # the same, of the latest one
+        self.flight = flight.ring()  # its last ops, for the flight record (hpccomm._core.flight; None: off)
         self.queued = 0  # async ops of this group not yet run by the comm thread
         self.is_world = False
         self.coalescing = None  # a list of pending p2p ops while torch coalesces them

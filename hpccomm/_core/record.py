@@ -47,15 +47,17 @@ class OpRecord:
     (hpccomm._ops.op.Call) with ``plan`` (hpccomm._core.plan); ``kind``
     ``"collective"``, ``"p2p"`` (``peer``: the other rank, None for any) or
     ``"batch"`` (torch's coalesced point-to-point ops: ``parts``);
-    ``devices``: the CUDA devices its future names.  ``seq``, ``start``,
+    ``devices``: the CUDA devices its future names; ``io``: its sizes and
+    dtypes for the flight recorder (hpccomm._core.state.start; None: not
+    recorded).  ``seq``, ``start``,
     ``deadline``, ``token``: given by hpccomm._core.state when numbered."""
 
     __slots__ = ("group", "op", "call", "name", "plan", "kind", "peer", "devices", "state", "lock",
                  "by_comm_thread", "seq", "start", "deadline", "token", "asynchronous", "req", "status",
-                 "error", "source", "timed_out", "parts", "traced", "latch", "fut", "raw")
+                 "error", "source", "timed_out", "parts", "traced", "latch", "fut", "raw", "io")
 
     def __init__(self, group, op, call, plan, kind: str = "collective", peer=None, devices=None,
-                 name: str = "") -> None:
+                 name: str = "", io=None) -> None:
         self.group = group
         self.op, self.call = op, call
         self.name = op.name if op is not None else name
@@ -71,6 +73,7 @@ class OpRecord:
         self.parts = ()
         self.traced = 0
         self.latch = self.fut = self.raw = None  # a queued op's waiters' latch, its futures: made when needed
+        self.io = io
 
     @classmethod
     def noted(cls, group, name: str, seq: int, start: float, seconds=None, kind="collective", peer=None):
@@ -134,7 +137,7 @@ class OpRecord:
             if self.req is not None:
                 self.req.Wait(self.status)
             else:
-                execute(self.group, self.op, self.call, self.plan, self, self.asynchronous)
+                execute(self.group, self.op, self.call, self.plan, self, self.asynchronous, self.io)
         except BaseException as exc:  # noqa: BLE001 - handed to its waiters
             error = exc
         with self.lock:

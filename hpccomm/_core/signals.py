@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 from .. import _mpi, config
-from . import state
+from . import flight, state
 from .watchdog import current
 
 _installed = False
@@ -107,6 +107,7 @@ def _report_and_exit() -> None:
             return
         _reported = True
         try:
+            flight.dump_quietly("ended by SIGTERM (the launcher ends the job)")  # (the store may be gone)
             print(report_line(), file=sys.__stderr__, flush=True)
             # The launcher drops output that arrives after it sees the process exit: give it
             # a moment to read the line (it sends SIGKILL later if it will not wait).

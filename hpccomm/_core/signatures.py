@@ -68,7 +68,7 @@ import time
 
 from .. import _mpi, config
 from ..errors import HpccommError
-from . import debug_mode, state
+from . import debug_mode, flight, state
 
 log = logging.getLogger("hpccomm")
 
@@ -242,6 +242,7 @@ def _differ(group, signature, seq: int, refusal=None, op: str = "") -> None:
                            f"Nothing was sent. Fix the call on rank {who}: its message says what is wrong")
     problem = _compare(group, [e[:4] for e in everyone])
     if problem:
+        flight.dump_quietly(f"the ranks called op #{seq} on group '{group.name}' differently")
         raise HpccommError(f"hpccomm {op} ({group.where(seq)}): the ranks called this collective differently: "
                            f"{problem}. Nothing was sent. {HINT}")
 
@@ -291,6 +292,7 @@ def first_call(group, call, seq: int) -> None:
             _unnote(group)
     problem = _compare(group, everyone)
     if problem:
+        flight.dump_quietly(f"the ranks called op #{seq} on group '{group.name}' differently")
         raise HpccommError(f"hpccomm {signature.op} ({group.where(seq)}): the ranks called this collective "
                            f"differently: {problem}. Nothing was sent. {HINT}")
     agreed.add(key)

@@ -6,6 +6,9 @@
   running, until :func:`finished` (a collective run in this thread) or
   :func:`end` (a posted op, once its Work completes).  :func:`begin` records
   what else may hang: group creation, debug-mode checks.
+- The flight recorder's entries: :func:`start` puts each op it numbers in its
+  group's ring (``group.flight``; hpccomm._core.flight writes the rings out),
+  as a tuple of the fields :data:`F_ID` ... :data:`F_START`.
 - Who failed: a rank about to end the job records why in the world group's
   key-value store (:func:`record_failure`), so that the other ranks' lines
   can name it; :data:`failures` holds what fault tolerance (hpccomm.fault_tolerance)
@@ -44,11 +47,26 @@ ids = itertools.count()
 groups = weakref.WeakSet()
 #: [the group whose op started last on this rank]
 last_group: list = [None]
+#: The fields of a flight-recorder entry (:func:`start`), by index: a record id (every op of this
+#: process, in the order numbered), ``"collective"`` or ``"p2p"``, its number (a point-to-point
+#: op's by this rank's own numbering), the group's other number then (its point-to-point count for
+#: a collective, its collective count for a point-to-point op), its name, its peer (a point-to-point
+#: op's other rank in the group; None: any), its ``io`` (``(sizes_in, dtypes_in, sizes_out,
+#: dtypes_out)``: per input tensor, then per output tensor, an element count or a shape as a tuple
+#: of ints, and a ``torch.dtype`` or torch's name of it, each a tuple, as the op path handed it),
+#: and its start (``time.monotonic()``).  Plain values, so that Python's garbage collector stops
+#: tracking them (a ring of lists, or of ``torch.Size``, made collections longer while it filled),
+#: written here, where the op is numbered: a call frame more per op costs about 700 instructions.
+#: Whether the op is over is not kept: :func:`notes` and :func:`records` say what runs.
+F_ID, F_KIND, F_SEQ, F_OTHER_SEQ, F_NAME, F_PEER, F_IO, F_START = range(8)
+_records = itertools.count()
 
 
-def start(group, op: str, record=None) -> int:
+def start(group, op: str, record=None, io=None) -> int:
     """Number op ``op`` of ``group`` and record it as running on this rank;
-    returns its number.
+    returns its number.  Its ``io`` (a blocking collective's; a posted op's
+    is ``record.io``), unless None, puts it in the group's flight record
+    (the fields :data:`F_ID` ...).
 
     ``record`` None: a collective that runs now in the thread that calls
     this (blocking), noted in ``group.running`` until :func:`finished` (no
@@ -67,13 +85,19 @@ def start(group, op: str, record=None) -> int:
         group.seq = seq = next(group._seqs)
         group.running = group.last = (op, seq, now)
         last_group[0] = group
+        if io is not None:
+            group.flight.append((next(_records), "collective", seq, group.p2p_seq, op, None, io, now))
         return seq
     if record.kind == "p2p":
         group.p2p_seq = seq = next(group._p2p_seqs)
+        if record.io is not None:
+            group.flight.append((next(_records), "p2p", seq, group.seq, op, record.peer, record.io, now))
     else:
         group.seq = seq = next(group._seqs)
         group.last = (op, seq, now)
         last_group[0] = group
+        if record.io is not None:
+            group.flight.append((next(_records), "collective", seq, group.p2p_seq, op, None, record.io, now))
     record.seq, record.start = seq, now
     seconds = group.timeout_s
     record.deadline = now + seconds if seconds else None

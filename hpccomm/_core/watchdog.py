@@ -35,7 +35,7 @@ import time
 from typing import Optional
 
 from .. import config
-from . import failures, signatures, state
+from . import failures, flight, signatures, state
 from .record import OpRecord
 
 _GRACE = 3.0  # seconds to wait for the other ranks' reports
@@ -110,6 +110,8 @@ class Watchdog:
                     _forget_report(reported.pop(key))
             waiting = sorted((op for key, op in live.items() if now - op.start > _ASK_AFTER and key not in reported),
                              key=lambda op: op.start)[:_ASK_AT_MOST]
+            if waiting and not self._stopping.is_set():
+                flight.answer()  # a rank ending the job asked for every rank's flight record
             for op in waiting:
                 if self._stopping.is_set():
                     break
@@ -128,6 +130,7 @@ class Watchdog:
         else:
             what = f"{op.name} ({op.where()})"
         action = config.get("HPCCOMM_ON_TIMEOUT")
+        flight.dump_quietly(f"timed out in {what}")  # (as the op stands, before the diagnosis's seconds)
         message = (f"hpccomm: rank {me}: {what} did not complete within its timeout of {g.timeout}: "
                    f"{self._diagnose(op)}")
         if action == "abort":

@@ -157,9 +157,16 @@ def _before_finalize() -> None:
     free_user_ops()
 
 
+#: Functions called with the code before hpccomm ends the job with MPI_Abort (:func:`abort`),
+#: registered by the modules above this one (hpccomm._core.flight writes the flight record); each
+#: must return within a few seconds and never raise.
+at_abort: list = []
+
+
 def abort(code: int) -> None:
-    """MPI_Abort on the world, after giving the launcher time to forward what
-    this rank just wrote (Open MPI drops output still in flight at abort).
+    """MPI_Abort on the world, after the ``at_abort`` hooks and after giving
+    the launcher time to forward what this rank just wrote (Open MPI drops
+    output still in flight at abort).
 
     What this rank said before is to be the last of it: MPICH and Intel MPI
     print their own ``Abort(1) on node 0 ...`` line from the aborting process,
@@ -170,6 +177,11 @@ def abort(code: int) -> None:
     import sys
     import time
 
+    for hook in list(at_abort):
+        try:
+            hook(code)
+        except BaseException:  # noqa: BLE001 - nothing may stop the job from ending
+            pass
     sys.stdout.flush()
     sys.stderr.flush()
     time.sleep(0.5)

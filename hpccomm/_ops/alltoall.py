@@ -172,9 +172,9 @@ def _nccl_all_to_all(b, a, o, options):
 ALL_TO_ALL_SINGLE = Op(
     "all_to_all_single", methods=("all_to_all_single",),
     legacy=("alltoall_base",), check=check_all_to_all_single, plan=plan_all_to_all_single,
-    nccl=_nccl_all_to_all_single)
+    nccl=_nccl_all_to_all_single, recorded_as="all_to_all")
 ALL_TO_ALL = Op(
     "all_to_all", methods=("alltoall",), check=check_all_to_all, plan=plan_all_to_all,
-    nccl=_nccl_all_to_all)
+    nccl=_nccl_all_to_all, stacked=(True, True))
 
 OPS = (ALL_TO_ALL_SINGLE, ALL_TO_ALL)

@@ -323,23 +323,24 @@ def _gather_recv(group, input, root, outputs, result, write_back=None):
 ALL_GATHER_INTO_TENSOR = Op(
     "all_gather_into_tensor", methods=("all_gather_single",), legacy=("_allgather_base",),
     key=all_gather_into_tensor_key, check=check_all_gather_into_tensor, plan=plan_all_gather_into_tensor,
-    nonblocking=True, slot="output", nccl=_nccl_all_gather_into_tensor, cupy=_cupy_all_gather_into_tensor)
+    nonblocking=True, slot="output", nccl=_nccl_all_gather_into_tensor, cupy=_cupy_all_gather_into_tensor,
+    recorded_as="_all_gather_base")
 ALL_GATHER_INTO_TENSOR_COALESCED = Op(
     "all_gather_into_tensor_coalesced", methods=("all_gather_single_coalesced",),
     legacy=("allgather_into_tensor_coalesced",), check=check_all_gather_into_tensor_coalesced,
     plan=plan_all_gather_into_tensor_coalesced, nccl=_nccl_all_gather_into_tensor_coalesced)
 ALL_GATHER = Op(
     "all_gather", methods=("allgather",), check=check_all_gather, plan=plan_all_gather,
-    nccl=_nccl_all_gather)
+    nccl=_nccl_all_gather, stacked=(False, True))
 ALL_GATHER_COALESCED = Op(
     "all_gather_coalesced", methods=("allgather_coalesced",), check=check_all_gather_coalesced,
-    plan=plan_all_gather_coalesced, nccl=_nccl_all_gather_coalesced)
+    plan=plan_all_gather_coalesced, nccl=_nccl_all_gather_coalesced, recorded_as="ALLGATHER_coalesced")
 GATHER = Op(
     "gather", methods=("gather",), check=check_gather, plan=plan_gather,
     nccl=_nccl_gather)
 GATHER_SINGLE = Op(
     "gather_single", methods=("gather_single",), check=check_gather_single,
-    plan=plan_gather_single, nccl=_nccl_gather_single)
+    plan=plan_gather_single, nccl=_nccl_gather_single, recorded_as="gather")
 
 OPS = (ALL_GATHER_INTO_TENSOR, ALL_GATHER_INTO_TENSOR_COALESCED, ALL_GATHER, ALL_GATHER_COALESCED, GATHER,
        GATHER_SINGLE)

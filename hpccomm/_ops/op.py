@@ -123,13 +123,17 @@ class Call:
     ``agreed``: its group's ranks agreed on its signature
     (hpccomm._core.signatures: the first-call check), so a cached call skips
     that lookup; ``fingerprint``: what the every-call check sends and expects
-    back for it (made once: a cached call's is reused)."""
+    back for it (made once: a cached call's is reused); ``io``: its tensors'
+    counts and dtypes as the flight recorder keeps them
+    (hpccomm._core.flight.tensors_io: made at the call's first run, kept
+    with it; the key of a cached call fixes them)."""
 
-    __slots__ = ("signature", "facts", "cacheable", "agreed", "fingerprint")
+    __slots__ = ("signature", "facts", "cacheable", "agreed", "fingerprint", "io")
 
     def __init__(self, signature: Signature, facts=None, cacheable: bool = True) -> None:
         self.signature, self.facts, self.cacheable, self.agreed = signature, facts, cacheable, False
         self.fingerprint = None  # (hpccomm._core.signatures: made at the call's first check, kept with it)
+        self.io = None  # (hpccomm._core.flight: made at the call's first run, kept with it)
 
 
 def uncached(args) -> None:
@@ -168,16 +172,25 @@ class Op:
         process group with NCCL's arguments (hpccomm._gpu.nccl_wire rewrote them).
     :param cupy: ``cupy(transport, group, args)``: the call made through
         CuPy's NCCL bindings (hpccomm._gpu.nccl_cupy), None where CuPy has no form.
+    :param recorded_as: its name in torch's flight records where that is not
+        ``name`` (``_all_gather_base``): torch's analyser matches ops by it
+        (hpccomm._core.flight).
+    :param stacked: ``(inputs, outputs)``: whether torch records that list of
+        per-rank tensors as one tensor stacked along a new first dimension
+        (all_gather's outputs): the analyser compares those sizes with the
+        group's size.
     """
 
     __slots__ = ("name", "methods", "legacy", "check", "plan", "key", "composed", "p2p", "reducing", "first",
-                 "roles", "nonblocking", "chunkable", "slot", "any_source", "receives", "nccl", "cupy", "code")
+                 "roles", "nonblocking", "chunkable", "slot", "any_source", "receives", "nccl", "cupy", "recorded_as",
+                 "stacked", "code")
 
     def __init__(self, name: str, *, methods: tuple, check: Callable, plan: Callable, key: Optional[Callable] = None,
                  composed: Optional[Callable] = None, legacy: tuple = (), p2p: bool = False, reducing: bool = False,
                  first: str = "out", roles: Optional[Callable] = None, nonblocking: bool = False,
                  chunkable: bool = False, slot: Optional[str] = None, any_source: bool = False,
-                 receives: bool = False, nccl: Optional[Callable] = None, cupy: Optional[Callable] = None) -> None:
+                 receives: bool = False, nccl: Optional[Callable] = None, cupy: Optional[Callable] = None,
+                 recorded_as: Optional[str] = None, stacked: tuple = (False, False)) -> None:
         self.name, self.methods, self.legacy = name, tuple(methods), tuple(legacy)
         self.check, self.plan, self.composed = check, plan, composed
         self.key = key if key is not None else uncached
@@ -185,6 +198,7 @@ class Op:
         self.nonblocking, self.chunkable, self.slot, self.any_source = nonblocking, chunkable, slot, any_source
         self.receives = receives
         self.nccl, self.cupy = nccl, cupy
+        self.recorded_as, self.stacked = recorded_as or name, stacked
         self.code = next(_codes)  # (unique: what distinguishes two ops' cache keys)
 
     def role(self, args, rank: int) -> str:

@@ -22,7 +22,7 @@ torch's options, and returns the op's Work (hpccomm._core.work):
 """
 from __future__ import annotations
 
-from .._core import comm_thread, debug_mode, signatures, state
+from .._core import comm_thread, debug_mode, flight, signatures, state
 from .._core.execute import execute
 from .._core.plan import ICALL, NBYTES, OUTPUTS, waited
 from .._core.record import OpRecord
@@ -68,17 +68,22 @@ def run(g, op, args, opts=None, call=None, plan=None, devices=None):
                 remember(g, key, call)
         plan = op.plan(g, call, args)
     asynchronous = opts is not None and getattr(opts, "asyncOp", False)  # (a ReduceOp may stand for the options)
+    io = None
+    if g.flight is not None:  # what the flight recorder keeps: made once per cached call
+        io = call.io
+        if io is None:
+            io = call.io = flight.tensors_io(op, args)
     where, nonblocking = form(g, op, plan, asynchronous)
     if nonblocking:
         if where is POSTED:
             record = OpRecord(g, op, call, plan, "p2p" if op.p2p else "collective", args[1] if op.p2p else None,
-                              devices)
+                              devices, io=io)
             record.post()
             return work.pending(record, plan[OUTPUTS])
         plan = waited(plan)  # posted and waited for where it runs
     if where is HERE:  # the latency-bound case: blocking, here
-        return work.finished(execute(g, op, call, plan, None, asynchronous), devices)
-    record = OpRecord(g, op, call, plan, "collective", None, devices)
+        return work.finished(execute(g, op, call, plan, None, asynchronous, io), devices)
+    record = OpRecord(g, op, call, plan, "collective", None, devices, io=io)
     queued = work.pending(record, plan[OUTPUTS])  # (made first: its waiter more often finds the op not taken yet)
     record.queue(asynchronous)
     if not asynchronous:  # queued only to keep this group's issue order

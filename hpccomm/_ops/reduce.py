@@ -589,19 +589,21 @@ ALL_REDUCE_SPARSE = Op(
 ALL_REDUCE_COALESCED = Op(
     "all_reduce_coalesced", methods=("allreduce_coalesced",), check=check_all_reduce_coalesced,
     plan=plan_all_reduce_coalesced, composed=composed_all_reduce_coalesced, reducing=True, first="inout",
-    nccl=_nccl_all_reduce_coalesced)
+    nccl=_nccl_all_reduce_coalesced, recorded_as="allreduce_coalesced")
 REDUCE = Op(
     "reduce", methods=("reduce",), key=reduce_key, check=check_reduce,
     plan=plan_reduce, composed=composed_reduce, reducing=True, first="inout", roles=_reduce_roles, chunkable=True,
     nccl=_nccl_reduce, cupy=_cupy_reduce)
 REDUCE_SCATTER = Op(
     "reduce_scatter", methods=("reduce_scatter",), check=check_reduce_scatter,
-    plan=plan_reduce_scatter, composed=composed_reduce_scatter, reducing=True, nccl=_nccl_reduce_scatter)
+    plan=plan_reduce_scatter, composed=composed_reduce_scatter, reducing=True, nccl=_nccl_reduce_scatter,
+    stacked=(True, False))
 REDUCE_SCATTER_TENSOR = Op(
     "reduce_scatter_tensor", methods=("reduce_scatter_single",),
     legacy=("_reduce_scatter_base",), key=reduce_scatter_tensor_key, check=check_reduce_scatter_tensor,
     plan=plan_reduce_scatter_tensor, composed=composed_reduce_scatter_tensor, reducing=True, nonblocking=True,
-    slot="input", nccl=_nccl_reduce_scatter_tensor, cupy=_cupy_reduce_scatter_tensor)
+    slot="input", nccl=_nccl_reduce_scatter_tensor, cupy=_cupy_reduce_scatter_tensor,
+    recorded_as="_reduce_scatter_base")
 REDUCE_SCATTER_TENSOR_COALESCED = Op(
     "reduce_scatter_tensor_coalesced", methods=("reduce_scatter_single_coalesced",),
     legacy=("reduce_scatter_tensor_coalesced",), check=check_reduce_scatter_tensor_coalesced,
