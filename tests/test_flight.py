@@ -192,7 +192,8 @@ def _rank(rank: int, calls, monkeypatch) -> dict:
                         _seqs=itertools.count(1), running=None, last=None, timeout_s=30.0,
                         flight=collections.deque(maxlen=100))
     for name, count, dtype in calls:
-        state.start(g, name, None, ((count,), (dtype,), (count,), (dtype,), name, (False, False), False))
+        state.start(g, name, None, flight.make_io(SimpleNamespace(recorded_as=name, stacked=(False, False), receives=False),
+                                                   (count,), (dtype,), (count,), (dtype,)))
     return flight.snapshot([g])
 
 

@@ -33,7 +33,7 @@ def parse(argv=None):
     p.add_argument("--which", default="hpccomm,floor")
     p.add_argument("--n1", type=int, default=200)
     p.add_argument("--n2", type=int, default=800)
-    p.add_argument("--warmup", type=int, default=200, help="ops run before each case's counts (HPCCOMM_FR_BUFFER_SIZE "
+    p.add_argument("--warmup", type=int, default=2500, help="ops run before each case's counts (HPCCOMM_FR_BUFFER_SIZE "
                    "or more: the flight recorder's rings full, as in a long run)")
     p.add_argument("--keep", metavar="DIR", help="keep the callgrind dumps in DIR")
     p.add_argument("--inner", metavar="DIR", help=argparse.SUPPRESS)  # set when running under callgrind

@@ -73,8 +73,7 @@ VERSION = "2.10"
 BACKEND = "gloo"
 #: The prefix torch's recorders write to when ``TORCH_FR_DUMP_TEMP_FILE`` is unset (under the cache folder).
 DEFAULT_NAME = "comm_lib_trace_rank_"
-#: The fields of an entry's ``io``, by index (an entry's own: hpccomm._core.state.F_ID ...).
-SIZES_IN, DTYPES_IN, SIZES_OUT, DTYPES_OUT, TITLE, STACKED, RECEIVES = range(7)
+#: The fields of an entry, by index (hpccomm._core.state.F_ID ...; its io: :func:`make_io`).
 ID, KIND, SEQ, OTHER_SEQ, NAME, PEER, IO, START = (state.F_ID, state.F_KIND, state.F_SEQ, state.F_OTHER_SEQ,
                                                    state.F_NAME, state.F_PEER, state.F_IO, state.F_START)
 
@@ -117,9 +116,9 @@ def tensors_io(op, args) -> tuple:
     Example::
 
         tensors_io(ALL_REDUCE, ([torch.ones(4)], ReduceOp.SUM))
-        # ((4,), (torch.float32,), (4,), (torch.float32,), 'all_reduce', (False, False), False)
+        # ('all_reduce', False, False, False, 1, 1, 4, torch.float32, 4, torch.float32)
     """
-    first, said = op.first, (op.recorded_as, op.stacked, op.receives)
+    first = op.first
     x = args[0] if args else None
     if x.__class__ is list and len(x) == 1:
         x = x[0]
@@ -128,18 +127,40 @@ def tensors_io(op, args) -> tuple:
     else:
         sizes, dtypes = _counts(x)
     if first == "inout":
-        return (sizes, dtypes, sizes, dtypes, *said)
+        return make_io(op, sizes, dtypes, sizes, dtypes)
     if first == "in":
-        return (sizes, dtypes, (), (), *said)
+        return make_io(op, sizes, dtypes, (), ())
     y = args[1] if len(args) > 1 else None
     if y.__class__ is list and len(y) == 1:
         y = y[0]
     if y.__class__ is _Tensor:
-        return ((y.numel(),), (y.dtype,), sizes, dtypes, *said)
+        return make_io(op, (y.numel(),), (y.dtype,), sizes, dtypes)
     if y.__class__ is int or y is None:  # a receive's source
-        return ((), (), sizes, dtypes, *said)
+        return make_io(op, (), (), sizes, dtypes)
     sizes_in, dtypes_in = _counts(y)
-    return (sizes_in, dtypes_in, sizes, dtypes, *said)
+    return make_io(op, sizes_in, dtypes_in, sizes, dtypes)
+
+
+def make_io(op, sizes_in, dtypes_in, sizes_out, dtypes_out) -> tuple:
+    """An ``io``: one flat tuple ``(title, stacked in, stacked out, receives, inputs, outputs,
+    *counts in, *dtypes in, *counts out, *dtypes out)`` (``op``: its declaration's
+    ``recorded_as``, ``stacked``, ``receives``; :func:`parts` reads it back).  Flat, of plain
+    values: an entry holding it holds nothing Python's garbage collector tracks, so the collector
+    stops tracking each entry at once (nested tuples, or a declaration's tuple made at import,
+    kept the entries tracked, and rings of them made full collections run)."""
+    stack_in, stack_out = op.stacked
+    return (op.recorded_as, stack_in, stack_out, op.receives, len(sizes_in), len(sizes_out),
+            *sizes_in, *dtypes_in, *sizes_out, *dtypes_out)
+
+
+def parts(io) -> tuple:
+    """``(title, stacked in, stacked out, receives, counts in, dtypes in, counts out, dtypes out)``
+    of an ``io`` (:func:`make_io`)."""
+    n_in, n_out = io[4], io[5]
+    a = 6 + n_in
+    b = a + n_in
+    c = b + n_out
+    return (*io[:4], io[6:a], io[a:b], io[b:c], io[c:c + n_out])
 
 
 def _counts(tensors) -> tuple:
@@ -242,16 +263,15 @@ def _running() -> set:
 def _entry(e, done: bool, wall: float, g, pg_id: int, desc: str, timeout_ms: int) -> dict:
     """One entry as torch writes it (keys: torch's ``FlightRecorder`` dump, version 2.10); ``done``:
     the op is over; ``wall``: the wall clock's time at the monotonic clock's 0."""
-    p2p, io = e[KIND] == "p2p", e[IO]
+    p2p = e[KIND] == "p2p"
+    title, stack_in, stack_out, receives, counts_in, dtypes_in, counts_out, dtypes_out = parts(e[IO])
     if p2p:
         seq, p2p_seq = e[OTHER_SEQ], e[SEQ]
         peer = -1 if e[PEER] is None else e[PEER]  # -1: a receive from any source
-        title = f"{io[TITLE]} {g.rank}<-{peer}" if io[RECEIVES] else f"{io[TITLE]} {g.rank}->{peer}"
+        title = f"{title} {g.rank}<-{peer}" if receives else f"{title} {g.rank}->{peer}"
     else:
         seq, p2p_seq = e[SEQ], e[OTHER_SEQ]
-        title = io[TITLE]
-    sizes_in, sizes_out = [_size(s) for s in io[SIZES_IN]], [_size(s) for s in io[SIZES_OUT]]
-    stack_in, stack_out = io[STACKED]
+    sizes_in, sizes_out = [_size(s) for s in counts_in], [_size(s) for s in counts_out]
     started = int((e[START] + wall) * 1e9)
     return {
         "record_id": e[ID], "pg_id": pg_id, "process_group": (g.name, desc),
@@ -259,9 +279,9 @@ def _entry(e, done: bool, wall: float, g, pg_id: int, desc: str, timeout_ms: int
         "profiling_name": f"{BACKEND}:{title}",
         "time_created_ns": started,
         "input_sizes": _stacked(sizes_in) if stack_in else sizes_in,
-        "input_dtypes": _dtypes(io[DTYPES_IN], stack_in),
+        "input_dtypes": _dtypes(dtypes_in, stack_in),
         "output_sizes": _stacked(sizes_out) if stack_out else sizes_out,
-        "output_dtypes": _dtypes(io[DTYPES_OUT], stack_out),
+        "output_dtypes": _dtypes(dtypes_out, stack_out),
         "state": "completed" if done else "started",
         "time_discovered_started_ns": started, "time_discovered_completed_ns": None,
         "retired": done, "timeout_ms": timeout_ms, "frames": [],
