@@ -74,6 +74,7 @@ def test_matching_calls_pass_in_debug_mode(debug_on):
     assert torch.all(t == sum(range(size))) and all(torch.all(o == r) for r, o in enumerate(out))
 
 
+@pytest.mark.one_size
 def test_describe_is_plain():
     from hpccomm._core import debug_mode
 

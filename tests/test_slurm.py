@@ -289,6 +289,7 @@ def test_preempt_checkpoints_requeues_and_resumes(slurm, tmp_path):
     assert "(restart 1)" in text
 
 
+@pytest.mark.one_cell
 def test_gpu_template_is_accepted_by_sbatch_test_only(slurm):
     ok = subprocess.run([sys.executable, "-m", "hpccomm", "jobs", "submit", "--test-only", "gpu", "--nodes", "2",
                          "--ntasks-per-node", "2", "--gpus-per-node", "2", "--cpus-per-task", "1", "--time", "10",
@@ -300,6 +301,7 @@ def test_gpu_template_is_accepted_by_sbatch_test_only(slurm):
     assert too_many.returncode == 2 and "sbatch refused the job" in too_many.stderr, too_many
 
 
+@pytest.mark.one_cell
 def test_preflight_stops_a_gpu_job_with_fewer_gpus_than_ranks(slurm, tmp_path):
     script = render("gpu", "--nodes", "2", "--ntasks-per-node", "2", "--gpus-per-node", "1", "--cpus-per-task", "1",
                     "--time", "10", "--", sys.executable, "-c", "raise SystemExit('the preflight let this run')")
