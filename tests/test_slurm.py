@@ -260,6 +260,7 @@ def test_tests_template_runs_pytest_mpi(slurm, tmp_path):
     assert re.search(r"^2 passed", text, re.M) and "failed" not in text, text
 
 
+@pytest.mark.one_cell  # SLURM's signal and requeue and the program's checkpoint; srun --mpi=<family> is the cpu job's
 def test_preempt_checkpoints_requeues_and_resumes(slurm, tmp_path):
     steps = 40
     script = render("preempt", "--nodes", "2", "--ntasks-per-node", "2", "--time", "10", "--", sys.executable,
