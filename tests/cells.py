@@ -102,12 +102,12 @@ class Cell:
 CELLS = [
     Cell("2.13-openmpi", "2.13.0", "openmpi", (1, 2, 3, 4), EVERY, EVERY, primary=True),
     Cell("2.13-wheel", "2.13.0", "openmpi", (3,), EVERY + INSTALLED, INSTALLED),
-    Cell("2.15-openmpi", "2.15.0", "openmpi", (2, 3), ("ops", "training", "gpu", "horovod"),
+    Cell("2.15-openmpi", "2.15.0", "openmpi", (3,), ("ops", "training", "gpu", "horovod"),
          ("unit", "gpu", "exit", "ft", "horovod", "bench", "torchsuite")),
     Cell("2.15-mpich", "2.15.0", "mpich", (1, 2, 3, 4), ("ops", "large", "training"),
          ("init", "launch", "tools", "ft")),
     Cell("2.15-impi", "2.15.0", "impi", (2, 3), ("ops", "large", "training"), ("failures", "ft")),
-    Cell("2.14-openmpi", "2.14.1", "openmpi", (2, 3), ("ops", "training"), ()),
+    Cell("2.14-openmpi", "2.14.1", "openmpi", (3,), ("ops", "training"), ()),
 ]
 BY_NAME = {c.name: c for c in CELLS}
 
