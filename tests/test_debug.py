@@ -74,6 +74,7 @@ def test_matching_calls_pass_in_debug_mode(debug_on):
     assert torch.all(t == sum(range(size))) and all(torch.all(o == r) for r, o in enumerate(out))
 
 
+@pytest.mark.one_size
 def test_describe_is_plain():
     """A call in messages, from its signature (declared with its op): plain, with no pairs where none may differ."""
     from hpccomm._ops import p2p, reduce

@@ -10,6 +10,11 @@ Some bad input never reaches hpccomm: torch's own Python layer
 say so in their docstring ("torch raises"); the same bad input handed straight
 to the process group's method (as C++ callers do) is then checked separately
 against hpccomm's own message.
+
+A check whose outcome cannot depend on the world size (a dtype, a layout, a
+reduction a dtype lacks, the lists of a one-rank group) is marked ``one_size``:
+tests/run.sh runs it at 2 ranks (every rank raises, none is left waiting), not at
+each size; checks of per-rank lists, counts, splits and roots run at every size.
 """
 from __future__ import annotations
 
@@ -163,6 +168,7 @@ def test_all_gather_this_ranks_slot_wrong_size(world):
         dist.all_gather(outs, inp)
 
 
+@pytest.mark.one_size
 def test_scatter_list_entry_wrong_size(solo):
     out, ins = torch.zeros(3), [torch.ones(4)]
     with refused(hpccomm.OpValueError, "scatter", r"scatter_list\[0\] has 4 elements but the output has 3\. "
@@ -170,6 +176,7 @@ def test_scatter_list_entry_wrong_size(solo):
         dist.scatter(out, ins, group_src=0, group=solo)
 
 
+@pytest.mark.one_size
 def test_gather_list_entry_wrong_size(solo):
     inp, outs = torch.ones(3), [torch.zeros(4)]
     with refused(hpccomm.OpValueError, "gather", r"gather_list\[0\] has 4 elements but the input has 3\. "
@@ -223,6 +230,7 @@ def test_all_to_all_single_split_sizes_sum(world):
         dist.all_to_all_single(out, inp, [1] * n, splits)
 
 
+@pytest.mark.one_size
 def test_scatter_list_length(solo):
     out, ins = torch.zeros(2), [torch.ones(2), torch.ones(2)]
     with refused(hpccomm.OpValueError, "scatter",
@@ -230,6 +238,7 @@ def test_scatter_list_length(solo):
         dist.scatter(out, ins, group_src=0, group=solo)
 
 
+@pytest.mark.one_size
 def test_gather_list_length(solo):
     inp, outs = torch.ones(2), [torch.zeros(2), torch.zeros(2)]
     with refused(hpccomm.OpValueError, "gather",
@@ -270,6 +279,7 @@ def test_gather_list_on_non_destination_direct(world):
 # dtype mismatches
 # --------------------------------------------------------------------------
 
+@pytest.mark.one_size
 def test_all_gather_into_tensor_dtype_mismatch(world):
     n, _ = _nr()
     out, inp = torch.zeros(4 * n, dtype=torch.float64), torch.ones(4)
@@ -278,6 +288,7 @@ def test_all_gather_into_tensor_dtype_mismatch(world):
         dist.all_gather_into_tensor(out, inp)
 
 
+@pytest.mark.one_size
 def test_reduce_scatter_tensor_dtype_mismatch(world):
     n, _ = _nr()
     out, inp = torch.zeros(4, dtype=torch.int32), torch.ones(4 * n)
@@ -286,6 +297,7 @@ def test_reduce_scatter_tensor_dtype_mismatch(world):
         dist.reduce_scatter_tensor(out, inp)
 
 
+@pytest.mark.one_size
 def test_all_to_all_single_dtype_mismatch_torch_raises(world):
     """torch raises (distributed_c10d._ensure_all_tensors_same_dtype)."""
     n, _ = _nr()
@@ -294,6 +306,7 @@ def test_all_to_all_single_dtype_mismatch_torch_raises(world):
         dist.all_to_all_single(out, inp)
 
 
+@pytest.mark.one_size
 def test_all_to_all_single_dtype_mismatch_direct(world):
     n, _ = _nr()
     out, inp = torch.zeros(n, dtype=torch.int32), torch.ones(n)
@@ -302,6 +315,7 @@ def test_all_to_all_single_dtype_mismatch_direct(world):
         dist.group.WORLD.all_to_all_single(out, inp, [], [], dist.AllToAllOptions())
 
 
+@pytest.mark.one_size
 @pytest.mark.parametrize("op", ["all_gather", "reduce_scatter", "all_to_all", "scatter", "gather"])
 def test_list_dtype_mismatch_torch_raises(world, solo, op):
     """torch raises (distributed_c10d._ensure_all_tensors_same_dtype) before
@@ -320,6 +334,7 @@ def test_list_dtype_mismatch_torch_raises(world, solo, op):
         call()
 
 
+@pytest.mark.one_size
 def test_all_gather_dtype_mismatch_direct(world):
     n, _ = _nr()
     outs, inp = [torch.zeros(2, dtype=torch.int32) for _ in range(n)], torch.ones(2)
@@ -328,6 +343,7 @@ def test_all_gather_dtype_mismatch_direct(world):
         dist.group.WORLD.allgather([outs], [inp])
 
 
+@pytest.mark.one_size
 def test_reduce_scatter_dtype_mismatch_direct(world):
     n, _ = _nr()
     out, ins = torch.zeros(2), [torch.ones(2, dtype=torch.int64) for _ in range(n)]
@@ -336,6 +352,7 @@ def test_reduce_scatter_dtype_mismatch_direct(world):
         dist.group.WORLD.reduce_scatter([out], [ins])
 
 
+@pytest.mark.one_size
 def test_all_to_all_dtype_mismatch_direct(world):
     n, _ = _nr()
     outs, ins = [torch.zeros(2, dtype=torch.int32) for _ in range(n)], [torch.ones(2) for _ in range(n)]
@@ -344,6 +361,7 @@ def test_all_to_all_dtype_mismatch_direct(world):
         dist.group.WORLD.alltoall(outs, ins)
 
 
+@pytest.mark.one_size
 def test_scatter_dtype_mismatch_direct(solo):
     out, ins = torch.zeros(2), [torch.ones(2, dtype=torch.float16)]
     with refused(hpccomm.OpTypeError, "scatter", r"scatter_list\[0\] has dtype torch\.float16 but the input "
@@ -351,6 +369,7 @@ def test_scatter_dtype_mismatch_direct(solo):
         solo.scatter([out], [ins], _scatter_opts(0))
 
 
+@pytest.mark.one_size
 def test_gather_dtype_mismatch_direct(solo):
     inp, outs = torch.ones(2), [torch.zeros(2, dtype=torch.float16)]
     with refused(hpccomm.OpTypeError, "gather", r"gather_list\[0\] has dtype torch\.float16 but the input "
@@ -424,6 +443,7 @@ def test_root_not_in_group_torch_raises(even, op):
             _rooted_call(op, 1, t, group=even.pg)
 
 
+@pytest.mark.one_size
 def test_send_to_self_torch_raises(world):
     """torch raises for a blocking send to oneself (distributed_c10d._check_not_self_rank).
     isend/irecv to oneself are allowed by torch, and by hpccomm (ops/p2p.py)."""
@@ -442,6 +462,7 @@ def test_p2p_peer_out_of_range(world, op):
         dist.isend(t, dst=n) if op == "isend" else dist.irecv(t, src=n)
 
 
+@pytest.mark.one_size
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("tag", [-1, 2**40])
 def test_p2p_tag_out_of_range(world, tag):
@@ -455,6 +476,7 @@ def test_p2p_tag_out_of_range(world, tag):
 # unsupported dtypes and reductions
 # --------------------------------------------------------------------------
 
+@pytest.mark.one_size
 def test_band_on_float(world):
     t = torch.arange(3.0)
     with refused(hpccomm.OpTypeError, "all_reduce",
@@ -462,6 +484,7 @@ def test_band_on_float(world):
         dist.all_reduce(t, op=R.BAND)
 
 
+@pytest.mark.one_size
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
 @pytest.mark.parametrize("opname", ["MIN", "MAX"])
 def test_min_max_on_complex_via_reduce(world, dtype, opname):
@@ -471,6 +494,7 @@ def test_min_max_on_complex_via_reduce(world, dtype, opname):
         dist.reduce(t, dst=n - 1, op=getattr(R, opname))
 
 
+@pytest.mark.one_size
 def test_min_on_complex_via_all_reduce_torch_raises(world):
     """torch's all_reduce raises for MIN/MAX/PRODUCT on complex itself (it
     views complex as real before calling the group)."""
@@ -479,6 +503,7 @@ def test_min_on_complex_via_all_reduce_torch_raises(world):
         dist.all_reduce(t, op=R.MIN)
 
 
+@pytest.mark.one_size
 def test_max_on_complex_via_reduce_scatter_tensor(world):
     n, _ = _nr()
     out, inp = torch.zeros(2, dtype=torch.complex64), torch.ones(2 * n, dtype=torch.complex64)
@@ -487,12 +512,14 @@ def test_max_on_complex_via_reduce_scatter_tensor(world):
         dist.reduce_scatter_tensor(out, inp, op=R.MAX)
 
 
+@pytest.mark.one_size
 def test_avg_on_bool(world):
     t = torch.tensor([True, False, True])
     with refused(hpccomm.OpTypeError, "all_reduce", r"ReduceOp\.AVG is not defined for bool tensors", t):
         dist.all_reduce(t, op=R.AVG)
 
 
+@pytest.mark.one_size
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8, torch.bool])
 def test_premul_sum_on_integer(world, dtype):
     t = torch.ones(3, dtype=dtype)
@@ -504,6 +531,7 @@ def test_premul_sum_on_integer(world, dtype):
 FLOAT8_OPS = ["all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter", "all_reduce_coalesced"]
 
 
+@pytest.mark.one_size
 @pytest.mark.filterwarnings("ignore:`torch.distributed.all_reduce_coalesced` will be deprecated:FutureWarning")
 @pytest.mark.parametrize("dtype", FLOAT8, ids=[str(d)[6:] for d in FLOAT8])
 @pytest.mark.parametrize("op", FLOAT8_OPS)
@@ -525,6 +553,7 @@ def test_float8_any_reduction(world, dtype, op, opname):
         call()
 
 
+@pytest.mark.one_size
 def test_not_a_reduce_op_direct(world):
     t = torch.ones(3)
     with refused(hpccomm.OpTypeError, "all_reduce", r"'sum' is not a torch\.distributed\.ReduceOp", t):
@@ -542,6 +571,7 @@ def _unknown_dtype_tensors():
 UNKNOWN = _unknown_dtype_tensors()
 
 
+@pytest.mark.one_size
 @pytest.mark.parametrize("name", sorted(UNKNOWN))
 @pytest.mark.parametrize("op", ["broadcast", "all_reduce"])
 def test_unknown_dtype(world, name, op):
@@ -551,6 +581,7 @@ def test_unknown_dtype(world, name, op):
         dist.broadcast(t, src=0) if op == "broadcast" else dist.all_reduce(t)
 
 
+@pytest.mark.one_size
 def test_not_a_tensor_direct(world):
     with refused(hpccomm.OpTypeError, "broadcast", r"tensor is a list, not a torch\.Tensor"):
         dist.group.WORLD.broadcast([[1.0, 2.0]], _bcast_opts(0))
@@ -560,6 +591,7 @@ def test_not_a_tensor_direct(world):
 # layouts and devices
 # --------------------------------------------------------------------------
 
+@pytest.mark.one_size
 def test_sparse_tensor_broadcast_refused(world):
     """Sparse tensors are summed by all_reduce (tests/test_reduce.py); other ops refuse them."""
     t = torch.tensor([0.0, 2.0, 0.0]).to_sparse()
@@ -568,6 +600,7 @@ def test_sparse_tensor_broadcast_refused(world):
         dist.broadcast(t, src=0)
 
 
+@pytest.mark.one_size
 @pytest.mark.parametrize("redop", [R.MAX, R.PRODUCT, R.AVG])
 def test_sparse_all_reduce_is_sum_only(world, redop):
     t = torch.tensor([0.0, 2.0, 0.0]).to_sparse()
@@ -577,6 +610,7 @@ def test_sparse_all_reduce_is_sum_only(world, redop):
         dist.all_reduce(t, op=redop)
 
 
+@pytest.mark.one_size
 @pytest.mark.parametrize("op", ["all_reduce", "broadcast", "all_gather_into_tensor"])
 def test_meta_tensor(world, op):
     n, _ = _nr()
@@ -629,6 +663,7 @@ def test_cuda_tensor_with_a_transport_that_cannot_serve(world, no_gpu_transport,
             dist.all_gather_into_tensor(out, t)
 
 
+@pytest.mark.one_size
 def test_mixed_devices_refused(world):
     """A CPU output with a CUDA input: refused before any communication."""
     n, _ = _nr()

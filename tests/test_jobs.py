@@ -34,10 +34,12 @@ def _cli(*args, check=False):
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=check, timeout=120)
 
 
+@pytest.mark.one_cell
 def test_the_templates_are_the_expected_ones():
     assert sorted(jobs.templates()) == sorted(NAMES)
 
 
+@pytest.mark.one_cell
 @pytest.mark.parametrize("name", NAMES)
 def test_template_and_rendering_pass_bash_n(name, tmp_path):
     values, command = REFERENCE[name]
@@ -48,6 +50,7 @@ def test_template_and_rendering_pass_bash_n(name, tmp_path):
         assert proc.returncode == 0, (path, proc.stderr)
 
 
+@pytest.mark.one_cell
 @pytest.mark.parametrize("name", NAMES)
 def test_rendering_matches_the_reference(name):
     values, command = REFERENCE[name]
@@ -58,6 +61,7 @@ def test_rendering_matches_the_reference(name):
     assert len(got) == len(want), f"{name}.sbatch: {len(got)} lines rendered, {len(want)} in the reference"
 
 
+@pytest.mark.one_cell
 @pytest.mark.parametrize("name", NAMES)
 def test_rendering_changes_only_the_value_lines(name):
     """Everything but the parameter lines and COMMAND is the template's own text."""
@@ -71,16 +75,19 @@ def test_rendering_changes_only_the_value_lines(name):
         assert g.startswith(("#SBATCH --", "COMMAND=(", "NPROC_PER_NODE=", "MPI_PLUGIN=")), g
 
 
+@pytest.mark.one_cell
 def test_command_words_are_quoted():
     out = jobs.render("cpu", {"nodes": 1, "ntasks-per-node": 1}, ["python", "a b.py", "$HOME", "it's"])
     assert "COMMAND=(python 'a b.py' '$HOME' 'it'\"'\"'s')" in out.splitlines()
 
 
+@pytest.mark.one_cell
 def test_torchrun_takes_workers_per_node_not_tasks():
     out = jobs.render("torchrun", {"nodes": 2, "ntasks-per-node": 8}, ["train.py"]).splitlines()
     assert "NPROC_PER_NODE=8" in out and "#SBATCH --ntasks-per-node=1" in out
 
 
+@pytest.mark.one_cell
 @pytest.mark.parametrize("name,values,command,message", [
     ("nope", {"nodes": 1, "ntasks-per-node": 1}, ["x"], r"^no template 'nope'; templates: .*cpu"),
     ("cpu", {"ntasks-per-node": 1}, ["x"], r"^template 'cpu' needs --nodes$"),
@@ -104,6 +111,7 @@ def test_render_refuses(name, values, command, message):
     assert "  " not in str(info.value)
 
 
+@pytest.mark.one_cell
 def test_a_template_with_two_lines_for_a_value_is_refused(tmp_path):
     text = (ROOT / "jobs" / "cpu.sbatch").read_text()
     text = text.replace("#SBATCH --nodes=2", "#SBATCH --nodes=2\n#SBATCH --nodes=3")
@@ -112,6 +120,7 @@ def test_a_template_with_two_lines_for_a_value_is_refused(tmp_path):
         jobs.render("cpu", {"nodes": 1, "ntasks-per-node": 1}, ["x"], tmp_path)
 
 
+@pytest.mark.one_cell
 def test_cli_list_and_render():
     proc = _cli("list", check=True)
     assert [line.split()[0] for line in proc.stdout.splitlines()] == sorted(NAMES, key=lambda n: n + ".sbatch")
@@ -122,6 +131,7 @@ def test_cli_list_and_render():
     assert proc.stdout == (DATA / "cpu.sbatch").read_text()
 
 
+@pytest.mark.one_cell
 @pytest.mark.parametrize("name", ["cpu", "gpu", "preempt", "tests"])
 def test_srun_templates_ask_the_mpi_library_for_the_plugin(name):
     """MPI_PLUGIN=auto (the default) is replaced in the job by what
@@ -141,6 +151,7 @@ def test_cli_mpi_plugin_names_the_family_plugin():
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, require().spec.srun_mpi + "\n", ""), proc
 
 
+@pytest.mark.one_cell
 def test_cli_mpi_plugin_without_a_library_exits_2(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MPI4PY_LIBMPI": str(tmp_path / "libnothing.so")}
     proc = subprocess.run([sys.executable, "-m", "hpccomm", "jobs", "mpi-plugin"], capture_output=True, text=True,
@@ -151,6 +162,7 @@ def test_cli_mpi_plugin_without_a_library_exits_2(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.one_cell
 @pytest.mark.parametrize("library,expected", [
     ("Open MPI v5.0.11", "this is Open MPI: use srun --mpi=pmix (--mpi=pmi2 and none leave every rank alone)"),
     ("MPICH Version:      5.0.2", "this is MPICH: use srun --mpi=pmi2 (--mpi=pmix aborts, none leaves every rank "
@@ -164,6 +176,7 @@ def test_preflight_plugin_hint_per_family(library, expected):
     assert jobs._mpi_plugin_hint(library) == expected
 
 
+@pytest.mark.one_cell
 @pytest.mark.parametrize("args,message", [
     (["render", "cpu", "--nodes", "1", "--", "x"], "template 'cpu' needs --ntasks-per-node"),
     (["render", "cpu", "--nodes", "1", "--ntasks-per-node", "1", "python", "x"], "unexpected argument(s) python x"),
@@ -180,6 +193,7 @@ def test_cli_user_mistakes_exit_2_without_traceback(args, message):
     assert message in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.one_cell
 @pytest.mark.parametrize("args", [["--help"], ["list", "--help"], ["render", "--help"], ["submit", "--help"],
                                   ["preflight", "--help"], ["mpi-plugin", "--help"]])
 def test_cli_help(args):
@@ -187,6 +201,7 @@ def test_cli_help(args):
     assert proc.returncode == 0 and proc.stdout.startswith("usage: hpccomm jobs"), proc.stderr
 
 
+@pytest.mark.one_cell
 def test_submit_without_sbatch_says_so(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-m", "hpccomm", "jobs", "submit", "cpu", "--nodes", "1",
@@ -194,11 +209,13 @@ def test_submit_without_sbatch_says_so(tmp_path):
     assert proc.returncode == 2 and "sbatch not found" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.one_cell
 @pytest.mark.parametrize("spec,expected", [("2(x3),1", [2, 2, 2, 1]), ("4", [4]), ("1,2", [1, 2])])
 def test_tasks_per_node(spec, expected):
     assert jobs.tasks_per_node(spec) == expected
 
 
+@pytest.mark.one_cell
 @pytest.mark.parametrize("env,tasks,problem", [
     ({"CUDA_VISIBLE_DEVICES": "0,1", "SLURMD_NODENAME": "g1"}, 2, None),
     ({"SLURM_GPUS_ON_NODE": "4", "SLURMD_NODENAME": "g1"}, 4, None),
@@ -211,11 +228,13 @@ def test_gpu_check(env, tasks, problem):
     assert (found[0].startswith(problem) if problem else found == []), found
 
 
+@pytest.mark.one_cell
 def test_gpu_check_counts_this_nodes_tasks():
     env = {"SLURM_STEP_TASKS_PER_NODE": "4,2", "SLURM_NODEID": "1", "CUDA_VISIBLE_DEVICES": "0,1"}
     assert jobs._tasks_here(env) == 2 and jobs.check_gpus(env, jobs._tasks_here(env)) == []
 
 
+@pytest.mark.one_cell
 def test_endpoint_check():
     assert jobs.check_endpoint("localhost", "nodeA", "nodeA") == []  # loopback on its own machine is fine
     problem = jobs.check_endpoint("localhost", "nodeA", "nodeB")
@@ -223,6 +242,7 @@ def test_endpoint_check():
     assert "cannot resolve" in jobs.check_endpoint("no-such-host.invalid", "x", "y")[0]
 
 
+@pytest.mark.one_cell
 def test_preflight_no_mpi_refuses_a_loopback_endpoint_on_two_nodes():
     env = {**os.environ, "PYTHONPATH": str(ROOT), "SLURM_JOB_NUM_NODES": "2"}
     proc = subprocess.run([sys.executable, "-m", "hpccomm.jobs", "preflight", "--no-mpi", "--rdzv-endpoint",

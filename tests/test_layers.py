@@ -25,6 +25,8 @@ import pytest
 
 import hpccomm
 
+pytestmark = pytest.mark.one_cell  # the sources are the same in every cell of the CI matrix
+
 PKG = Path(hpccomm.__file__).resolve().parent
 
 #: Every module of hpccomm, by layer, bottom first (see the module docstring).

@@ -38,6 +38,7 @@ def backend_pg(world):
         return dist.new_group(list(range(dist.get_world_size())))
 
 
+@pytest.mark.one_size
 def test_world_is_the_process_group_adapter(world):
     """A plain "hpccomm" default group is hpccomm's ProcessGroup on every
     torch; on torch >= 2.14 hpccomm's Backend is registered in it for the CPU
@@ -52,6 +53,7 @@ def test_world_is_the_process_group_adapter(world):
         assert cpu.supports_coalescing and cpu.supports_splitting
 
 
+@pytest.mark.one_size
 def test_backend_adapter_group(world, backend_pg):
     """torch >= 2.14: a Backend-adapter group is torch's own ProcessGroup
     around hpccomm's Backend, named hpccomm, and its ops are hpccomm's

