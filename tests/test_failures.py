@@ -613,10 +613,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_a_refusal_on_one_rank_ends_the_job_for_the_waiting_ranks(tmp_path):
+@pytest.mark.parametrize("mode", ["every", "first"])
+def test_a_refusal_on_one_rank_ends_the_job_for_the_waiting_ranks(tmp_path, mode):
     """Without debug mode: rank 1 refuses an op (and its program goes on);
-    the ranks waiting in it learn of it through the store and end the job
-    with rank 1's reason within seconds, instead of at the timeout."""
+    the ranks waiting in it learn of it within seconds, instead of at the
+    timeout, and end the job with rank 1's reason: in the every-call check's
+    mode (the default) through the check itself, which rank 1 joins with its
+    refusal (the waiting ranks raise it: nothing was sent); in the first-call
+    mode, where this call is not checked, through the store, by the watchdog."""
     proc, took = launch(tmp_path, """
         hpccomm.init_process_group()   # 30-minute timeout
         dist.barrier()
@@ -628,16 +632,23 @@ def test_a_refusal_on_one_rank_ends_the_job_for_the_waiting_ranks(tmp_path):
                 stuck()
         else:
             dist.all_reduce(t)
-    """)
+    """, env={"HPCCOMM_MISMATCH_CHECK": mode})
     assert proc.returncode != 0 and took < 30, (proc.returncode, took, proc.stderr[-2000:])
     import re
 
-    # whichever waiting rank's watchdog looks first ends the job
-    assert re.search(r"hpccomm: rank ([02]): all_reduce \(op #2 on group '0', rank \1/3\) cannot complete: another "
-                     r"rank refused it \(rank 1: hpccomm all_reduce \(op #2 on group '0', rank 1/3\): "
-                     r"ReduceOp\.BAND needs an integer or bool tensor, got torch\.float32\); aborting the job",
-                     proc.stderr), proc.stderr
-    print(f"fault-to-end: a refusal on one rank: {took:.1f} s")
+    reason = (r"hpccomm all_reduce \(op #2 on group '0', rank 1/3\): "
+              r"ReduceOp\.BAND needs an integer or bool tensor, got torch\.float32")
+    if mode == "every":
+        # each waiting rank raises rank 1's refusal from the check
+        for r in (0, 2):
+            assert re.search(rf"hpccomm all_reduce \(op #2 on group '0', rank {r}/3\): rank 1 refused this call "
+                             rf"\(OpTypeError: {reason}\)\. Nothing was sent", proc.stderr), proc.stderr
+    else:
+        # whichever waiting rank's watchdog looks first ends the job
+        assert re.search(r"hpccomm: rank ([02]): all_reduce \(op #2 on group '0', rank \1/3\) cannot complete: "
+                         r"another rank refused it \(rank 1: " + reason + r"\); aborting the job",
+                         proc.stderr), proc.stderr
+    print(f"fault-to-end: a refusal on one rank ({mode} mode): {took:.1f} s")
 
 
 def test_a_refused_send_ends_the_job_for_its_receiver(tmp_path):
