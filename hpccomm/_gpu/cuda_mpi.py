@@ -104,7 +104,7 @@ class CudaAwareMPI:
             return x
 
         role = op.role(args, rank)
-        return [wide(a, i > 0 or role == "inout", i == 0 and role != "in") for i, a in enumerate(args)], pairs
+        return [wide(a, i > 0 or role != "out", i == 0 and role != "in") for i, a in enumerate(args)], pairs
 
     def plan(self, op, group, call, args):
         """The plan of ``op``'s checked ``call`` (hpccomm._ops.op) for device
