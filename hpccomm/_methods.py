@@ -21,7 +21,7 @@ import types
 
 from . import _mpi
 from ._core import comm_thread, failures, state, trace
-from ._gpu import dispatch
+from ._gpu import group_routes
 from ._ops import alltoall, gather, op_path, p2p, reduce, scatter
 from . import _compat as compat
 from . import BACKEND_NAME
@@ -131,7 +131,7 @@ class TorchOps:
             comm_thread.flush(g)
             trace.finish(g.comm)  # every rank destroys the world: gather the trace now
             state.record_leaving(f"destroyed its process group ({state.last_op_text()})")
-        dispatch.release(g)
+        group_routes.release(g)
         g.free()
 
 

@@ -40,10 +40,12 @@ MAP = {
         "hpccomm._core.failures", "hpccomm._core.execute", "hpccomm._core.record", "hpccomm._core.work"],
     "core services: timeouts, signals, the exit, groups": [
         "hpccomm._core.watchdog", "hpccomm._core.signals", "hpccomm._core.shutdown", "hpccomm._core.group"],
-    "GPU transports": [
+    "GPU transports, and the routes that choose them (a group's routes on the group)": [
         "hpccomm._gpu", "hpccomm._gpu.streams", "hpccomm._gpu.tensors", "hpccomm._gpu.nccl_wire", "hpccomm._gpu.probe",
-        "hpccomm._gpu.select", "hpccomm._gpu.cuda_mpi",
-        "hpccomm._gpu.staged", "hpccomm._gpu.nccl_torch", "hpccomm._gpu.nccl_cupy", "hpccomm._gpu.dispatch"],
+        "hpccomm._gpu.select", "hpccomm._gpu.once", "hpccomm._gpu.findings", "hpccomm._gpu.binding",
+        "hpccomm._gpu.group_routes", "hpccomm._gpu.overrides", "hpccomm._gpu.cuda_mpi", "hpccomm._gpu.staged",
+        "hpccomm._gpu.nccl_torch", "hpccomm._gpu.nccl_cupy", "hpccomm._gpu.transports", "hpccomm._gpu.detect",
+        "hpccomm._gpu.agreement", "hpccomm._gpu.delegation", "hpccomm._gpu.dispatch"],
     "the ops, each declared once (checks, signature, plan, GPU forms), and the op path": [
         "hpccomm._ops", "hpccomm._ops.op", "hpccomm._ops.checks", "hpccomm._ops.staging", "hpccomm._ops.composed",
         "hpccomm._ops.gather", "hpccomm._ops.reduce", "hpccomm._ops.scatter", "hpccomm._ops.alltoall",

@@ -41,7 +41,8 @@ ROUTES_VARIABLE = "HPCCOMM_GPU_ROUTES"
 #: hpccomm's composed reductions).
 MPI, COMPOSED, NCCL_TORCH, NCCL_CUPY, STAGED = "mpi", "composed", "nccl", "nccl-cupy", "staged"
 NCCLS = (NCCL_TORCH, NCCL_CUPY)
-#: The op families a route is chosen for (an op's family: hpccomm._ops.table).
+#: The op families a route is chosen for (an op's family: its declaration's ``reducing`` and ``p2p``,
+#: hpccomm._ops.op).
 FAMILIES = config.GPU_FAMILIES
 REDUCTION, MOVEMENT, P2P = FAMILIES
 

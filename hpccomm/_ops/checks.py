@@ -251,6 +251,14 @@ class Reduction:
         self.mtype, self.itemsize = _mpi.kind_of(dtype)  # (how it travels: the plan's buffer specs)
         self.nonblocking = self.mop.is_predefined
 
+    def on(self, dtype) -> "Reduction":
+        """The same reduction of ``dtype``: the CUDA-aware route reduces
+        float16/bfloat16 tensors through float32 stand-ins
+        (hpccomm._gpu.cuda_mpi), whose plan needs float32's MPI op and
+        datatype; the checks accepted the call itself, and every ReduceOp
+        of a 16-bit float is one of float32's."""
+        return Reduction(dtype, self.kind, self.factor)
+
 
 def reduction(group, op: str, dtype: torch.dtype, redop) -> Reduction:
     """:class:`Reduction` of ``redop`` (a ``ReduceOp`` or ``RedOpType``) on

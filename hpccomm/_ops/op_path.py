@@ -12,8 +12,8 @@ torch's options, and returns the op's Work (hpccomm._core.work):
    a CPU call's :class:`Call` is kept for the next one (at most
    :data:`MAX_CHECKED` per group);
 2. a call with CUDA tensors goes to the route its group takes for that
-   device and op family (hpccomm._gpu.dispatch, chosen once from every
-   rank's findings): NCCL takes the call rewritten, or a transport makes the
+   device and op family (a lookup on the group, hpccomm._gpu.dispatch:
+   chosen once from every rank's findings, hpccomm._gpu.agreement): NCCL takes the call rewritten, or a transport makes the
    plan (CUDA-aware MPI, composed, staged); a CPU call's plan is the op's;
 3. :func:`form` decides, in one place, where the plan runs: blocking in the
    calling thread (hpccomm._core.execute), queued on the comm thread, or
@@ -27,7 +27,7 @@ from .._core.execute import execute
 from .._core.plan import ICALL, NBYTES, OUTPUTS, waited
 from .._core.record import OpRecord
 from .._core import work
-from .._gpu import dispatch
+from .._gpu import delegation, detect, dispatch
 from ..errors import HpccommError, OpError
 from .checks import check_root
 
@@ -61,7 +61,7 @@ def run(g, op, args, opts=None, call=None, plan=None, devices=None):
         call = g.checked.get(key)  # (a key of None is never stored)
         if call is None:
             call = check(g, op, args)
-            device = dispatch.cuda_device(g, op, args)  # (an OpValueError when the call mixes devices)
+            device = detect.cuda_device(g, op, args)  # (an OpValueError when the call mixes devices)
             if device is not None:
                 return _on_device(g, op, call, args, opts, device)
             if key is not None and call.cacheable:
@@ -113,11 +113,11 @@ def _on_device(g, op, call, args, opts, device):
     try:
         transport, wire = dispatch.route(g, op, device, args)
         if wire is not None:  # NCCL takes the call
-            return dispatch.delegated(transport, g, op, wire, opts)
+            return delegation.delegated(transport, g, op, wire, opts)
         plan = transport.plan(op, g, call, args)
     except OpError as exc:
         raise refused(g, op, args, exc) from None
-    return run(g, op, args, opts, call, plan, dispatch.future_devices(device))
+    return run(g, op, args, opts, call, plan, detect.future_devices(device))
 
 
 def form(g, op, plan, asynchronous: bool):

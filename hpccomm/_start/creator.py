@@ -18,7 +18,7 @@ from .. import BACKEND_NAME
 from .._core import comm_thread, failures, signals, state, trace
 from .._core import group as _group
 from .._core.watchdog import watchdog
-from .._gpu import dispatch
+from .._gpu import binding, overrides
 from ..backend import BackendHpccomm
 from ..errors import ConfigError, InitError
 from ..process_group import ProcessGroupHpccomm
@@ -45,7 +45,7 @@ def create(opts, backend_options=None):
     if getattr(opts, "group_id", ""):  # torch's name for the group (torch 2.13 also sets it later)
         group.name = str(opts.group_id)
     device_backends = compat.requested_device_backends()
-    dispatch.note_backend_map(group, device_backends)
+    overrides.note_backend_map(group, device_backends)
     return make_adapter(group, backend_options, config.get("HPCCOMM_ADAPTER"), device_backends)
 
 
@@ -75,7 +75,7 @@ def _world_group(opts) -> _group.Group:
     group = _group.Group(comm, range(comm.Get_size()), store=opts.store, timeout=opts.timeout)
     group.is_world = True
     state.set_world_group(group)
-    dispatch.bind_later(started.info.local_rank, started.info.local_size)  # nothing of CUDA touched now
+    binding.bind_later(started.info.local_rank, started.info.local_size)  # nothing of CUDA touched now
     _install_excepthook(comm.Get_rank(), comm.Get_size())
     signals.install(comm, opts.store)
     trace.start(comm)
