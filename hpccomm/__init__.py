@@ -41,7 +41,7 @@ _LAZY = {
     "Explained": ".debugging",
     "ProcessGroupHpccomm": ".process_group",
     "BackendHpccomm": ".backend",
-    "RankFailure": ".fault_tolerance",
+    "RankFailure": ".errors",
     "Shrunk": ".fault_tolerance",
     "shrink": ".fault_tolerance",
     "rank_failure": ".fault_tolerance",

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import types
 
-from . import _mpi
 from ._core import comm_thread, failures, state, trace
 from ._gpu import group_routes
 from ._ops import alltoall, gather, op_path, p2p, reduce, scatter
@@ -121,8 +120,7 @@ class TorchOps:
         """Abort every rank of the job: MPI state cannot be recovered.  In
         fault-tolerance mode, revoke and free this group's communicators on
         this rank only (``dist.shrink_group`` aborts the groups it drops)."""
-        if not failures.abort_group(self._g):
-            _mpi.abort(1)
+        failures.group_aborted(self._g)
 
     def shutdown(self) -> None:
         """Free this group's MPI communicators and transports (torch's destroy_process_group calls it)."""

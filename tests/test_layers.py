@@ -29,15 +29,16 @@ PKG = Path(hpccomm.__file__).resolve().parent
 
 #: Every module of hpccomm, by layer, bottom first (see the module docstring).
 MAP = {
-    "foundation: errors, settings, the launcher's view, torch's symbols": [
-        "hpccomm.errors", "hpccomm.config", "hpccomm.launcher", "hpccomm._compat"],
+    "foundation: torch's symbols, errors, settings, the launcher's view": [
+        "hpccomm._compat", "hpccomm.errors", "hpccomm.config", "hpccomm.launcher"],
     "the MPI layer": ["hpccomm._mpi", "hpccomm._mpi.library"],
     "run-time state and instruments": [
         "hpccomm._core", "hpccomm._core.state", "hpccomm._core.debug_mode", "hpccomm._core.trace",
         "hpccomm._core.gloo_exit"],
-    "the op core: plans, the comm thread, the op record, the Work": [
-        "hpccomm._core.plan", "hpccomm._core.steps", "hpccomm._core.comm_thread", "hpccomm._core.signatures",
-        "hpccomm._core.failures", "hpccomm._core.execute", "hpccomm._core.record", "hpccomm._core.work"],
+    "the op core: plans, the comm thread, the failure policy, the op record, the Work": [
+        "hpccomm._core.plan", "hpccomm._core.steps", "hpccomm._core.comm_thread", "hpccomm._core.ulfm",
+        "hpccomm._core.failures", "hpccomm._core.signatures", "hpccomm._core.execute", "hpccomm._core.record",
+        "hpccomm._core.work"],
     "core services: timeouts, signals, the exit, groups": [
         "hpccomm._core.watchdog", "hpccomm._core.signals", "hpccomm._core.shutdown", "hpccomm._core.group"],
     "GPU transports, and the routes that choose them (a group's routes on the group)": [

@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from .. import _mpi
-from .._core import state
 from .._compat import ReduceOp, RedOpType, premul_sum_factor, redop_code, reduce_op_type
 from ..errors import OpError, OpTypeError, OpValueError  # noqa: F401 - OpError for the op modules
 
@@ -171,18 +170,6 @@ def check_root(group, op: str, root: int, what: str = "root") -> None:
 def check_tag(group, op: str, tag: int) -> None:
     if not isinstance(tag, int) or not 0 <= tag <= group.tag_ub:
         raise OpValueError(op, group.where(), f"tag {tag!r} is outside 0..{group.tag_ub} (MPI_TAG_UB)")
-
-
-def end_job(group, exc: Exception) -> None:
-    """A refusal only this rank can see while its peers may already be
-    inside MPI: print it, record it for the other ranks' lines, and end the
-    job (MPI_Abort) rather than leave them waiting."""
-    import sys
-
-    print(f"{exc}; ending the job: the other ranks of group '{group.name}' may already be waiting in MPI",
-          file=sys.stderr, flush=True)
-    state.record_failure(f"refused {exc.op}: {exc.what}" if isinstance(exc, OpError) else str(exc))
-    _mpi.abort(1)
 
 
 def reduce_op_name(group, op: str, redop) -> str:

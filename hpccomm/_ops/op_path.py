@@ -22,7 +22,7 @@ torch's options, and returns the op's Work (hpccomm._core.work):
 """
 from __future__ import annotations
 
-from .._core import comm_thread, debug_mode, signatures, state
+from .._core import comm_thread, debug_mode, failures, signatures, state
 from .._core.execute import execute
 from .._core.plan import ICALL, NBYTES, OUTPUTS, waited
 from .._core.record import OpRecord
@@ -161,9 +161,9 @@ def refused(g, op, args, exc: OpError) -> OpError:
     check, hpccomm._core.signatures.refuse, or debug mode's), so every rank
     raises at once (this one its own refusal); with the comparison off, and
     for a point-to-point op, it is announced in the group's store, where a
-    waiting rank's watchdog finds it within a second or two and ends the job
-    with this message (hpccomm._core.watchdog) instead of waiting for the
-    timeout."""
+    waiting rank's watchdog finds it within a second or two and the job ends
+    with this message (the failure policy: hpccomm._core.failures.peer_refused)
+    instead of waiting for the timeout."""
     if not op.p2p and g.queued and not comm_thread.on_it():
         comm_thread.flush(g)  # the ops queued before this one are numbered first, as they run
         exc = type(exc)(exc.op, g.where(), exc.what, exc.fix)
@@ -184,17 +184,19 @@ def refused(g, op, args, exc: OpError) -> OpError:
 
 
 def announce_refusal(g, op, args, exc: OpError) -> None:
-    """Record in the group's store that this rank refused ``op`` (see :func:`refused`)."""
-    me = g.global_ranks[g.rank]
+    """Announce in the group's store that this rank refused ``op``, as the
+    failure policy says (hpccomm._core.failures.announce_refusal): a
+    collective to every member, a point-to-point op to its peer when the
+    call names a rank of the group (else no one waits for it)."""
+    if not op.p2p:
+        failures.announce_refusal(g, exc)
+        return
+    peer = args[1] if len(args) > 1 else None
     try:
-        if op.p2p:  # the peer waits in the matching receive or send
-            peer = args[1] if len(args) > 1 else None
-            check_root(g, op.name, peer)  # raises (and nothing is announced) unless a rank of the group
-            g.store.set(state.refusal_key(g, "p2p", from_rank=me, to_rank=g.global_ranks[peer]), str(exc))
-        else:
-            g.store.set(state.refusal_key(g, "collective", seq=g.seq + 1), f"rank {me}: {exc}")
-    except Exception:  # noqa: BLE001 - the refusal itself is raised either way
-        pass
+        check_root(g, op.name, peer)
+    except OpError:
+        return
+    failures.announce_refusal(g, exc, peer)
 
 
 def start_coalescing(g) -> None:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from .. import _compat as compat
 from .. import _mpi, config
 from .. import BACKEND_NAME
-from .._core import comm_thread, failures, signals, state, trace
+from .._core import comm_thread, failures, signals, state, trace, ulfm
 from .._core import group as _group
 from .._core.watchdog import watchdog
 from .._gpu import binding, overrides
@@ -100,7 +100,7 @@ def _subgroup(opts, ranks) -> _group.Group:
     token = watchdog.begin(creating, "new_group (MPI_Comm_create_group)", 0)
     try:
         if state.failures.tolerant:
-            failures.meet(parent, ranks, tag)  # a member that died raises here, not a hang in MPI_Comm_create_group
+            ulfm.meet(parent, ranks, tag)  # a member that died raises here, not a hang in MPI_Comm_create_group
         comm = _group.create_group(parent, ranks, tag)
     except _mpi.mpi().Exception as exc:
         failure = failures.failure(f"new_group ({creating.where()})", exc) if state.failures.tolerant else None
@@ -210,7 +210,7 @@ _hook_installed = False
 
 def _install_excepthook(rank: int, size: int) -> None:
     """An uncaught exception on one rank ends the whole job at once, with
-    what that rank says last (:func:`hpccomm._core.failures.uncaught`),
+    what that rank says last (the failure policy: :func:`hpccomm._core.failures.uncaught_exit`),
     instead of leaving the other ranks in their next collective until the
     timeout."""
     global _hook_installed
@@ -235,10 +235,7 @@ def _install_excepthook(rank: int, size: int) -> None:
                 import traceback
 
                 traceback.print_exception(kind, value, tb, file=sys.__stderr__)
-        where = state.last_op_text()
-        rank, size = state.world.rank, state.world.size  # as renumbered by hpccomm.shrink()
-        failures.end_job(failures.uncaught(kind, value, tb, rank, size, where, told),
-                         f"raised an uncaught {kind.__name__} ({where})", 1)
+        failures.uncaught_exit(kind, value, tb, told)
 
     sys.excepthook = hook
 
