@@ -313,10 +313,15 @@ def test_mpich_query_asks_for_cuda():
     assert sym.calls == [("MPIX_GPU_query_support", (probe.MPIX_GPU_SUPPORT_CUDA,))]
 
 
-@pytest.mark.parametrize("text,family", [(OMPI, "openmpi"), (MPICH, "mpich"), (INTEL, "intel"),
-                                         (MVAPICH, "mvapich"), (CRAY, "cray"), (OTHER, "other")])
+@pytest.mark.parametrize("text,family", [(OMPI, "openmpi"), (MPICH, "mpich"), (INTEL, "intelmpi"),
+                                         (MVAPICH, "mvapich"), (CRAY, "cray"), (OTHER, None)])
 def test_library_family(text, family):
-    assert probe.library_family(text) == family
+    """The probes ask the one table of MPI families (hpccomm.launcher), and
+    give its advice where a library is not CUDA-aware."""
+    found = hpccomm.launcher.library_family(text)
+    assert (found.name if found else None) == family
+    said = probe.mpi_cuda_support(text, None, lambda name: None, {})  # (no query answers: not CUDA-aware)
+    assert said.value is not True and said.advice == (found.cuda_advice if found else ""), said
 
 
 def test_real_probe_on_this_machine(MPI):
@@ -325,7 +330,7 @@ def test_real_probe_on_this_machine(MPI):
     found = probe.probe_mpi_cuda(MPI)
     assert found.value in (True, False, None)
     library = MPI.Get_library_version()
-    if probe.library_family(library) == "openmpi":
+    if getattr(hpccomm.launcher.library_family(library), "name", None) == "openmpi":
         path = probe.loaded_libmpi()
         assert path and "libmpi" in path, path
         assert probe.ctypes_symbol(path)("MPIX_Query_cuda_support") is not None
