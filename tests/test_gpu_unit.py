@@ -456,7 +456,7 @@ def test_auto_always_serves():
     """Whatever the findings, auto has a route for every family (staging at worst)."""
     for _, _, m, d, mv, t, c, sh in [combo for combo in COMBOS if combo[0] == "auto" and combo[1] is None]:
         routes = select.route_table(two_ranks("auto", None, m, d, mv, t, c, sh))
-        assert all(routes.of(f) in ("mpi", "composed", "nccl", "nccl-cupy", "staged") for f in select.FAMILIES)
+        assert all(routes.of(f) in ("mpi", "composed", "nccl", "nccl-cupy", "staged") for f in select.OP_FAMILIES)
 
 
 def test_route_table_members_must_agree():
