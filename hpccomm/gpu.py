@@ -169,8 +169,11 @@ def info(everyone: bool = False) -> dict:
 
     caps = findings.capabilities()
     requested = config.get("HPCCOMM_GPU_TRANSPORT")
-    index = binding.device_of(launcher.detect().local_rank or 0)  # (None: no GPU here, and () its name)
-    where = findings.identify(torch.device("cuda", index or 0))[0]
+    try:
+        index = binding.device_of(launcher.detect().local_rank or 0)  # (None: no GPU here, and () its name)
+        where = findings.identify(torch.device("cuda", index or 0))[0]
+    except Exception:  # noqa: BLE001 - a broken CUDA set-up: its GPU unnamed (hpccomm info shows CUDA's state)
+        where = ()
     mine = select.Facts.of(requested, None, caps, where, config.get("HPCCOMM_GPU_ROUTES"))
     if everyone:
         from . import _mpi

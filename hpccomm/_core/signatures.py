@@ -67,7 +67,7 @@ import time
 
 from .. import _mpi, config
 from ..errors import HpccommError
-from . import debug_mode, failures, state
+from . import debug_mode, failures
 
 log = logging.getLogger("hpccomm")
 
