@@ -196,7 +196,8 @@ def capability_info(caps: dict) -> dict:
 
 
 def collect() -> dict:
-    """This rank's view, as plain JSON-able data."""
+    """This rank's view, as plain JSON-able data.  Under a launcher every
+    rank calls it at once (its GPU routes are agreed over MPI_COMM_WORLD)."""
     import torch
 
     from . import __version__, gpu, launcher
@@ -216,8 +217,9 @@ def collect() -> dict:
         "interfaces": interfaces(),
         "store": store_info(),
         "options": options(),
+        # every rank collects at once: the GPU routes are those of a group of every rank, from all their findings
         "gpu": {"cuda": cuda, "devices": devices, "nccl": compat.nccl_available(),
-                **(gpu.info() if mpi["available"] else {})},
+                **(gpu.info(everyone=(mpi["size"] or 1) > 1) if mpi["available"] else {})},
         "pid": os.getpid(),
     }
 

@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import types
 
-from . import _mpi
 from ._core import comm_thread, failures, state, trace
-from ._gpu import dispatch
+from ._gpu import group_routes
 from ._ops import alltoall, gather, op_path, p2p, reduce, scatter
 from . import _compat as compat
 from . import BACKEND_NAME
@@ -120,8 +119,7 @@ class TorchOps:
         """Abort every rank of the job: MPI state cannot be recovered.  In
         fault-tolerance mode, revoke and free this group's communicators on
         this rank only (``dist.shrink_group`` aborts the groups it drops)."""
-        if not failures.abort_group(self._g):
-            _mpi.abort(1)
+        failures.group_aborted(self._g)
 
     def shutdown(self) -> None:
         """Free this group's MPI communicators and transports (torch's destroy_process_group calls it)."""
@@ -130,7 +128,7 @@ class TorchOps:
             comm_thread.flush(g)
             trace.finish(g.comm)  # every rank destroys the world: gather the trace now
             state.record_leaving(f"destroyed its process group ({state.last_op_text()})")
-        dispatch.release(g)
+        group_routes.release(g)
         g.free()
 
 

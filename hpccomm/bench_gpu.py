@@ -116,9 +116,9 @@ def time_op(run, sync, iters: int, warmup: int) -> float:
 
 def available_transports() -> list:
     """The transports this machine has, as every rank finds them (a forced one that cannot serve is left out)."""
-    from hpccomm._gpu import dispatch, select
+    from hpccomm._gpu import findings, select
 
-    caps = dispatch.capabilities()
+    caps = findings.capabilities()
     found = []
     for name in ("mpi", "composed", "nccl", "staged"):
         try:

@@ -3,9 +3,19 @@
 Every error about an op carries the op's name, its sequence number on its
 group, the group, and this process's rank and size, so a message read in one
 rank's log says where it came from.  All of them pickle (they may cross a
-process boundary: multiprocessing, torch elastic's error files).
+process boundary: multiprocessing, torch elastic's error files).  What each
+failure raises, and when the job ends instead, is hpccomm._core.failures'
+(the failure policy).
+
+:class:`RankFailure` is a :class:`torch.distributed.DistBackendError` too: it
+is made when first named (``hpccomm.RankFailure``), so that importing this
+module imports nothing of torch (``import hpccomm`` runs inside
+``import torch``: hpccomm._torch.plugin).
 """
 from __future__ import annotations
+
+import threading
+from typing import NamedTuple
 
 
 class HpccommError(RuntimeError):
@@ -125,3 +135,85 @@ class OpTypeError(OpError, TypeError):
         t = torch.ones(4)                               # float32
         dist.all_reduce(t, op=dist.ReduceOp.BAND)       # raises OpTypeError: no bitwise ops on floats
     """
+
+
+class FailedRank(NamedTuple):
+    """A rank that failed: its world rank (in the world it failed in), host and pid.
+
+    :param rank: its rank in the world it failed in.
+    :param host: the host it ran on.
+    :param pid: its process id there.
+
+    Example::
+
+        failure.failed       # (FailedRank(rank=3, host='node2', pid=4242),)
+    """
+
+    rank: int
+    host: str
+    pid: int
+
+
+class _RankFailure(HpccommError):
+    """A rank of the job failed (killed, crashed, its node lost) while fault
+    tolerance is on (``HPCCOMM_FAULT_TOLERANCE=ulfm``).
+
+    Raised on every surviving rank by the op it is in, or by its next op on
+    any hpccomm group: blocking or async (``work.wait()``, the Work's future,
+    DDP's backward), collective or point-to-point.  A
+    :class:`torch.distributed.DistBackendError` and an
+    :class:`hpccomm.HpccommError`.  Recover by calling :func:`hpccomm.shrink`
+    on every survivor.
+
+    :param message: what failed where, e.g. ``hpccomm all_reduce (op #7 on
+        group '0', rank 1/4): rank 3 (pid 4242 on node2) failed
+        (MPI_ERR_PROC_FAILED) ...``.
+    :param failed: the failed ranks MPI reported to this rank, as
+        :class:`FailedRank` ``(rank, host, pid)`` with world ranks; may be
+        empty when this rank learned of the failure from another survivor
+        before MPI said who died (:func:`hpccomm.shrink` always says).
+
+    ``ranks`` and ``hosts`` give the failed world ranks and their hosts.
+
+    Example::
+
+        try:
+            loss.backward()
+        except hpccomm.RankFailure as failure:
+            print(failure.ranks, failure.hosts)     # (3,) ('node2',)
+            hpccomm.shrink()
+    """
+
+    def __init__(self, message: str, failed=()) -> None:
+        self.failed = tuple(FailedRank(*f) for f in failed)
+        super().__init__(message)
+
+    @property
+    def ranks(self) -> tuple:
+        return tuple(f.rank for f in self.failed)
+
+    @property
+    def hosts(self) -> tuple:
+        return tuple(f.host for f in self.failed)
+
+    def __reduce__(self):
+        return type(self), (str(self), tuple(tuple(f) for f in self.failed))
+
+
+_made = threading.Lock()  # (one RankFailure class, whichever thread names it first)
+
+
+def __getattr__(name: str):
+    """``RankFailure``, made once when first named: :class:`_RankFailure`
+    with torch's DistBackendError among its bases."""
+    if name != "RankFailure":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    with _made:
+        made = globals().get("RankFailure")
+        if made is None:
+            from ._compat import DistBackendError
+
+            made = type("RankFailure", (_RankFailure, DistBackendError), {"__doc__": _RankFailure.__doc__,
+                                                                         "__module__": __name__})
+            globals()["RankFailure"] = made
+    return made

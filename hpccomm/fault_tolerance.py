@@ -11,17 +11,19 @@ user's guide; this docstring says how it works.
 Detection.  A call involving a dead process fails with MPI_ERR_PROC_FAILED
 (MPI_ERR_PROC_FAILED_PENDING for a receive from any source).  The op path
 (``hpccomm._core.execute`` for collectives, ``hpccomm._core.record`` for
-point-to-point completions) asks :func:`failure` to turn such an MPI error
-into :class:`RankFailure`; with the mode off nothing on the op path changes
-(the question is asked only in an ``except`` branch).  The first thread of a
-rank that sees a failure revokes every hpccomm communicator of that rank
-(MPI_Comm_revoke, :func:`revoke_all`): every op that any survivor is in, or
-calls later, on any hpccomm group then fails at once with MPI_ERR_REVOKED,
-which becomes RankFailure as well.  So every survivor learns of the failure
-in the op it is in or in its next one, whether or not that op involves the
-dead rank.  RankFailure names the dead ranks that MPI knows of on this rank
-(MPI_Comm_get_failed; a rank that learned of the failure from a revocation
-waits up to ``_NAME_WAIT`` seconds for MPI's notice of who died).
+point-to-point completions) hands every MPI error to the failure policy
+(``hpccomm._core.failures``), which turns such an error into
+:class:`RankFailure`; with the mode off nothing on the op path changes (the
+question is asked only in an ``except`` branch).  The first thread of a rank
+that sees a failure revokes every hpccomm communicator of that rank
+(MPI_Comm_revoke, ``hpccomm._core.ulfm.revoke_all``): every op that any
+survivor is in, or calls later, on any hpccomm group then fails at once with
+MPI_ERR_REVOKED, which becomes RankFailure as well.  So every survivor learns
+of the failure in the op it is in or in its next one, whether or not that op
+involves the dead rank.  RankFailure names the dead ranks that MPI knows of
+on this rank (MPI_Comm_get_failed; a rank that learned of the failure from a
+revocation waits up to ``hpccomm._core.ulfm.NAME_WAIT`` seconds for MPI's
+notice of who died).
 
 Threads (an exception to hpccomm._core.comm_thread's one-owner rule): whichever
 thread sees a failure revokes every hpccomm communicator, including ones
@@ -37,7 +39,8 @@ the new communicator: a new key-value store on the new rank 0 (the old one
 lived on the old rank 0, which may be dead), the default group destroyed and
 made again, and every hpccomm subgroup made again over its surviving
 members.  A failure during that rebuild (a second failure, or the store not
-reachable) is not recoverable: the job is aborted with a line saying so.
+reachable) is not recoverable: the job ends with a line saying so
+(``hpccomm._core.failures.recovery_failed``).
 On torch >= 2.14, ``dist.shrink_group`` reaches :func:`backend_shrink`
 through hpccomm's Backend.
 
@@ -47,20 +50,17 @@ under the world's timeout.
 """
 from __future__ import annotations
 
-import os
-import sys
 import time
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from ._core import state
-from ._core.failures import (_NAME_WAIT, FailedRank, RankFailure, _describe, _failed_in, _live_groups, _lock,
-                             _translate, is_failure, rank_failure, revoke_all)
+from ._core import failures, state, ulfm
+from ._core.failures import rank_failure
 from ._start import creator
 from . import _compat as compat
 from .backend import BackendHpccomm
-from .errors import HpccommError
+from .errors import FailedRank, HpccommError, RankFailure
 
 __all__ = ["FailedRank", "RankFailure", "Shrunk", "rank_failure", "shrink"]
 
@@ -136,14 +136,14 @@ def _agree_on_survivors(g, groups, what: str):
     new communicator and the ranks of ``g`` that survived, in order."""
     from ._core.watchdog import watchdog
 
-    revoke_all()
+    ulfm.revoke_all()
     _settle(groups)
     token = watchdog.begin(g, f"{what} (MPI_Comm_shrink, waiting for every survivor)", g.seq)
     try:
         new = g.comm.Shrink()
     finally:
         watchdog.end(token)
-    return new, _translate(new.Get_group(), g.comm)
+    return new, ulfm.ranks_in(new.Get_group(), g.comm)
 
 
 def shrink(timeout=None) -> Shrunk:
@@ -190,7 +190,7 @@ def shrink(timeout=None) -> Shrunk:
     if world is None or world.freed or not dist.is_initialized():
         raise HpccommError("hpccomm.shrink: torch.distributed is not initialised with an hpccomm default group")
     t0 = time.monotonic()
-    groups = _live_groups()
+    groups = ulfm.live_groups()
     old_rank, old_size = world.rank, world.size
     peers = list(state.world.peers)
     new, survivors = _agree_on_survivors(world, groups, "shrink")
@@ -201,35 +201,10 @@ def shrink(timeout=None) -> Shrunk:
             _fault_injection()
         groups_map = creator.rebuild_world(new, survivors, groups, timeout)
     except BaseException as exc:  # noqa: BLE001 - a failure while rebuilding: nothing consistent is left
-        _unrecoverable(old_rank, failed, exc, new, [(r, *peers[r]) for r in survivors])
+        failures.recovery_failed(old_rank, failed, exc, new, [(r, *peers[r]) for r in survivors])
         raise
-    with _lock:
-        state.failures.first, state.failures.revoked = None, False
+    failures.recovered()
     return Shrunk(failed, old_rank, old_size, new.Get_rank(), new.Get_size(), groups_map, time.monotonic() - t0)
-
-
-def _unrecoverable(old_rank: int, failed, exc: BaseException, comm=None, members=()) -> None:
-    """A failure during :func:`shrink`, after the survivors agreed: print one
-    line saying so (naming the rank that failed meanwhile when MPI says,
-    ``members`` being ``(old rank, host, pid)`` of ``comm``'s ranks) and end
-    this rank with exit status 5 (the world is half rebuilt; every survivor
-    is in the same shrink and ends the same way).  Not MPI_Abort: after a
-    failure under ``--with-ft ulfm``, Open MPI 5.0.11's launcher sometimes
-    never returned once survivors had called it (2 of 16 jobs here, every
-    rank gone; 0 of 10 with exit), and it ends the job with the ranks'
-    status when they have all exited."""
-    what = _describe(failed) if failed else "no rank"
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    second = ""
-    if comm is not None and is_failure(exc):
-        gone = _failed_in(comm, _NAME_WAIT)
-        if gone:
-            second = f"{_describe(FailedRank(*members[r]) for r in gone if r < len(members))} failed meanwhile: "
-    print(f"hpccomm: rank {old_rank}: hpccomm.shrink() failed while rebuilding the world after the failure of "
-          f"{what}: {second}{text}. A failure during recovery (a second failure) is not recoverable: ending "
-          "the job (every survivor exits with status 5)", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(5)  # no MPI_Finalize either: it would wait for the dead
 
 
 def backend_shrink(backend, ranks_to_exclude, opts=None):
@@ -245,7 +220,7 @@ def backend_shrink(backend, ranks_to_exclude, opts=None):
     if not state.failures.tolerant:
         raise HpccommError("dist.shrink_group on an hpccomm group needs fault tolerance "
                            "(HPCCOMM_FAULT_TOLERANCE=ulfm under mpirun --with-ft ulfm)")
-    new, survivors = _agree_on_survivors(g, _live_groups(), "shrink_group")
+    new, survivors = _agree_on_survivors(g, ulfm.live_groups(), "shrink_group")
     dead = [r for r in range(g.size) if r not in survivors]
     if sorted(int(r) for r in ranks_to_exclude) != dead:
         new.Free()
@@ -257,11 +232,10 @@ def backend_shrink(backend, ranks_to_exclude, opts=None):
         made = creator.shrunk_backend(g, new, survivors, opts)
     except BaseException as exc:  # noqa: BLE001 - as in shrink(): a failure while rebuilding
         peers = state.world.peers
-        _unrecoverable(g.global_ranks[g.rank], tuple(FailedRank(g.global_ranks[r], *peers[g.global_ranks[r]])
-                                                     for r in dead if g.global_ranks[r] < len(peers)), exc)
+        failures.recovery_failed(g.global_ranks[g.rank], tuple(FailedRank(g.global_ranks[r], *peers[g.global_ranks[r]])
+                                                               for r in dead if g.global_ranks[r] < len(peers)), exc)
         raise
-    with _lock:
-        state.failures.first, state.failures.revoked = None, False
+    failures.recovered()
     return made
 
 

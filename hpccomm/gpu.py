@@ -36,9 +36,9 @@ def set_transport(name, group=None) -> None:
         hpccomm.gpu.set_transport("staged")     # every rank
         dist.all_reduce(torch.ones(4, device="cuda"))
     """
-    from ._gpu import dispatch
+    from ._gpu import overrides
 
-    dispatch.set_transport(_group(group), name)
+    overrides.set_transport(_group(group), name)
 
 
 def set_routes(group=None, **families) -> None:
@@ -56,9 +56,9 @@ def set_routes(group=None, **families) -> None:
 
         hpccomm.gpu.set_routes(reduction="composed")   # every rank: hpccomm's ring over CUDA-aware MPI
     """
-    from ._gpu import dispatch
+    from ._gpu import overrides
 
-    dispatch.set_routes(_group(group), families)
+    overrides.set_routes(_group(group), families)
 
 
 def routes(group=None) -> dict:
@@ -73,10 +73,10 @@ def routes(group=None) -> dict:
         hpccomm.gpu.routes()
         # {'cuda:0': {'reduction': 'nccl', 'movement': 'mpi', 'p2p': 'mpi', 'fallback': 'mpi', 'reason': '...'}}
     """
-    from ._gpu import dispatch
+    from ._gpu import group_routes
 
     out = {}
-    for device, r in dispatch.routes_of(_group(group)).items():
+    for device, r in group_routes.routes_of(_group(group)).items():
         out[device] = r if isinstance(r, str) else {"reduction": r.reduction, "movement": r.movement,
                                                      "p2p": r.p2p, "fallback": r.fallback, "reason": r.reason}
     return out
@@ -93,9 +93,31 @@ def taken(group=None) -> dict:
         dist.all_reduce(torch.ones(4, dtype=torch.int16, device="cuda"))
         hpccomm.gpu.taken()          # {'all_reduce': 'nccl (int16 SUM widened to int32)'}
     """
-    from ._gpu import dispatch
+    from ._gpu import group_routes
 
-    return dispatch.taken(_group(group))
+    return group_routes.taken(_group(group))
+
+
+def requested(group=None) -> dict:
+    """What a group's CUDA routes are chosen from besides every member's
+    findings: ``transport`` (set_transport's, else ``HPCCOMM_GPU_TRANSPORT``),
+    ``routes`` (the per-family routes forced: set_routes's, else
+    ``HPCCOMM_GPU_ROUTES``; ``{}`` for none) and ``cuda_backend`` (the
+    backend torch's backend string named for cuda when the group was made,
+    ``"nccl"``, or None).  Never raises.
+
+    :param group: a process group of hpccomm (default: the world group)
+
+    Example::
+
+        dist.init_process_group("cpu:hpccomm,cuda:nccl")
+        hpccomm.gpu.requested()      # {'transport': 'auto', 'routes': {}, 'cuda_backend': 'nccl'}
+    """
+    from ._gpu import overrides
+
+    g = _group(group)
+    return {"transport": overrides.requested(g), "routes": dict(overrides.forced_routes(g)),
+            "cuda_backend": overrides.mapped(g)}
 
 
 def bind() -> dict:
@@ -109,12 +131,12 @@ def bind() -> dict:
         hpccomm.init_process_group()
         hpccomm.gpu.bind()           # {'device': 1, 'how': 'local rank 1 of 2 on this node, 2 GPU(s): ...'}
     """
-    from ._gpu import dispatch
+    from ._gpu import binding
 
-    return dispatch.bind()
+    return binding.bind()
 
 
-def info() -> dict:
+def info(everyone: bool = False) -> dict:
     """What ``hpccomm info`` reports about GPUs on this rank (MPI must be
     up; it starts MPI otherwise).  Never raises for a missing GPU or NCCL:
     each finding says what was found.
@@ -123,26 +145,44 @@ def info() -> dict:
     ``mpi_cuda_advice`` (what would make it CUDA-aware, when it is not),
     ``mpi_device_reductions``, ``nccl_torch``, ``nccl_cupy`` (yes/no with how),
     ``gpu_count``, ``gpu_transport`` (the setting), ``cpu_transport``,
-    ``cuda_routes`` (the route table this rank would make alone, per op
-    family, and why, or why none) and ``gpu_binding`` (rank -> GPU).  Asking
-    for the GPU count asks CUDA's driver, as ``hpccomm info`` does.
+    ``cuda_routes`` (the routes a group takes for its CUDA tensors, per op
+    family, and why, or why none: a group of this rank alone, or of every
+    rank with ``everyone``) and ``gpu_binding`` (rank -> GPU).  Asking for the
+    GPU count asks CUDA's driver, as ``hpccomm info`` does; where torch sees a
+    GPU, naming the one this rank uses (to find ranks that share one)
+    initialises CUDA.
+
+    :param everyone: every rank of MPI_COMM_WORLD calls ``info`` at once
+        (``hpccomm info`` under a launcher does): the ranks exchange their
+        findings and ``cuda_routes`` is what a group of them all takes, the
+        same on every rank (two ranks on one GPU: no NCCL).  False: from this
+        rank's findings alone, nothing exchanged.
 
     Example::
 
         hpccomm.gpu.info()["cuda_routes"]   # 'reduction: nccl, movement: mpi, p2p: mpi (fallback mpi): ...'
     """
-    from . import config
-    from ._gpu import dispatch, probe, select
+    import torch
 
-    caps = dispatch.capabilities()
+    from . import config, launcher
+    from ._gpu import agreement, binding, findings, probe, select
+
+    caps = findings.capabilities()
     requested = config.get("HPCCOMM_GPU_TRANSPORT")
     try:
-        table = select.route_table([select.Facts.of(requested, None, caps, forced=config.get("HPCCOMM_GPU_ROUTES"))])
-        cuda = f"{table.summary()}: {table.reason}"
-    except select.NoTransport as exc:
-        cuda = f"none: {exc}"
+        index = binding.device_of(launcher.detect().local_rank or 0)  # (None: no GPU here, and () its name)
+        where = findings.identify(torch.device("cuda", index or 0))[0]
+    except Exception:  # noqa: BLE001 - a broken CUDA set-up: its GPU unnamed (hpccomm info shows CUDA's state)
+        where = ()
+    mine = select.Facts.of(requested, None, caps, where, config.get("HPCCOMM_GPU_ROUTES"))
+    if everyone:
+        from . import _mpi
+
+        facts = _mpi.mpi().COMM_WORLD.allgather(mine)
+    else:
+        facts = [mine]
     count = probe.probe_gpu_count()
-    bound = dispatch.binding()
+    bound = binding.binding()
     return {
         "mpi_cuda_aware": caps.mpi_cuda.word(),
         "mpi_cuda_aware_how": caps.mpi_cuda.how,
@@ -154,6 +194,6 @@ def info() -> dict:
         "gpu_count": count.value,
         "gpu_transport": requested,
         "cpu_transport": "mpi (host memory)",
-        "cuda_routes": cuda,
+        "cuda_routes": agreement.job_routes(facts),
         "gpu_binding": (f"GPU {bound['device']}: " if bound["device"] is not None else "none: ") + bound["how"],
     }

@@ -143,6 +143,28 @@ def mpi_comm(group=None):
     return g.comm
 
 
+def mpi_module():
+    """The ``mpi4py.MPI`` module, with MPI started as hpccomm starts it
+    (MPI_THREAD_MULTIPLE asked; an MPI_Init that never returns ends the
+    process with a message), for code beside hpccomm that calls MPI itself:
+    hpccomm's Horovod API (``hvd.init(comm=...)``), a user's own mpi4py
+    calls.  hpccomm never communicates on ``COMM_WORLD`` itself (its groups
+    work on duplicates), so messages there cannot match hpccomm's.
+
+    :raises hpccomm.InitError: no MPI library that mpi4py can load here (the
+        message names the fix).
+
+    Example::
+
+        MPI = hpccomm.mpi_module()
+        isinstance(comm, MPI.Comm)          # an mpi4py communicator?
+        MPI.COMM_WORLD.Barrier()
+    """
+    from . import _mpi
+
+    return _mpi.mpi()
+
+
 def local_rank() -> int:
     """This process's rank among the ranks on its node, 0..local_size()-1.
 

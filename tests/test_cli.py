@@ -158,6 +158,9 @@ def test_info_json_under_mpirun(n):
     assert len({r["pid"] for r in ranks}) == n
     assert {"mpi.rank", "launcher.rank"} <= set(doc["differing"]) and "pid" not in doc["differing"], doc["differing"]
     assert doc["problems"] == [], doc["problems"]
+    # the GPU routes of a group of every rank, from all their findings: one answer, said by every rank
+    assert len({r["gpu"]["cuda_routes"] for r in ranks}) == 1 and "gpu.cuda_routes" not in doc["differing"]
+    assert ranks[0]["gpu"]["cuda_routes"].startswith("reduction: "), ranks[0]["gpu"]
 
 
 def test_info_text_under_mpirun_shows_per_rank_table():

@@ -28,7 +28,7 @@ if not torch.cuda.is_available():
 
 import helpers  # noqa: E402
 import hpccomm  # noqa: E402
-from hpccomm._gpu import dispatch, select  # noqa: E402
+from hpccomm._gpu import findings, select  # noqa: E402
 from helpers import hgroup, Problems, assert_close, verdict_comm  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, pytest.mark.mpi]
@@ -47,7 +47,7 @@ def transport(request, world, groups):
     its ops ran on that transport; skip (on every rank alike) where this
     machine lacks it."""
     name = request.param
-    caps = dispatch.capabilities()
+    caps = findings.capabilities()
     try:
         select.route_table([select.Facts.of(name, None, caps)])
         mine = None

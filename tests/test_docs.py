@@ -308,7 +308,7 @@ def test_public_name_has_full_docstring(name):
         assert ":raises " in doc or "Never raises" in doc, f"hpccomm.{name}: the docstring says nothing of errors"
 
 
-@pytest.mark.parametrize("name", ["set_transport", "set_routes", "routes", "taken", "bind", "info"])
+@pytest.mark.parametrize("name", ["set_transport", "set_routes", "routes", "taken", "requested", "bind", "info"])
 def test_gpu_function_has_full_docstring(name):
     """hpccomm.gpu's functions, held to the bar of the top-level names."""
     obj = getattr(hpccomm.gpu, name)

@@ -630,14 +630,12 @@ def test_meta_tensor(world, op):
 def no_gpu_transport():
     """Probe findings of a machine with no GPU transport (injected: the real
     probes answer for this machine's libraries, see tests/test_gpu_unit.py)."""
-    from hpccomm._gpu import dispatch, probe, select
+    from hpccomm._gpu import findings, probe, select
 
-    saved = dispatch._caps[0]
-    dispatch._caps[0] = select.Capabilities(probe.Finding(False, "injected: not CUDA-aware"),
-                                            probe.Finding(False, "injected: no NCCL in torch"),
-                                            probe.Finding(False, "injected: no cupy"))
-    yield
-    dispatch._caps[0] = saved
+    with findings.assumed(select.Capabilities(probe.Finding(False, "injected: not CUDA-aware"),
+                                              probe.Finding(False, "injected: no NCCL in torch"),
+                                              probe.Finding(False, "injected: no cupy"))):
+        yield
 
 
 @pytest.mark.parametrize("op", ["all_reduce", "all_gather_into_tensor"])

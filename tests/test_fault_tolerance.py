@@ -37,7 +37,7 @@ from hpccomm import launcher
 from hpccomm._mpi import library
 from hpccomm import _compat as compat
 from hpccomm import fault_tolerance
-from hpccomm._core import failures
+from hpccomm._core import failures, ulfm
 from hpccomm._start import bootstrap
 from hpccomm._core import state
 
@@ -683,11 +683,11 @@ def test_a_damaged_exchange_with_a_failed_rank_is_that_failure(monkeypatch):
     allgather on a survivor with the dead rank's part left zero); else the
     caller raises the error as it is."""
     monkeypatch.setattr(state.failures, "first", None)
-    monkeypatch.setattr(failures, "revoke_all", lambda: None)
-    monkeypatch.setattr(failures, "failed_ranks", lambda wait=0.0: ())
+    monkeypatch.setattr(ulfm, "revoke_all", lambda: None)
+    monkeypatch.setattr(ulfm, "failed_ranks", lambda wait=0.0: ())
     error = pickle.UnpicklingError("invalid load key, '\\x00'.")
     assert failures.damaged("all_reduce (debug-mode fingerprint check) (op #9 on group '0', rank 1/4)", error) is None
-    monkeypatch.setattr(failures, "failed_ranks", lambda wait=0.0: (failures.FailedRank(0, "n1", 7),))
+    monkeypatch.setattr(ulfm, "failed_ranks", lambda wait=0.0: (hpccomm.errors.FailedRank(0, "n1", 7),))
     failure = failures.damaged("all_reduce (debug-mode fingerprint check) (op #9 on group '0', rank 1/4)", error)
     assert str(failure) == (
         "hpccomm all_reduce (debug-mode fingerprint check) (op #9 on group '0', rank 1/4): rank 0 (pid 7 on n1) "

@@ -25,7 +25,7 @@ import gpu_sequence
 import hpccomm
 from fake_gpu import DEVICE, FakeNCCL, FakeStreams, NcclRefused, fake_nccl_maker, fake_pinned
 from helpers import hgroup
-from hpccomm._gpu import dispatch, select
+from hpccomm._gpu import findings, select, transports
 from hpccomm._gpu.cuda_mpi import CudaAwareMPI
 from hpccomm._gpu.nccl_torch import TorchNCCL
 from hpccomm._gpu.probe import Finding
@@ -44,35 +44,32 @@ def fake_gpus(shared=False, mpi_cuda=True, nccl=True, reductions=None, streams=F
     rank, size = dist.get_rank(), dist.get_world_size()
     gpu = ("node", "GPU-0" if shared else f"GPU-{rank}")
     channel = g.comm.Dup()
-    saved = (dispatch.identify, dispatch._caps[0], dict(dispatch.BUILDERS))
-    dispatch.identify = lambda device: (gpu, 1 if shared else size)
-    dispatch._caps[0] = select.Capabilities(Finding(mpi_cuda, f"injected {mpi_cuda}"), Finding(nccl, "injected"),
-                                            Finding(False, "injected"), Finding(reductions, "injected"),
-                                            Finding(movement, "injected"))
+    caps = select.Capabilities(Finding(mpi_cuda, f"injected {mpi_cuda}"), Finding(nccl, "injected"),
+                               Finding(False, "injected"), Finding(reductions, "injected"), Finding(movement, "injected"))
     made = {}
 
     def nccl_transport(device, reason):
         made["nccl"] = TorchNCCL(device, reason, make_backend=fake_nccl_maker(channel, gpu))
         return made["nccl"]
 
-    dispatch.BUILDERS.update({
+    def staged(device, reason):
+        # (pipelined from 24 bytes, in chunks of 8: the battery's tensors go through the pipeline too)
+        return Staged(device, reason, streams=streams(), alloc=fake_pinned, pipeline_bytes=24, chunk_bytes=8)
+
+    # the world group's transports over the fakes (and its routes made anew: hpccomm._gpu.transports.build_with)
+    transports.build_with(g, {
         select.MPI: lambda device, reason: CudaAwareMPI(device, reason, streams=streams()),
         select.COMPOSED: lambda device, reason: CudaAwareMPI(device, reason, streams=streams(), composed=True),
-        # (pipelined from 24 bytes, in chunks of 8: the battery's tensors go through the pipeline too)
-        select.STAGED: lambda device, reason: Staged(device, reason, streams=streams(), alloc=fake_pinned,
-                                                     pipeline_bytes=24, chunk_bytes=8),
+        select.STAGED: staged,
         select.NCCL_TORCH: nccl_transport,
     })
-    dispatch.release(g)
     try:
-        yield made
+        with findings.assumed(caps, identify=lambda device: (gpu, 1 if shared else size)):
+            yield made
     finally:
         hpccomm.gpu.set_transport(None)
         hpccomm.gpu.set_routes()
-        dispatch.release(g)
-        dispatch.identify, dispatch._caps[0] = saved[0], saved[1]
-        dispatch.BUILDERS.clear()
-        dispatch.BUILDERS.update(saved[2])
+        transports.build_with(g, None)
         DEVICE.flush()
         channel.Free()
 
@@ -256,7 +253,7 @@ def test_the_staged_pipeline_overlaps_in_order(world):
             return made["staged"]
 
         with fake_gpus(mpi_cuda=False, nccl=False):
-            dispatch.BUILDERS[select.STAGED] = record
+            transports.build_with(hgroup(dist.group.WORLD), {select.STAGED: record})
             t = DEVICE.tensor(torch.arange(float(n)) + rank)
             dist.all_reduce(t)
             got = DEVICE.value(t).tolist()

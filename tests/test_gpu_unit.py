@@ -33,7 +33,8 @@ from hpccomm import _mpi, config
 from hpccomm import _compat as compat
 from hpccomm._core import group as _group
 from hpccomm._ops import op_path
-from hpccomm._gpu import cuda_mpi, dispatch, nccl_cupy, nccl_torch, probe, select, staged
+from hpccomm._gpu import (agreement, binding, cuda_mpi, detect, dispatch, findings, group_routes, nccl_cupy,
+                          nccl_torch, once, overrides, probe, select, staged, transports)
 from hpccomm._gpu.probe import Finding
 from hpccomm._gpu.select import Capabilities, NoTransport
 from hpccomm._ops import reduce, registry
@@ -74,6 +75,20 @@ def planned(made, op, group, args):
     """A transport's plan of a call, as the op path makes it: the op's checks
     first (once, whatever the route), then the transport's plan of the checked call."""
     return made.plan(op, group, op.check(group, *args), args)
+
+
+class CountedChecks:
+    """An op's declaration (hpccomm._ops.op.Op) whose checks count their runs."""
+
+    def __init__(self, op) -> None:
+        self._op, self.checks = op, 0
+
+    def __getattr__(self, name):
+        return getattr(self._op, name)
+
+    def check(self, *args):
+        self.checks += 1
+        return self._op.check(*args)
 
 
 def mpi_types(plan) -> set:
@@ -139,7 +154,7 @@ def self_group(MPI):
     """A real hpccomm group of one rank (MPI_COMM_SELF), communicating for real."""
     g = _group.world(MPI.COMM_SELF, name="self")
     yield g
-    dispatch.release(g)
+    group_routes.release(g)
     g.free()
 
 
@@ -298,10 +313,15 @@ def test_mpich_query_asks_for_cuda():
     assert sym.calls == [("MPIX_GPU_query_support", (probe.MPIX_GPU_SUPPORT_CUDA,))]
 
 
-@pytest.mark.parametrize("text,family", [(OMPI, "openmpi"), (MPICH, "mpich"), (INTEL, "intel"),
-                                         (MVAPICH, "mvapich"), (CRAY, "cray"), (OTHER, "other")])
+@pytest.mark.parametrize("text,family", [(OMPI, "openmpi"), (MPICH, "mpich"), (INTEL, "intelmpi"),
+                                         (MVAPICH, "mvapich"), (CRAY, "cray"), (OTHER, None)])
 def test_library_family(text, family):
-    assert probe.library_family(text) == family
+    """The probes ask the one table of MPI families (hpccomm.launcher), and
+    give its advice where a library is not CUDA-aware."""
+    found = hpccomm.launcher.library_family(text)
+    assert (found.name if found else None) == family
+    said = probe.mpi_cuda_support(text, None, lambda name: None, {})  # (no query answers: not CUDA-aware)
+    assert said.value is not True and said.advice == (found.cuda_advice if found else ""), said
 
 
 def test_real_probe_on_this_machine(MPI):
@@ -310,7 +330,7 @@ def test_real_probe_on_this_machine(MPI):
     found = probe.probe_mpi_cuda(MPI)
     assert found.value in (True, False, None)
     library = MPI.Get_library_version()
-    if probe.library_family(library) == "openmpi":
+    if getattr(hpccomm.launcher.library_family(library), "name", None) == "openmpi":
         path = probe.loaded_libmpi()
         assert path and "libmpi" in path, path
         assert probe.ctypes_symbol(path)("MPIX_Query_cuda_support") is not None
@@ -436,7 +456,7 @@ def test_auto_always_serves():
     """Whatever the findings, auto has a route for every family (staging at worst)."""
     for _, _, m, d, mv, t, c, sh in [combo for combo in COMBOS if combo[0] == "auto" and combo[1] is None]:
         routes = select.route_table(two_ranks("auto", None, m, d, mv, t, c, sh))
-        assert all(routes.of(f) in ("mpi", "composed", "nccl", "nccl-cupy", "staged") for f in select.FAMILIES)
+        assert all(routes.of(f) in ("mpi", "composed", "nccl", "nccl-cupy", "staged") for f in select.OP_FAMILIES)
 
 
 def test_route_table_members_must_agree():
@@ -465,56 +485,72 @@ def test_p2p_route_is_chosen_alone():
 # agreement across ranks, caching, logging
 # --------------------------------------------------------------------------
 
+class AgreeingComm(helpers.FakeComm):
+    """A fake communicator whose ``allgather`` gives every member's part of
+    an exchange: ``answers(mine)`` (default: every member brings this rank's
+    ``mine``), each exchange recorded in ``seen``."""
+
+    def __init__(self, rank: int, size: int, seen: list, answers=None) -> None:
+        super().__init__(rank, size)
+        self.seen, self.answers = seen, answers
+
+    def allgather(self, mine):
+        self.seen.append(mine)
+        return self.answers(mine) if self.answers is not None else [mine] * self.Get_size()
+
+
+def agreeing(seen: list, answers=None, store=None):
+    """:func:`fake_group` whose members' exchanges are :class:`AgreeingComm`'s."""
+    g = fake_group(store=store)
+    g.comm = AgreeingComm(g.rank, g.size, seen, answers)
+    return g
+
+
 @pytest.fixture
-def injected(monkeypatch):
-    """Findings and agreement injected into dispatch (restored after): every
-    member brings this rank's facts, on GPUs of their own."""
-    monkeypatch.setattr(dispatch, "_caps", [caps()])
-    monkeypatch.setattr(dispatch, "_said", set())
-    monkeypatch.setattr(dispatch, "identify", lambda device: ((), 0))
-    seen = []
-
-    def agree(group, mine):
-        seen.append(mine)
-        return [mine] * group.size
-
-    monkeypatch.setattr(dispatch, "agree", agree)
-    return seen
+def injected():
+    """This process's findings injected (hpccomm._gpu.findings.assumed: GPUs
+    of their own, nothing CUDA-aware; restored after) and nothing said yet
+    in the log (hpccomm._gpu.once.forget); the exchanges of the groups made
+    by :func:`agreeing` with it are recorded in the list it gives."""
+    once.forget()
+    with findings.assumed(caps(), identify=lambda device: ((), 0)):
+        yield []
 
 
-def test_table_everyone_agrees(injected, monkeypatch):
-    monkeypatch.setattr(dispatch, "_caps", [caps(mpi=True)])
-    g = fake_group()
-    routes = dispatch.table(g, "all_reduce", CUDA0)
+def test_table_everyone_agrees(injected):
+    findings.assume(caps(mpi=True))
+    g = agreeing(injected)
+    routes = agreement.collective_routes(g, "all_reduce", CUDA0)
     assert routes.summary() == "reduction: composed, movement: mpi, p2p: mpi (fallback mpi)"
     assert len(injected) == 1 and injected[0][1] is None and injected[0][0].mpi_cuda is True
-    dispatch.release(g)
+    assert group_routes.routes_of(g) == {"cuda:0": routes}  # kept on the group
+    assert agreement.collective_routes(g, "broadcast", CUDA0) is routes and len(injected) == 1
+    group_routes.release(g)
 
 
-def test_table_ranks_ask_differently(injected, monkeypatch):
+def test_table_ranks_ask_differently(injected):
     mine = (select.Facts("auto", None, True, None, False, False), None)
     other = (select.Facts("staged", None, True, None, False, False), None)
-    monkeypatch.setattr(dispatch, "agree", lambda g, m: [mine, other, mine, mine])
     with pytest.raises(hpccomm.OpTypeError) as info:
-        dispatch.table(fake_group(), "all_reduce", CUDA0)
+        agreement.collective_routes(agreeing(injected, lambda m: [mine, other, mine, mine]), "all_reduce", CUDA0)
     assert str(info.value) == (
         "hpccomm all_reduce (op #3 on group 'fake', rank 1/4): CUDA tensors cannot be sent: the ranks of this "
         "group asked for different GPU transports (rank 0: auto, rank 1: staged, rank 2: auto, rank 3: auto). "
         "Give every rank the same HPCCOMM_GPU_TRANSPORT, HPCCOMM_GPU_ROUTES and backend string")
 
 
-def test_table_another_rank_could_not_probe(monkeypatch, injected):
+def test_table_another_rank_could_not_probe(injected):
     mine = (select.Facts("auto", None, True, None, False, False), None)
-    monkeypatch.setattr(dispatch, "agree", lambda g, m: [mine, mine, (None, "RuntimeError: no driver"), mine])
+    g = agreeing(injected, lambda m: [mine, mine, (None, "RuntimeError: no driver"), mine])
     with pytest.raises(hpccomm.OpTypeError) as info:
-        dispatch.table(fake_group(), "broadcast", CUDA0)
+        agreement.collective_routes(g, "broadcast", CUDA0)
     assert str(info.value) == ("hpccomm broadcast (op #3 on group 'fake', rank 1/4): CUDA tensors cannot be sent: "
                                "rank 2: RuntimeError: no driver")
 
 
 def test_routes_made_once_per_group_and_device(injected, monkeypatch, caplog):
     monkeypatch.setenv("HPCCOMM_GPU_TRANSPORT", "staged")
-    g, h = fake_group(), fake_group()
+    g, h = agreeing(injected), agreeing(injected)
     args = ([fake_cuda(torch.ones(2))], R.SUM)
     with caplog.at_level(logging.INFO, logger="hpccomm"):
         first, wire = dispatch.route(g, OP["all_reduce"], CUDA0, args)
@@ -529,70 +565,91 @@ def test_routes_made_once_per_group_and_device(injected, monkeypatch, caplog):
            "(fallback staged) (HPCCOMM_GPU_TRANSPORT=staged: copies through pinned host memory)" in infos, infos
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "staged through pinned host memory" in warnings[0], warnings
-    assert set(dispatch.routes_of(g)) == {"cuda:0", "cuda:1"}
-    assert dispatch.taken(g) == {"all_reduce": "staged", "broadcast": "staged"}
-    dispatch.release(g)
-    assert dispatch.routes_of(g) == {} and dispatch.taken(g) == {}
+    assert set(group_routes.routes_of(g)) == {"cuda:0", "cuda:1"}
+    assert group_routes.taken(g) == {"all_reduce": "staged", "broadcast": "staged"}
+    group_routes.release(g)
+    assert group_routes.routes_of(g) == {} and group_routes.taken(g) == {}
+    assert set(group_routes.routes_of(h)) == {"cuda:0"}  # another group's: its own
 
 
 def test_p2p_chooses_alone(injected, monkeypatch):
     """send/recv involve two members: no agreement (a collective would hang
     the others); the rank's own findings decide, the same way on every rank."""
-    monkeypatch.setattr(dispatch, "_caps", [caps(mpi=True, torch_nccl=True)])
-    g = fake_group()
+    findings.assume(caps(mpi=True, torch_nccl=True))
+    g = agreeing(injected)
     first, _ = dispatch.route(g, OP["send"], CUDA0, ([fake_cuda(torch.ones(2))], 2, 0))
     assert dispatch.route(g, OP["recv"], CUDA0, ([fake_cuda(torch.ones(2))], 2, 0))[0] is first
-    assert injected == [] and first.name == "mpi" and dispatch.routes_of(g) == {"p2p:cuda:0": "mpi"}
+    assert injected == [] and first.name == "mpi" and group_routes.routes_of(g) == {"p2p:cuda:0": "mpi"}
     monkeypatch.setenv("HPCCOMM_GPU_TRANSPORT", "mpi")
-    monkeypatch.setattr(dispatch, "_caps", [caps(mpi=False)])  # not CUDA-aware: refused, locally
-    h = fake_group()
+    findings.assume(caps(mpi=False))  # not CUDA-aware: refused, locally
+    h = agreeing(injected)
     with pytest.raises(hpccomm.OpTypeError, match=r"^hpccomm recv \(p2p op #3 on group 'fake', rank 1/4\): CUDA "
                        r"tensors cannot be sent: HPCCOMM_GPU_TRANSPORT=mpi but the MPI library is not CUDA-aware"):
         dispatch.route(h, OP["recv"], CUDA0, ([fake_cuda(torch.ones(2))], 2, 0))
-    dispatch.release(g)
+    assert injected == []
+    group_routes.release(g)
 
 
 def test_refusal_is_not_cached(injected, monkeypatch):
     monkeypatch.setenv("HPCCOMM_GPU_TRANSPORT", "mpi")
-    g = fake_group()
+    g = agreeing(injected)
     for _ in range(2):
         with pytest.raises(hpccomm.OpTypeError, match=r"CUDA tensors cannot be sent: HPCCOMM_GPU_TRANSPORT=mpi but"):
-            dispatch.table(g, "all_reduce", CUDA0)
-    assert dispatch.routes_of(g) == {} and len(injected) == 2
+            agreement.collective_routes(g, "all_reduce", CUDA0)
+    assert group_routes.routes_of(g) == {} and len(injected) == 2
 
 
-def test_set_transport_makes_routes_anew(injected, monkeypatch):
-    monkeypatch.setattr(dispatch, "_caps", [caps(mpi=True)])
-    g = fake_group()
-    assert dispatch.table(g, "all_reduce", CUDA0).reduction == "composed"
-    dispatch.set_transport(g, "staged")
-    assert dispatch.routes_of(g) == {} and dispatch.requested(g) == "staged"
-    assert dispatch.table(g, "all_reduce", CUDA0).reduction == "staged"
+def test_set_transport_makes_routes_anew(injected):
+    findings.assume(caps(mpi=True))
+    g = agreeing(injected)
+    assert agreement.collective_routes(g, "all_reduce", CUDA0).reduction == "composed"
+    overrides.set_transport(g, "staged")
+    assert group_routes.routes_of(g) == {} and overrides.requested(g) == "staged"
+    assert agreement.collective_routes(g, "all_reduce", CUDA0).reduction == "staged"
     with pytest.raises(ValueError, match=r"hpccomm.gpu.set_transport: 'ucx' is not one of auto, mpi, composed, nccl, "
                        r"staged"):
-        dispatch.set_transport(g, "ucx")
-    dispatch.set_transport(g, None)
-    assert dispatch.requested(g) == "auto"
-    dispatch.set_routes(g, {"reduction": "mpi"})
-    assert dispatch.table(g, "all_reduce", CUDA0).reduction == "mpi"
+        overrides.set_transport(g, "ucx")
+    overrides.set_transport(g, None)
+    assert overrides.requested(g) == "auto"
+    overrides.set_routes(g, {"reduction": "mpi"})
+    assert agreement.collective_routes(g, "all_reduce", CUDA0).reduction == "mpi"
+    assert overrides.forced_routes(g) == (("reduction", "mpi"),)
     with pytest.raises(ValueError, match=r"hpccomm.gpu.set_routes: 'movement=composed': hpccomm composes reductions "
                        r"only"):
-        dispatch.set_routes(g, {"movement": "composed"})
-    dispatch.set_routes(g, {})
-    dispatch.release(g)
+        overrides.set_routes(g, {"movement": "composed"})
+    overrides.set_routes(g, {})
+    assert overrides.forced_routes(g) == ()
+    group_routes.release(g)
 
 
 def test_backend_map_wins(injected, monkeypatch):
     monkeypatch.setenv("HPCCOMM_GPU_TRANSPORT", "staged")
-    monkeypatch.setattr(dispatch, "_caps", [caps(torch_nccl=True)])
-    g = fake_group()
-    dispatch.note_backend_map(g, {"cpu": "hpccomm", "cuda": "nccl"})
-    routes = dispatch.table(g, "all_reduce", CUDA0)
+    findings.assume(caps(torch_nccl=True))
+    g = agreeing(injected)
+    overrides.note_backend_map(g, {"cpu": "hpccomm", "cuda": "nccl"})
+    assert overrides.mapped(g) == "nccl"
+    routes = agreement.collective_routes(g, "all_reduce", CUDA0)
     assert routes.reduction == "nccl" and routes.reason.startswith("the backend string maps cuda to nccl")
-    h = fake_group()
-    dispatch.note_backend_map(h, {"cpu": "hpccomm", "cuda": "hpccomm"})
-    assert dispatch._maps.get(h) is None
-    dispatch.release(g)
+    h = agreeing(injected)
+    overrides.note_backend_map(h, {"cpu": "hpccomm", "cuda": "hpccomm"})
+    assert overrides.mapped(h) is None
+    group_routes.release(g)
+
+
+def test_route_state_lives_on_the_group(injected):
+    """A group's routes, settings and transports are one object on the group
+    (its attribute ``gpu``), none before its first CUDA op or setting;
+    released, what it chose and made is gone and what it was told stays."""
+    findings.assume(caps(mpi=True))
+    g = agreeing(injected)
+    assert g.gpu is None and group_routes.routes_of(g) == {} and group_routes.taken(g) == {}
+    made, _ = dispatch.route(g, OP["all_reduce"], CUDA0, ([fake_cuda(torch.ones(2))], R.SUM))
+    state = g.gpu
+    assert isinstance(state, group_routes.GroupRoutes) and state.made == {(CUDA0, "composed"): made}
+    overrides.set_routes(g, {"movement": "staged"})  # (released: made anew at the next op)
+    assert g.gpu is state and state.made == {} and group_routes.routes_of(g) == {}
+    assert overrides.forced_routes(g) == (("movement", "staged"),)
+    assert transports.made(g, CUDA0, "composed") is not made
 
 
 # --------------------------------------------------------------------------
@@ -602,11 +659,11 @@ def test_backend_map_wins(injected, monkeypatch):
 def test_cuda_device():
     g = fake_group()
     cpu, dev = torch.ones(2), fake_cuda(torch.ones(2))
-    assert dispatch.cuda_device(g, OP["all_reduce"], ([cpu], R.SUM)) is None
-    assert dispatch.cuda_device(g, OP["barrier"], ()) is None
-    assert dispatch.cuda_device(g, OP["all_reduce"], ([dev], R.SUM)) == CUDA0
-    assert dispatch.cuda_device(g, OP["all_gather"], ([[dev, fake_cuda(torch.ones(2))]], [dev])) == CUDA0
-    assert dispatch.cuda_device(g, OP["gather"], ([], [dev], 0)) == CUDA0
+    assert detect.cuda_device(g, OP["all_reduce"], ([cpu], R.SUM)) is None
+    assert detect.cuda_device(g, OP["barrier"], ()) is None
+    assert detect.cuda_device(g, OP["all_reduce"], ([dev], R.SUM)) == CUDA0
+    assert detect.cuda_device(g, OP["all_gather"], ([[dev, fake_cuda(torch.ones(2))]], [dev])) == CUDA0
+    assert detect.cuda_device(g, OP["gather"], ([], [dev], 0)) == CUDA0
 
 
 @pytest.mark.parametrize("args,devices", [
@@ -616,7 +673,7 @@ def test_cuda_device():
 ])
 def test_mixed_devices_refused(args, devices):
     with pytest.raises(hpccomm.OpValueError) as info:
-        dispatch.cuda_device(fake_group(), OP["all_gather_into_tensor"], args())
+        detect.cuda_device(fake_group(), OP["all_gather_into_tensor"], args())
     assert str(info.value) == (f"hpccomm all_gather_into_tensor (op #3 on group 'fake', rank 1/4): the call mixes "
                                f"devices ({devices}). Put every input and output of one call on the same device, "
                                "with .to(device)")
@@ -630,7 +687,7 @@ def test_checks_accept_device_tensors_the_route_serves_them():
     g, t = fake_group(), fake_cuda(torch.ones(2))
     call = OP["all_reduce"].check(g, [t], R.SUM)
     assert call.signature.describe() == "all_reduce(float32[2], SUM)"
-    assert dispatch.cuda_device(g, OP["all_reduce"], ([t], R.SUM)) == CUDA0
+    assert detect.cuda_device(g, OP["all_reduce"], ([t], R.SUM)) == CUDA0
     OP["all_reduce"].plan(cuda_mpi.DeviceView(g, lambda: None), call, ([t], R.SUM))  # accepted: a plan, nothing runs
     with pytest.raises(hpccomm.OpTypeError, match=r"tensor is a meta tensor: it has no data to communicate$"):
         OP["all_reduce"].check(g, [torch.ones(2, device="meta")], R.SUM)
@@ -744,6 +801,10 @@ def test_cuda_mpi_half_reductions_are_widened(self_group, caplog, monkeypatch, d
     assert torch.equal(t.as_subclass(torch.Tensor), torch.tensor([3.0, 4.5, -6.0], dtype=dtype))
     assert mpi_types(avg) == mpi_types(premul) == {MPI.FLOAT.Get_name()}  # MPI reduces float32 device buffers
     assert rec.names().count("record") == 2 and rec.names()[-1] == "synchronize"
+    counted = CountedChecks(OP["all_reduce"])  # the widened plan does not check the call again
+    t2 = fake_cuda(torch.tensor([1.0, 2.0], dtype=dtype))
+    run_plan(planned(made, counted, self_group, ([t2], R.SUM)))
+    assert counted.checks == 1 and torch.equal(t2.as_subclass(torch.Tensor), torch.tensor([1.0, 2.0], dtype=dtype))
     said = [r.getMessage() for r in caplog.records if "float16/bfloat16" in r.getMessage()]
     assert len(said) == 1 and "computed in float32 on the device" in said[0], said
     # reduce_scatter_tensor: the output is not read, the input is; the result lands in the 16-bit output
@@ -953,13 +1014,14 @@ def test_nccl_gather_single_at_the_root_gathers_into_the_rows_of_the_output():
 
 def test_nccl_route_refuses_a_receive_from_any_source(injected, monkeypatch):
     monkeypatch.setenv("HPCCOMM_GPU_TRANSPORT", "nccl")
-    monkeypatch.setattr(dispatch, "_caps", [caps(torch_nccl=True)])
-    monkeypatch.setitem(dispatch.BUILDERS, "nccl", lambda d, r: nccl_torch.TorchNCCL(d, r, make_backend=FakeNcclBackend))
-    g = fake_group(store=dist.HashStore())
+    findings.assume(caps(torch_nccl=True))
+    g = agreeing(injected, store=dist.HashStore())
+    transports.build_with(g, {"nccl": lambda d, r: nccl_torch.TorchNCCL(d, r, make_backend=FakeNcclBackend)})
     with pytest.raises(hpccomm.OpValueError, match=r"^hpccomm recv \(p2p op #3 on group 'fake', rank 1/4\): NCCL "
                        r"cannot receive from any source\. Name the source rank, or leave HPCCOMM_GPU_TRANSPORT at auto"):
         dispatch.route(g, OP["recv"], CUDA0, ([fake_cuda(torch.ones(2))], None, 0))
-    dispatch.release(g)
+    assert group_routes.routes_of(g) == {"p2p:cuda:0": "nccl"}
+    transports.build_with(g, None)
 
 
 def _good_calls(rank: int, size: int) -> dict:
@@ -1220,18 +1282,18 @@ def test_bind_by_local_rank_when_cuda_starts(monkeypatch, caplog):
     start = FakeCudaStart()
     monkeypatch.setattr(compat, "on_cuda_init", start)
     cuda = FakeCudaModule(4)
-    said = dispatch.bind_later(2, 4, cuda)
+    said = binding.bind_later(2, 4, cuda)
     assert said == {"device": None, "how": "not bound yet: local rank 2 of 4 binds to GPU 2 modulo the GPU count "
                                            "when this process first uses CUDA"}
     assert cuda.set == [] and cuda.asked == []  # no device selection, no CUDA call at all
     start.start()
-    assert cuda.set == [2] and dispatch.binding() == {
+    assert cuda.set == [2] and binding.binding() == {
         "device": 2, "how": "local rank 2 of 4 on this node, 4 GPU(s): torch.cuda.set_device(2) when the process "
                             "first used CUDA"}
     cuda = FakeCudaModule(2)
     start = FakeCudaStart()
     monkeypatch.setattr(compat, "on_cuda_init", start)
-    dispatch.bind_later(3, 4, cuda)
+    binding.bind_later(3, 4, cuda)
     with caplog.at_level(logging.WARNING, logger="hpccomm"):
         start.start()
     assert cuda.set == [1] and "4 ranks share 2 GPU(s)" in caplog.text
@@ -1242,7 +1304,7 @@ def test_bind_keeps_the_device_the_user_set(monkeypatch):
     start = FakeCudaStart()
     monkeypatch.setattr(compat, "on_cuda_init", start)
     cuda = FakeCudaModule(4, initialized=True, current=3)
-    assert dispatch.bind_later(1, 4, cuda) == {
+    assert binding.bind_later(1, 4, cuda) == {
         "device": 3, "how": "CUDA was initialised before hpccomm's init: the current device (cuda:3) stands"}
     assert start.queued == [] and cuda.set == []
 
@@ -1250,8 +1312,8 @@ def test_bind_keeps_the_device_the_user_set(monkeypatch):
 def test_future_devices():
     """A Work's future holding CUDA tensors names their device (torch requires
     it, and then orders the waiter's stream after the completing thread's)."""
-    assert dispatch.future_devices(CUDA0, FakeCudaModule(2)) == [CUDA0]
-    assert dispatch.future_devices(CUDA0, FakeCudaModule(0)) is None
+    assert detect.future_devices(CUDA0, FakeCudaModule(2)) == [CUDA0]
+    assert detect.future_devices(CUDA0, FakeCudaModule(0)) is None
     from hpccomm._core import work
 
     w = work.finished([torch.ones(1)], None)
@@ -1263,7 +1325,7 @@ def test_bind_none(monkeypatch):
     start = FakeCudaStart()
     monkeypatch.setattr(compat, "on_cuda_init", start)
     cuda = FakeCudaModule(4)
-    assert dispatch.bind_later(1, 2, cuda) == {"device": None, "how": "HPCCOMM_GPU_BIND=none: left to the user"}
+    assert binding.bind_later(1, 2, cuda) == {"device": None, "how": "HPCCOMM_GPU_BIND=none: left to the user"}
     assert cuda.set == [] and start.queued == []
 
 
@@ -1285,6 +1347,43 @@ def test_info_dict(MPI):
         assert report["cuda_routes"].startswith("reduction: staged, movement: staged, p2p: staged"), report
         assert report["mpi_cuda_advice"] != "-", report  # not CUDA-aware: what would make it
     print(report)
+
+
+def test_job_routes_from_every_ranks_facts():
+    """What hpccomm info says of the routes (hpccomm._gpu.agreement.job_routes):
+    those of a group of every rank, from all their facts: two ranks on one GPU
+    get no NCCL, though each alone would."""
+    def facts(gpu):
+        return select.Facts("auto", None, False, None, True, False, ("node", gpu))
+
+    assert agreement.job_routes([facts("GPU-0")]).startswith("reduction: nccl, movement: nccl, p2p: staged")
+    assert agreement.job_routes([facts("GPU-0"), facts("GPU-1")]).startswith("reduction: nccl, movement: nccl")
+    shared = agreement.job_routes([facts("GPU-0"), facts("GPU-0")])
+    assert shared.startswith("reduction: staged, movement: staged, p2p: staged (fallback staged): ") and \
+        "NCCL cannot serve (ranks 0, 1 share one GPU)" in shared, shared
+    mixed = agreement.job_routes([facts("GPU-0"), select.Facts("staged", None, False, None, True, False)])
+    assert mixed.startswith("none: the ranks of this group asked for different GPU transports"), mixed
+
+
+@pytest.mark.mpi(min_size=2)
+def test_info_routes_from_every_rank(world):
+    """hpccomm.gpu.info(everyone=True), as hpccomm info under a launcher asks
+    it: every rank's findings exchanged, the routes of a group of them all,
+    the same on every rank; ranks on one GPU get no NCCL though each alone
+    would (injected findings: NCCL, MPI not CUDA-aware)."""
+    rank, n = world
+    nccl = Capabilities(Finding(False, "injected"), Finding(True, "injected"), Finding(False, "injected"))
+    with findings.assumed(nccl, identify=lambda device: (("node", "GPU-0"), 1)):
+        alone = hpccomm.gpu.info()["cuda_routes"]
+        shared = hpccomm.gpu.info(everyone=True)["cuda_routes"]
+    with findings.assumed(nccl, identify=lambda device: (("node", f"GPU-{rank}"), n)):
+        apart = hpccomm.gpu.info(everyone=True)["cuda_routes"]
+    everyone = _mpi.mpi().COMM_WORLD.allgather((alone, shared, apart))
+    assert len(set(everyone)) == 1, everyone
+    assert alone.startswith("reduction: nccl, movement: nccl, p2p: staged"), alone
+    assert shared.startswith("reduction: staged, movement: staged, p2p: staged (fallback staged): ") and \
+        f"NCCL cannot serve (ranks {', '.join(map(str, range(n)))} share one GPU)" in shared, shared
+    assert apart.startswith("reduction: nccl, movement: nccl, p2p: staged"), apart
 
 
 def test_backend_registered_for_cpu_and_cuda():
@@ -1310,7 +1409,7 @@ def test_requested_device_backends_reads_torchs_frame():
 BACKEND_MAP = '''
 import torch, torch.distributed as dist
 import hpccomm
-from hpccomm._gpu import dispatch, probe, select
+from hpccomm._gpu import findings, probe, select
 dist.init_process_group(backend=sys.argv[1], init_method="mpi://")
 rank, size = dist.get_rank(), dist.get_world_size()
 t = torch.full((4,), float(rank + 1))
@@ -1318,10 +1417,10 @@ dist.all_reduce(t)
 pg = dist.group.WORLD
 group_of = hpccomm._compat.group_of
 report(result=t.tolist(), backend=str(dist.get_backend()), is_hpccomm="hpccomm" in str(dist.get_backend(pg)),
-       mapped=dispatch._maps.get(group_of(pg)))
+       mapped=hpccomm.gpu.requested(pg)["cuda_backend"])
 sub = dist.new_group([0])
 if rank == 0:
-    report(sub_mapped=dispatch._maps.get(group_of(sub)))
+    report(sub_mapped=hpccomm.gpu.requested(sub)["cuda_backend"])
 class FakeCudaTensor(torch.Tensor):
     @property
     def device(self):
@@ -1332,8 +1431,8 @@ class FakeCudaTensor(torch.Tensor):
     @property
     def is_cpu(self):
         return False
-dispatch._caps[0] = select.Capabilities(probe.Finding(False, "no"), probe.Finding(False, "no"),
-                                        probe.Finding(False, "no"))
+findings.assume(select.Capabilities(probe.Finding(False, "no"), probe.Finding(False, "no"),
+                                    probe.Finding(False, "no")))
 if sys.argv[1] == "hpccomm":
     hpccomm.gpu.set_transport("mpi")  # (auto would stage: a fake device tensor has no pinned memory to copy to)
 try:
@@ -1489,10 +1588,9 @@ def test_routing_through_torch_with_staged(world, monkeypatch):
     rank, n = world
     alloc = CountingAlloc()
     rec = Recorder()
-    monkeypatch.setitem(dispatch.BUILDERS, "staged", lambda device, reason: staged.Staged(
-        device, reason, streams=rec, alloc=alloc, copy=rec.copy))
     g = _world_group()
-    dispatch.release(g)
+    transports.build_with(g, {"staged": lambda device, reason: staged.Staged(
+        device, reason, streams=rec, alloc=alloc, copy=rec.copy)})
     try:
         with helpers.setting("HPCCOMM_GPU_TRANSPORT", "staged"):
             t = fake_cuda(torch.full((3,), rank + 1.0))
@@ -1504,11 +1602,11 @@ def test_routing_through_torch_with_staged(world, monkeypatch):
             total = n * (n + 1) / 2
             ok = (torch.equal(_plain(t), torch.full((3,), total * n)) and
                   torch.equal(_plain(out), torch.arange(float(n))) and
-                  dispatch.routes_of(g)["cuda:0"].reduction == "staged" and rec.names().count("copy") == 6 and
+                  hpccomm.gpu.routes()["cuda:0"]["reduction"] == "staged" and rec.names().count("copy") == 6 and
                   hpccomm.gpu.taken() == {"all_reduce": "staged", "all_gather_into_tensor": "staged"})
-            assert ok, (t, out, rec.log, dispatch.routes_of(g), hpccomm.gpu.taken())
+            assert ok, (t, out, rec.log, hpccomm.gpu.routes(), hpccomm.gpu.taken())
     finally:
-        dispatch.release(g)
+        transports.build_with(g, None)
 
 
 if __name__ == "__main__":

@@ -362,12 +362,27 @@ def test_family_of(library, family):
     assert (found.name if found else None) == family
 
 
+@pytest.mark.parametrize("library,family", [
+    (OPEN_MPI_LIBRARY, "openmpi"), (MPICH_LIBRARY, "mpich"), (INTEL_LIBRARY, "intelmpi"),
+    ("MVAPICH2 Version      :\t2.3.7", "mvapich"), ("MPI VERSION    : CRAY MPICH version 8.1.28.2", "cray"),
+    ("Microsoft MPI 10.1", None), ("", None),
+])
+def test_library_family(library, family):
+    """Every family of the one table, launched by hpccomm or not (Cray
+    MPICH's text names MPICH too: the longer mark decides)."""
+    found = launcher.library_family(library)
+    assert (found.name if found else None) == family
+
+
 def test_families_say_how_each_is_launched():
     """The launch facts of each family (docs/mpi-families.md): Hydra (MPICH,
     Intel MPI) needs no flag to start more ranks than cores and tags output
     with -prepend-rank; Open MPI needs --oversubscribe and --output tag, and
-    two variables to run as root."""
-    fams = launcher.FAMILIES
+    two variables to run as root.  The one table of families also holds
+    MPICH's derivatives hpccomm does not launch (no launcher of their own:
+    family_of leaves them out), for the srun plugin and the CUDA probes."""
+    assert sorted(launcher.FAMILIES) == ["cray", "intelmpi", "mpich", "mvapich", "openmpi"]
+    fams = {name: f for name, f in launcher.FAMILIES.items() if f.launcher is not None}
     assert sorted(fams) == ["intelmpi", "mpich", "openmpi"]
     assert [(f.launcher, f.oversubscribe, f.rank_output, f.srun_mpi) for f in fams.values()] == [
         ("mpirun", ("--oversubscribe",), ("--output", "tag"), "pmix"),
@@ -376,8 +391,12 @@ def test_families_say_how_each_is_launched():
     ]
     assert dict(fams["openmpi"].as_root) == {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     assert fams["mpich"].as_root == fams["intelmpi"].as_root == ()
-    # each family's own launcher is the Launch name of that family
+    # each family's own launcher is the Launch name of that family, and the command its detection reports
     assert {f.name for f in fams.values()} <= {cls.name for cls in launcher.launchers()}
+    assert all(cls.command == fams[cls.name].launcher for cls in launcher.launchers() if cls.name in fams)
+    # every family says what makes it CUDA-aware and which srun plugin connects it; those launched, the others
+    assert all(f.cuda_advice and f.srun_mpi for f in launcher.FAMILIES.values())
+    assert all(f.srun_others for f in fams.values())
 
 
 def test_module_is_callable_and_importable():

@@ -468,12 +468,12 @@ def test_cuda_tensors_pass_the_checks_and_name_their_device(make, device):
     same checks): the op path finds its device and takes it to the route its
     group has for that device (hpccomm._gpu.dispatch), never by catching a
     refusal of the CPU path."""
-    from hpccomm._gpu import dispatch
+    from hpccomm._gpu import detect
 
     g, t = fake_group(), make()
     call = scatter.BROADCAST.check(g, [t], 0)
     assert call.signature.describe() == "broadcast(float32[2], root 0)"
-    assert dispatch.cuda_device(g, scatter.BROADCAST, ([t], 0)) == torch.device(device)
+    assert detect.cuda_device(g, scatter.BROADCAST, ([t], 0)) == torch.device(device)
     assert scatter.BROADCAST.key(([t], 0)) is None  # (never a cached CPU call)
 
 

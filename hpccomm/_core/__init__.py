@@ -12,7 +12,10 @@ flight is and how it runs, whatever adapter torch called.
 - :mod:`~hpccomm._core.state`: what is running and who failed (the one owner of
   op numbers, op records, failure records and the store keys);
 - :mod:`~hpccomm._core.group`: a process group's MPI side (communicators, ranks);
-- :mod:`~hpccomm._core.failures`: a lost rank detected (fault tolerance);
+- :mod:`~hpccomm._core.failures`: the failure policy, what an MPI error, a
+  refusal, a timeout and a dead rank do (raise, announce, end the job);
+  :mod:`~hpccomm._core.ulfm`: what MPI says and does about a dead rank
+  (fault tolerance);
 - :mod:`~hpccomm._core.watchdog`, :mod:`~hpccomm._core.signals`,
   :mod:`~hpccomm._core.shutdown`, :mod:`~hpccomm._core.gloo_exit`: timeouts,
   SIGTERM, the exit;

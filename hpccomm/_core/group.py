@@ -44,7 +44,9 @@ class Group:
     hpccomm's own messages); ``checks``: a duplicate that only the
     cross-rank checks use (hpccomm._core.signatures, debug mode), in the
     thread that runs the group's collectives; ``calls``: the calls plans
-    make on ``comm`` and ``p2p`` (:class:`MPICalls`).
+    make on ``comm`` and ``p2p`` (:class:`MPICalls`); ``gpu``: its CUDA
+    routes (hpccomm._gpu.group_routes.GroupRoutes: what it was told, chose
+    and made for each device), None until its first CUDA op or setting.
 
     Its attributes are slots: the op path reads several on every op, and a
     slot is read without a dict lookup (CPython 3.11 also stops sharing an
@@ -54,7 +56,7 @@ class Group:
     __slots__ = ("comm", "p2p", "checks", "calls", "rank", "size", "global_ranks", "key", "name", "desc", "store",
                  "_timeout", "timeout_s", "seq", "p2p_seq", "_seqs", "_p2p_seqs", "running", "last", "queued",
                  "is_world", "coalescing", "checked", "_observed", "_debug", "instrumented", "nonblocking",
-                 "max_count", "tag_ub", "_owns_comm", "_lock", "barriers", "flight", "__weakref__")
+                 "max_count", "tag_ub", "_owns_comm", "_lock", "barriers", "flight", "gpu", "__weakref__")
 
     def __init__(self, comm, global_ranks: Sequence[int], name: str = "", store=None,
                  timeout=None, owns_comm: bool = True, tag_ub: Optional[int] = None) -> None:
@@ -87,6 +89,7 @@ class Group:
         #: The checked calls of this group by their shape (hpccomm._ops.op_path: an op's ``key`` -> its Call).
         self.checked = {}
         self.barriers = 0  # hpccomm.monitored_barrier's calls on this group (its store keys)
+        self.gpu = None  # its CUDA routes, made at its first CUDA op or setting (hpccomm._gpu.group_routes)
         # tracing or per-op debug logging (the settings, read when the group is made)
         self._observed = bool(config.get("HPCCOMM_TRACE")) or config.get("HPCCOMM_LOG") == "DEBUG"
         self.debug = debug_mode.enabled()  # compare every collective across ranks first

@@ -8,11 +8,10 @@ communicators.  Registered when the first group is made (hpccomm._core.group).
 """
 from __future__ import annotations
 
-import sys
 import time
 
 from .. import _mpi
-from . import comm_thread, state
+from . import comm_thread, failures, state
 
 
 def drain_and_stop() -> None:
@@ -40,10 +39,7 @@ def settle_posted(seconds: float = 2.0) -> None:
             if r.kind == "collective":
                 while not r.req.Test():
                     if r.deadline is not None and time.monotonic() > r.deadline + 2.0:
-                        print(f"hpccomm: {r.describe()} did not complete within the group's timeout at exit "
-                              "(a rank never posted it?); ending the job", file=sys.stderr, flush=True)
-                        state.record_failure(f"timed out in {r.describe()} at exit")
-                        _mpi.abort(1)
+                        failures.timed_out_at_exit(r.describe())
                     time.sleep(1e-4)
                 continue
             if r.req == MPI.REQUEST_NULL:

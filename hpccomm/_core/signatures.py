@@ -63,12 +63,11 @@ from __future__ import annotations
 import collections
 import logging
 import struct
-import sys
 import time
 
 from .. import _mpi, config
 from ..errors import HpccommError
-from . import debug_mode, flight, state
+from . import debug_mode, failures, flight
 
 log = logging.getLogger("hpccomm")
 
@@ -107,20 +106,20 @@ class Checks:
     that as an MPI buffer; ``agreed``, the keys of the signatures agreed on by
     the first-call check (hpccomm._ops.op.Signature.key; None: it is off);
     ``done``, the op numbers this rank compared (the watchdog's test of a
-    stuck check); ``count``, the signatures agreed on; ``noted``, the op
-    number of the check the watchdog left a note of (0: none); ``current``,
+    stuck check); ``count``, the signatures agreed on; ``note_seq``, the
+    op number of the check the watchdog left a note of (0: none); ``current``,
     ``(op number, the call described)`` while this rank compares a call
     (None otherwise; the op runs under its own name meanwhile, so that a
     timeout names the op as it always did).  One attribute of the group."""
 
-    __slots__ = ("comm", "every", "box", "spec", "agreed", "done", "count", "noted", "current")
+    __slots__ = ("comm", "every", "box", "spec", "agreed", "done", "count", "note_seq", "current")
 
     def __init__(self, comm, how: str) -> None:
         self.comm, self.every = comm, how == EVERY
         self.box = bytearray(_PACK.size)
         self.spec = [self.box, _PACK.size // 8, _mpi.mpi().UINT64_T] if self.every else None
         self.agreed = set() if how == FIRST else None
-        self.done, self.count, self.noted, self.current = set(), 0, 0, None
+        self.done, self.count, self.note_seq, self.current = set(), 0, 0, None
 
 
 def attach(group) -> None:
@@ -288,7 +287,7 @@ def first_call(group, call, seq: int) -> None:
         everyone = checks.comm.allgather((seq, common, key, signature.pairs))
     finally:
         checks.current = None
-        if checks.noted == seq:  # the watchdog left a note of this check, which is over
+        if checks.note_seq == seq:  # the watchdog left a note of this check, which is over
             _unnote(group)
     problem = _compare(group, everyone)
     if problem:
@@ -332,11 +331,13 @@ def _verdict_key(g, seq: int) -> str:
     return f"hpccomm/mismatch/{g.key}/{seq}"
 
 
-def watch(op, noted: set) -> bool:
+def watch(op, notes_left: set) -> bool:
     """The watchdog's part for ``op`` (a :class:`state.Op` running for a
-    second or more): a check leaves a note (once, in ``noted``) and looks
-    for another rank's verdict; an op looks for a note of a check it did not
-    take part in.  Prints and ends the job on a mismatch; True once reported."""
+    second or more): a check leaves a note (once: ``notes_left`` holds the
+    checks it left one of) and looks for another rank's verdict; an op looks
+    for a note of a check it did not take part in.  On a mismatch the job
+    ends as the failure policy says (hpccomm._core.failures.mismatch); True
+    once reported."""
     g = op.group
     checks = getattr(g, "checks", None)
     if op.kind != "collective" or g.store is None or g.size == 1 or checks is None:
@@ -347,22 +348,22 @@ def watch(op, noted: set) -> bool:
     current = checks.current
     if current is not None and current[0] == op.seq:  # this rank compares the call
         call = current[1]
-        if (id(g), op.seq) not in noted:
-            noted.add((id(g), op.seq))
+        if (id(g), op.seq) not in notes_left:
+            notes_left.add((id(g), op.seq))
             store.set(_note_key(g), f"{g.rank}\t{op.seq}\t{call}")
-            checks.noted = op.seq
+            checks.note_seq = op.seq
             if checks.current is not current:
-                _unnote(g)  # the check ended meanwhile (and may not have seen checks.noted): no stale note
+                _unnote(g)  # the check ended meanwhile (and may not have seen checks.note_seq): no stale note
                 return False
         key = _verdict_key(g, op.seq)
         if not store.check([key]):
             return False
         said = store.get(key).decode(errors="replace")
         me = g.global_ranks[g.rank]
-        _say(f"hpccomm: rank {me}: {call} ({op.where()}) cannot run: the ranks called this "
-             f"collective differently: {said}. {HINT}. {DETAIL}; aborting the job")
-        store.set(key + "/seen", "1")
-        _end(f"called op #{op.seq} on group '{g.name}' differently from other ranks")
+        failures.mismatch(f"hpccomm: rank {me}: {call} ({op.where()}) cannot run: the ranks called this "
+                          f"collective differently: {said}. {HINT}. {DETAIL}; aborting the job",
+                          f"called op #{op.seq} on group '{g.name}' differently from other ranks",
+                          lambda: store.set(key + "/seen", "1"))  # (the other rank waits for it)
         return True
     key = _note_key(g)
     if not store.check([key]):
@@ -375,14 +376,17 @@ def watch(op, noted: set) -> bool:
     mine = op.name if seq == op.seq else f"op #{seq}, then {op.name} (op #{op.seq})"
     said = (f"rank {other} called {what} (op #{seq}), a call new to this group, while rank {me} called {mine} "
             "with a signature the group had agreed on before")
-    _say(f"hpccomm: rank {me}: {op.name} ({op.where()}) cannot complete: the ranks called op #{seq} "
-         f"differently: {said}. {HINT}. {DETAIL}; aborting the job")
     verdict = _verdict_key(g, seq)
-    store.set(verdict, said)
-    deadline = time.monotonic() + _WAIT  # the checking rank prints its own line first
-    while time.monotonic() < deadline and not store.check([verdict + "/seen"]):
-        time.sleep(0.1)
-    _end(f"called op #{seq} on group '{g.name}' differently from other ranks")
+
+    def tell():
+        store.set(verdict, said)
+        deadline = time.monotonic() + _WAIT  # the checking rank prints its own line first
+        while time.monotonic() < deadline and not store.check([verdict + "/seen"]):
+            time.sleep(0.1)
+
+    failures.mismatch(f"hpccomm: rank {me}: {op.name} ({op.where()}) cannot complete: the ranks called op #{seq} "
+                      f"differently: {said}. {HINT}. {DETAIL}; aborting the job",
+                      f"called op #{seq} on group '{g.name}' differently from other ranks", tell)
     return True
 
 
@@ -393,33 +397,3 @@ def _unnote(g) -> None:
         g.store.delete_key(_note_key(g))
     except Exception:  # noqa: BLE001 - the store may be gone as the job ends
         pass
-
-
-def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
-def _end(what: str) -> None:
-    state.record_failure(what)
-    _mpi.abort(6)
-
-
-def mpi_failed(what: str, exc) -> HpccommError:
-    """A collective's MPI call failed (``what``: the op and its place):
-    outside fault tolerance the likely cause is a mismatch that the
-    first-call check could not see (a signature agreed on before), and the
-    other ranks may have returned wrong data from the op, so the job ends
-    here, the cause said.  With ``HPCCOMM_ABORT_ON_EXCEPTION=0`` (or one
-    rank in the world) the error is returned for the caller to raise."""
-    try:
-        truncated = exc.Get_error_class() == _mpi.mpi().ERR_TRUNCATE  # a receive larger than its buffer
-    except Exception:  # noqa: BLE001 - not an MPI exception
-        truncated = False
-    text = (f"hpccomm {what}: MPI failed: {exc}. {'Likely' if truncated else 'A possible'} cause: the ranks "
-            "called this collective with different sizes, dtypes, ReduceOps or roots, or called different "
-            "collectives; HPCCOMM_DEBUG=DETAIL compares every call across ranks and names both sides")
-    if state.world.size > 1 and config.get("HPCCOMM_ABORT_ON_EXCEPTION"):
-        _say(f"hpccomm: rank {state.world.rank}: {text[len('hpccomm '):]}. Other ranks may have returned wrong "
-             "data from this op: aborting the job")
-        _end(f"failed in {what} (MPI: {exc})")
-    return HpccommError(text)

@@ -13,7 +13,8 @@ second; when an op has run longer than its group's timeout, the watchdog
    said so in the store, hpccomm._core.state.record_leaving) and which never
    arrived (or are stuck elsewhere, or did not answer: busy outside hpccomm,
    hung or dead), and
-4. acts as ``HPCCOMM_ON_TIMEOUT`` says: ``abort`` (default) calls
+4. hands it to the failure policy (hpccomm._core.failures.timed_out),
+   which acts as ``HPCCOMM_ON_TIMEOUT`` says: ``abort`` (default) calls
    MPI_Abort, ending every rank of the job: an MPI collective cannot be
    cancelled, so its state is not recoverable; ``warn`` only prints.
 
@@ -34,7 +35,6 @@ import threading
 import time
 from typing import Optional
 
-from .. import config
 from . import failures, flight, signatures, state
 from .record import OpRecord
 
@@ -87,7 +87,7 @@ class Watchdog:
 
     def _loop(self) -> None:
         reported: dict = {}  # (group id, kind, seq, start) -> record: already reported (timed out or refused)
-        noted: set = set()  # (group id, seq) of this rank's first-call checks noted in the store
+        notes_left: set = set()  # (group id, seq) of the first-call checks this rank left a note of in the store
         while not self._stopping.wait(_TICK):
             now = time.monotonic()
             running = ops()
@@ -116,7 +116,7 @@ class Watchdog:
                 if self._stopping.is_set():
                     break
                 try:
-                    if self._peer_refused(op) or signatures.watch(op, noted):  # (a check stuck against an op)
+                    if self._peer_refused(op) or signatures.watch(op, notes_left):  # (a check stuck against an op)
                         reported[(id(op.group), op.kind, op.seq, op.start)] = op
                 except Exception:  # noqa: BLE001 - the store may be gone (rank 0 dead): the timeout still holds
                     pass
@@ -129,18 +129,15 @@ class Watchdog:
             what = f"{op.name} with {peer} ({op.where()})"
         else:
             what = f"{op.name} ({op.where()})"
-        action = config.get("HPCCOMM_ON_TIMEOUT")
         flight.dump_quietly(f"timed out in {what}")  # (as the op stands, before the diagnosis's seconds)
-        message = (f"hpccomm: rank {me}: {what} did not complete within its timeout of {g.timeout}: "
-                   f"{self._diagnose(op)}")
-        if action == "abort":
-            failures.end_job(message + "; aborting the job (HPCCOMM_ON_TIMEOUT=abort)", f"timed out in {what}", 3)
-        print(message, file=sys.stderr, flush=True)
+        failures.timed_out(f"hpccomm: rank {me}: {what} did not complete within its timeout of {g.timeout}: "
+                           f"{self._diagnose(op)}", what)
 
     def _peer_refused(self, op) -> bool:
-        """End the job if another rank announced it refused the op this rank
-        waits in (its checks raised there; this rank's MPI call cannot end).
-        True once reported."""
+        """Whether another rank announced it refused the op this rank waits
+        in (its checks raised there; this rank's MPI call cannot end): then
+        the failure policy acts (hpccomm._core.failures.peer_refused) and
+        True is returned once reported."""
         g = op.group
         if g.store is None or g.size == 1 or not hasattr(g, "key"):
             return False
@@ -154,13 +151,8 @@ class Watchdog:
         if not g.store.check([key]):
             return False
         said = g.store.get(key).decode(errors="replace")
-        message = f"hpccomm: rank {me}: {op.name} ({op.where()}) cannot complete: another rank refused it ({said})"
-        if config.get("HPCCOMM_ON_TIMEOUT") == "abort":
-            from .. import _mpi
-
-            failures.say_last(message + "; aborting the job (HPCCOMM_ON_TIMEOUT=abort)")
-            _mpi.abort(4)  # (the refusing rank recorded why)
-        print(message, file=sys.stderr, flush=True)
+        failures.peer_refused(f"hpccomm: rank {me}: {op.name} ({op.where()}) cannot complete: another rank refused "
+                              f"it ({said})")
         return True
 
     def _diagnose(self, op) -> str:

@@ -69,6 +69,15 @@ class _Ordered:
         return ordered
 
 
+def _on_float32(facts):
+    """A checked reducing call's facts for its float32 stand-ins: each
+    float16/bfloat16 reduction (hpccomm._ops.checks.Reduction, alone or in
+    a coalesced call's list) as float32's, the rest as they are."""
+    if isinstance(facts, list):
+        return [_on_float32(f) for f in facts]
+    return facts.on(torch.float32) if getattr(facts, "dtype", None) in _HALF else facts
+
+
 class CudaAwareMPI:
     """Hands device memory to MPI; see the module's docstring."""
 
@@ -122,7 +131,7 @@ class CudaAwareMPI:
         planner = op.composed if self.composed and op.composed is not None else op.plan
         if planner is op.plan and op.reducing and any(t.dtype in _HALF for t in tensors_in(args)):
             args, pairs = self._widened(op, args, group.rank)  # (the composition reduces 16-bit floats itself)
-            call = op.check(group, *args)  # (the float32 stand-ins' reduction: the checks pass as they did)
+            call = type(call)(call.signature, _on_float32(call.facts), False)  # (checked once: the user's call)
         streams, device = self.streams, self.device
         view = DeviceView(group, lambda: streams.synchronize(device))
         mpi_call, cargs, icall, outputs, keep, before, after, nbytes = planner(view, call, tuple(args))

@@ -35,7 +35,7 @@ _OPS = {RedOpType.SUM: "NCCL_SUM", RedOpType.PRODUCT: "NCCL_PROD", RedOpType.MIN
 #: the calls it has no form for go to the group's fallback route (CUDA-aware MPI, else staged).
 ABILITY = Ability(dtypes=frozenset(_DTYPES), redops=frozenset(_OPS),
                   avg=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
-                  premul=frozenset(), form="cupy")
+                  premul=frozenset(), declared="cupy")
 
 
 def _import_nccl():

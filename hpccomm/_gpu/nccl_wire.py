@@ -56,7 +56,7 @@ _BOOL = {_R.SUM: _R.MAX, _R.PRODUCT: _R.MIN, _R.MIN: _R.MIN, _R.MAX: _R.MAX, _R.
 class Ability:
     """What one NCCL transport takes: ``dtypes`` it moves and reduces,
     ``redops`` (RedOpTypes) it reduces with, ``avg`` the dtypes it averages
-    itself, ``premul`` the dtypes it has PREMUL_SUM for, ``form`` the
+    itself, ``premul`` the dtypes it has PREMUL_SUM for, ``declared`` the
     attribute of an op's declaration that holds how the transport calls it
     (hpccomm._ops.op.Op ``nccl``, ``cupy``): an op without one is not its."""
 
@@ -64,7 +64,7 @@ class Ability:
     redops: frozenset
     avg: frozenset
     premul: frozenset
-    form: str = "nccl"
+    declared: str = "nccl"
 
 
 @dataclass(frozen=True)
@@ -189,7 +189,7 @@ class Wire:
     and ReduceOp), ``before`` (kernels filling the wire tensors: contiguous
     copies, conversions), ``after`` (kernels once NCCL is done: write-backs,
     hpccomm's division for AVG), ``outputs`` (the op's result: the user's
-    tensors), ``keep`` (the wire tensors, alive until then) and ``forms`` (what
+    tensors), ``keep`` (the wire tensors, alive until then) and ``rewrites`` (what
     was rewritten, one phrase each, for the once-per-kind log)."""
 
     args: tuple
@@ -197,12 +197,12 @@ class Wire:
     after: list
     outputs: object
     keep: list
-    forms: list
+    rewrites: list
 
     @property
     def direct(self) -> bool:
         """Nothing rewritten: the user's tensors go to NCCL as they are."""
-        return not (self.before or self.after or self.forms)
+        return not (self.before or self.after or self.rewrites)
 
 
 def _in_place_slot(op, output: torch.Tensor, input: torch.Tensor, rank: int) -> bool:
@@ -220,7 +220,7 @@ def rewrite(ability: Ability, op, args: tuple, rank: int, size: int) -> Optional
     on a rank of a group of ``size``, as NCCL of ``ability`` takes it, or None
     when it cannot take it exactly (see the module docstring).  Nothing runs
     yet: the Wire's steps do."""
-    if getattr(op, ability.form) is None:
+    if getattr(op, ability.declared) is None:
         return None
     form = None
     if op.reducing:
@@ -234,7 +234,7 @@ def rewrite(ability: Ability, op, args: tuple, rank: int, size: int) -> Optional
     before: list = []
     after: list = []
     keep: list = []
-    forms: list = [] if form is None or form.name == "native" else [form.name]
+    rewrites: list = [] if form is None or form.name == "native" else [form.name]
     # roles: the first argument's is the op's (reduce writes only at its root, broadcast only elsewhere);
     # the others are read
     first = op.role(args, rank)
@@ -251,7 +251,7 @@ def rewrite(ability: Ability, op, args: tuple, rank: int, size: int) -> Optional
             if written:
                 after.append(partial(t.copy_, base))
             keep.append(base)
-            forms.append("strided tensor through a contiguous copy" if not t.is_contiguous()
+            rewrites.append("strided tensor through a contiguous copy" if not t.is_contiguous()
                          else "input overlapping the output copied apart")
         base = _canonical(base)
         if form is not None:
@@ -260,7 +260,7 @@ def rewrite(ability: Ability, op, args: tuple, rank: int, size: int) -> Optional
             return base
         else:
             w = bytes_view(base)
-            forms.append(f"{_name(t.dtype)} moved as bytes")
+            rewrites.append(f"{_name(t.dtype)} moved as bytes")
         keep.append(w)
         return w
 
@@ -281,7 +281,7 @@ def rewrite(ability: Ability, op, args: tuple, rank: int, size: int) -> Optional
             for t in writes:
                 after.append(partial(finish_average, t, size))  # after the write-back: on the user's tensor
     outputs = args[0] if isinstance(args[0], list) else [args[0]]
-    return Wire(tuple(wired), before, after, outputs, keep, list(dict.fromkeys(forms)))
+    return Wire(tuple(wired), before, after, outputs, keep, list(dict.fromkeys(rewrites)))
 
 
 def _converted(base: torch.Tensor, form: Form, reads: bool, written: bool, before: list, after: list):

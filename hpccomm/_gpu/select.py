@@ -1,6 +1,6 @@
 """Choosing GPU routes: pure logic over the members' findings.
 
-Which route carries a CUDA op depends on the op's family (:data:`FAMILIES`:
+Which route carries a CUDA op depends on the op's family (:data:`OP_FAMILIES`:
 reductions, data movement, point-to-point), on what every member of the group
 has (a CUDA-aware MPI, and how fast it reduces and moves device memory, as
 measured: :mod:`hpccomm._gpu.probe`; NCCL through torch or CuPy) and on whether
@@ -41,9 +41,10 @@ ROUTES_VARIABLE = "HPCCOMM_GPU_ROUTES"
 #: hpccomm's composed reductions).
 MPI, COMPOSED, NCCL_TORCH, NCCL_CUPY, STAGED = "mpi", "composed", "nccl", "nccl-cupy", "staged"
 NCCLS = (NCCL_TORCH, NCCL_CUPY)
-#: The op families a route is chosen for (an op's family: hpccomm._ops.table).
-FAMILIES = config.GPU_FAMILIES
-REDUCTION, MOVEMENT, P2P = FAMILIES
+#: The op families a route is chosen for (an op's family: its declaration's ``reducing`` and ``p2p``,
+#: hpccomm._ops.op).
+OP_FAMILIES = config.GPU_FAMILIES
+REDUCTION, MOVEMENT, P2P = OP_FAMILIES
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import math
 import torch
 
 from .. import _mpi
+from .._core import failures
 from . import checks, staging
 from .op import Call, Op, Signature
 
@@ -51,8 +52,8 @@ def _check_counts(group, op: str, scounts, rcounts) -> None:
     ends with the reason rather than leaving them waiting."""
     why = _fits(scounts, group.max_count) or _fits(rcounts, group.max_count)
     if why:
-        checks.end_job(group, checks.OpValueError(op, group.where(), why,
-                                        "Use split sizes with a common factor, such as a row length"))
+        failures.refused_alone(group, checks.OpValueError(op, group.where(), why,
+                                                          "Use split sizes with a common factor, such as a row length"))
 
 
 def _spec(t: torch.Tensor, counts, displs, limit: int):

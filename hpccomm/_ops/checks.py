@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from .. import _mpi
-from .._core import state
 from .._compat import ReduceOp, RedOpType, premul_sum_factor, redop_code, reduce_op_type
 from ..errors import OpError, OpTypeError, OpValueError  # noqa: F401 - OpError for the op modules
 
@@ -173,18 +172,6 @@ def check_tag(group, op: str, tag: int) -> None:
         raise OpValueError(op, group.where(), f"tag {tag!r} is outside 0..{group.tag_ub} (MPI_TAG_UB)")
 
 
-def end_job(group, exc: Exception) -> None:
-    """A refusal only this rank can see while its peers may already be
-    inside MPI: print it, record it for the other ranks' lines, and end the
-    job (MPI_Abort) rather than leave them waiting."""
-    import sys
-
-    print(f"{exc}; ending the job: the other ranks of group '{group.name}' may already be waiting in MPI",
-          file=sys.stderr, flush=True)
-    state.record_failure(f"refused {exc.op}: {exc.what}" if isinstance(exc, OpError) else str(exc))
-    _mpi.abort(1)
-
-
 def reduce_op_name(group, op: str, redop) -> str:
     """The name of ``redop``'s kind (``"SUM"``), for the signature of a call
     with no tensor to check it against (an empty coalesced list)."""
@@ -250,6 +237,14 @@ class Reduction:
         self.mop = _mpi.mpi_op(dtype, kind)
         self.mtype, self.itemsize = _mpi.kind_of(dtype)  # (how it travels: the plan's buffer specs)
         self.nonblocking = self.mop.is_predefined
+
+    def on(self, dtype) -> "Reduction":
+        """The same reduction of ``dtype``: the CUDA-aware route reduces
+        float16/bfloat16 tensors through float32 stand-ins
+        (hpccomm._gpu.cuda_mpi), whose plan needs float32's MPI op and
+        datatype; the checks accepted the call itself, and every ReduceOp
+        of a 16-bit float is one of float32's."""
+        return Reduction(dtype, self.kind, self.factor)
 
 
 def reduction(group, op: str, dtype: torch.dtype, redop) -> Reduction:

@@ -11,10 +11,11 @@ torch's options, and returns the op's Work (hpccomm._core.work):
    ranks, which may be waiting in the op, learn of it: :func:`refused`), and
    a CPU call's :class:`Call` is kept for the next one (at most
    :data:`MAX_CHECKED` per group);
-2. a call with CUDA tensors goes to the route its group takes for that
-   device and op family (hpccomm._gpu.dispatch, chosen once from every
-   rank's findings): NCCL takes the call rewritten, or a transport makes the
-   plan (CUDA-aware MPI, composed, staged); a CPU call's plan is the op's;
+2. a checked call with CUDA tensors goes to the route its group takes for
+   that device and op family (hpccomm._gpu.dispatch.find: a lookup on the
+   group, chosen once from every rank's findings, hpccomm._gpu.agreement):
+   NCCL takes the call rewritten, or a transport makes the plan (CUDA-aware
+   MPI, composed, staged); a CPU call's plan is the op's;
 3. :func:`form` decides, in one place, where the plan runs: blocking in the
    calling thread (hpccomm._core.execute), queued on the comm thread, or
    posted as a nonblocking MPI call (the last two through the op's record,
@@ -22,12 +23,12 @@ torch's options, and returns the op's Work (hpccomm._core.work):
 """
 from __future__ import annotations
 
-from .._core import comm_thread, debug_mode, flight, signatures, state
+from .._core import comm_thread, debug_mode, failures, flight, signatures, state
 from .._core.execute import execute
 from .._core.plan import ICALL, NBYTES, OUTPUTS, waited
 from .._core.record import OpRecord
 from .._core import work
-from .._gpu import dispatch
+from .._gpu import delegation, detect, dispatch
 from ..errors import HpccommError, OpError
 from .checks import check_root
 
@@ -126,12 +127,12 @@ def _on_device(g, op, call, args, opts, transport, wire, device):
     rewritten into what NCCL takes (``wire``), or ``transport`` makes the plan
     of the checked call (CUDA-aware MPI, composed, staged), which runs as any."""
     if wire is not None:
-        return dispatch.delegated(transport, g, op, wire, opts)
+        return delegation.delegated(transport, g, op, wire, opts)
     try:
         plan = transport.plan(op, g, call, args)
     except OpError as exc:
         raise refused(g, op, exc, args[1] if op.p2p else None) from None
-    return run(g, op, args, opts, call, plan, dispatch.future_devices(device))
+    return run(g, op, args, opts, call, plan, detect.future_devices(device))
 
 
 def form(g, op, plan, asynchronous: bool):
@@ -176,9 +177,9 @@ def refused(g, op, exc: OpError, peer=None) -> OpError:
     check, hpccomm._core.signatures.refuse, or debug mode's), so every rank
     raises at once (this one its own refusal); with the comparison off, and
     for a point-to-point op, it is announced in the group's store, where a
-    waiting rank's watchdog finds it within a second or two and ends the job
-    with this message (hpccomm._core.watchdog) instead of waiting for the
-    timeout."""
+    waiting rank's watchdog finds it within a second or two and the job ends
+    with this message (the failure policy: hpccomm._core.failures.peer_refused)
+    instead of waiting for the timeout."""
     if not op.p2p and g.queued and not comm_thread.on_it():
         comm_thread.flush(g)  # the ops queued before this one are numbered first, as they run
         exc = type(exc)(exc.op, g.where(), exc.what, exc.fix)
@@ -199,16 +200,19 @@ def refused(g, op, exc: OpError, peer=None) -> OpError:
 
 
 def announce_refusal(g, op, exc: OpError, peer=None) -> None:
-    """Record in the group's store that this rank refused ``op`` (see :func:`refused`)."""
-    me = g.global_ranks[g.rank]
+    """Announce in the group's store that this rank refused ``op`` (see
+    :func:`refused`), as the failure policy says
+    (hpccomm._core.failures.announce_refusal): a collective to every member,
+    a point-to-point op to ``peer`` when it is a rank of the group (else no
+    one waits for it)."""
+    if not op.p2p:
+        failures.announce_refusal(g, exc)
+        return
     try:
-        if op.p2p:  # the peer waits in the matching receive or send
-            check_root(g, op.name, peer)  # raises (and nothing is announced) unless a rank of the group
-            g.store.set(state.refusal_key(g, "p2p", from_rank=me, to_rank=g.global_ranks[peer]), str(exc))
-        else:
-            g.store.set(state.refusal_key(g, "collective", seq=g.seq + 1), f"rank {me}: {exc}")
-    except Exception:  # noqa: BLE001 - the refusal itself is raised either way
-        pass
+        check_root(g, op.name, peer)
+    except OpError:
+        return
+    failures.announce_refusal(g, exc, peer)
 
 
 def start_coalescing(g) -> None:

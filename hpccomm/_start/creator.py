@@ -15,10 +15,10 @@ import torch.distributed as dist
 from .. import _compat as compat
 from .. import _mpi, config
 from .. import BACKEND_NAME
-from .._core import comm_thread, failures, signals, state, trace
+from .._core import comm_thread, failures, signals, state, trace, ulfm
 from .._core import group as _group
 from .._core.watchdog import watchdog
-from .._gpu import dispatch
+from .._gpu import binding, overrides
 from ..backend import BackendHpccomm
 from ..errors import ConfigError, InitError
 from ..process_group import ProcessGroupHpccomm
@@ -45,7 +45,7 @@ def create(opts, backend_options=None):
     if getattr(opts, "group_id", ""):  # torch's name for the group (torch 2.13 also sets it later)
         group.name = str(opts.group_id)
     device_backends = compat.requested_device_backends()
-    dispatch.note_backend_map(group, device_backends)
+    overrides.note_backend_map(group, device_backends)
     return make_adapter(group, backend_options, config.get("HPCCOMM_ADAPTER"), device_backends)
 
 
@@ -75,7 +75,7 @@ def _world_group(opts) -> _group.Group:
     group = _group.Group(comm, range(comm.Get_size()), store=opts.store, timeout=opts.timeout)
     group.is_world = True
     state.set_world_group(group)
-    dispatch.bind_later(started.info.local_rank, started.info.local_size)  # nothing of CUDA touched now
+    binding.bind_later(started.info.local_rank, started.info.local_size)  # nothing of CUDA touched now
     _install_excepthook(comm.Get_rank(), comm.Get_size())
     signals.install(comm, opts.store)
     trace.start(comm)
@@ -100,7 +100,7 @@ def _subgroup(opts, ranks) -> _group.Group:
     token = watchdog.begin(creating, "new_group (MPI_Comm_create_group)", 0)
     try:
         if state.failures.tolerant:
-            failures.meet(parent, ranks, tag)  # a member that died raises here, not a hang in MPI_Comm_create_group
+            ulfm.meet(parent, ranks, tag)  # a member that died raises here, not a hang in MPI_Comm_create_group
         comm = _group.create_group(parent, ranks, tag)
     except _mpi.mpi().Exception as exc:
         failure = failures.failure(f"new_group ({creating.where()})", exc) if state.failures.tolerant else None
@@ -210,7 +210,7 @@ _hook_installed = False
 
 def _install_excepthook(rank: int, size: int) -> None:
     """An uncaught exception on one rank ends the whole job at once, with
-    what that rank says last (:func:`hpccomm._core.failures.uncaught`),
+    what that rank says last (the failure policy: :func:`hpccomm._core.failures.uncaught_exit`),
     instead of leaving the other ranks in their next collective until the
     timeout."""
     global _hook_installed
@@ -235,10 +235,7 @@ def _install_excepthook(rank: int, size: int) -> None:
                 import traceback
 
                 traceback.print_exception(kind, value, tb, file=sys.__stderr__)
-        where = state.last_op_text()
-        rank, size = state.world.rank, state.world.size  # as renumbered by hpccomm.shrink()
-        failures.end_job(failures.uncaught(kind, value, tb, rank, size, where, told),
-                         f"raised an uncaught {kind.__name__} ({where})", 1)
+        failures.uncaught_exit(kind, value, tb, told)
 
     sys.excepthook = hook
 

@@ -159,7 +159,7 @@ def run(args) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     hpccomm.init_process_group()
-    from mpi4py import MPI  # a tool may: hpccomm started MPI
+    MPI = hpccomm.mpi_module()
 
     rank, n = dist.get_rank(), dist.get_world_size()
     try:

@@ -164,8 +164,7 @@ def mpi_threads_supported() -> bool:
             from mpi4py import MPI   # safe to use alongside Horovod
     """
     require_init()
-    from mpi4py import MPI
-
+    MPI = hpccomm.mpi_module()
     return MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
 

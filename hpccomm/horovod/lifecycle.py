@@ -24,9 +24,7 @@ from .ops import handles
 
 def _comm_from_ranks(ranks):
     """An mpi4py communicator over ``ranks`` of MPI_COMM_WORLD (members only)."""
-    from mpi4py import MPI
-
-    world = MPI.COMM_WORLD
+    world = hpccomm.mpi_module().COMM_WORLD
     if any(not isinstance(r, int) or not 0 <= r < world.Get_size() for r in ranks):
         raise ValueError(f"hvd.init(comm={list(ranks)}): every entry must be a rank of MPI_COMM_WORLD "
                          f"(0..{world.Get_size() - 1})")
@@ -74,9 +72,7 @@ def init(comm=None, process_sets=None) -> None:
         os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
     process_sets = list(process_sets)
     if comm is not None and not isinstance(comm, (list, tuple, range)):
-        from mpi4py import MPI
-
-        if not isinstance(comm, MPI.Comm):
+        if not isinstance(comm, hpccomm.mpi_module().Comm):
             raise ValueError("Invalid type of argument comm. Expected list of rank integers or mpi4py.MPI.Comm object.")
     owns = False
     if dist.is_initialized():

@@ -52,9 +52,7 @@ class ProcessSet:
                 raise ValueError("ProcessSet should be initialized with a list of process ranks or an mpi4py Comm object")
             self.ranks = sorted(ranks_or_comm)
             return
-        from mpi4py import MPI
-
-        if not isinstance(ranks_or_comm, MPI.Comm):
+        if not isinstance(ranks_or_comm, hpccomm.mpi_module().Comm):
             raise ValueError("ProcessSet should be initialized with a list of process ranks or an mpi4py Comm object")
         self.mpi_comm = ranks_or_comm
 
