@@ -34,7 +34,7 @@ import torch
 from .. import _mpi
 from .._compat import hide_from_compiler
 from ..errors import HpccommError
-from . import comm_thread, failures, signatures, state, trace
+from . import comm_thread, failures, state, trace
 from .execute import execute
 from .plan import AFTER, ARGS, BEFORE, ICALL, NBYTES, OUTPUTS
 
@@ -111,8 +111,6 @@ class OpRecord:
         if g.instrumented and self.kind == "collective" and trace.active():
             self.traced = trace.now_ns()
         try:
-            if self.kind == "collective" and g.checks.every:  # compared before posting: it moves data at once
-                signatures.compare(g, self.call, seq)
             before = plan[BEFORE]
             if before is not None:
                 before()

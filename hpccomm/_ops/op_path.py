@@ -147,7 +147,13 @@ def form(g, op, plan, asynchronous: bool):
     nonblocking form only for ``async_op=True`` with HPCCOMM_ASYNC_NONBLOCKING
     on, a plan that has one, at most NONBLOCKING_MAX_BYTES, outside debug
     mode and fault tolerance: all equal on every rank, since MPI never
-    matches a nonblocking collective with a blocking one.  It is queued when
+    matches a nonblocking collective with a blocking one.  It is posted from
+    the calling thread only where the every-call check is off
+    (HPCCOMM_MISMATCH_CHECK first or off): that check must end before the op
+    moves data, and it waits for the peers, which an ``async_op=True`` call
+    must not do in the caller's thread (a rank may post an op and then serve
+    a peer before that peer calls it); with the check on, the nonblocking
+    form runs on the comm thread, its check there.  It is queued when
     it is async or its group has queued ops (so ops on one communicator run
     in issue order on every rank, MPI's rule), except on the comm thread (a
     callback of a completed op, such as a DDP hook: queuing behind the
@@ -161,7 +167,7 @@ def form(g, op, plan, asynchronous: bool):
                    and plan[NBYTES] <= NONBLOCKING_MAX_BYTES and not (g.debug or state.failures.tolerant))
     if comm_thread.on_it():
         return HERE, nonblocking
-    if nonblocking and not g.queued:
+    if nonblocking and not g.queued and not g.checks.every:
         return _POSTED
     return QUEUED, nonblocking
 
