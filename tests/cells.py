@@ -120,6 +120,31 @@ def one_size_of(sizes) -> int:
     return 2 if 2 in sizes else sizes[0]
 
 
+def primary_only_but(values, keep) -> list:
+    """pytest parameters for a test that starts its own job per value (a world
+    size, say): the primary cell runs every value, the matrix's other cells
+    those in ``keep`` (the rest are marked ``one_cell``).  For a test another
+    cell runs for what that cell changes (the MPI family, torch's version) where
+    the values left to the primary cell check nothing that change could alter
+    that the kept ones do not check.
+
+    Args:
+        values: the parameters.
+        keep: the values the other cells run too.
+
+    Raises:
+        ValueError: a value of ``keep`` is not one of ``values``.
+
+    Example: ``@pytest.mark.parametrize("n", primary_only_but([1, 2, 3, 4], keep=(1, 3)))``.
+    """
+    import pytest
+
+    unknown = [k for k in keep if k not in values]
+    if unknown:
+        raise ValueError(f"primary_only_but: keep={unknown} names no value of {list(values)}")
+    return [v if v in keep else pytest.param(v, marks=pytest.mark.one_cell) for v in values]
+
+
 def suite_files(names) -> list:
     """The test files (paths from the repository root) of the named suites."""
     unknown = [n for n in names if n not in SUITES]

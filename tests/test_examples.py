@@ -80,6 +80,7 @@ def test_train_ddp_4_ranks():
     assert "hpccomm: all 4 ranks hold identical weights (sha256" in "\n".join(rank0), log
 
 
+@pytest.mark.one_cell  # the example's --bench and its weights compared; the MPI family's part is test_train_ddp_4_ranks
 def test_train_ddp_bench_both_backends():
     """2 ranks, --bench --backend both: both trainings show their progress,
     agree across ranks, and the step times and their ratio are printed."""

@@ -12,6 +12,12 @@ import time
 import pytest
 from mpilaunch import no_orphans, require
 
+#: A case whose outcome is hpccomm's logic alone (its watchdog's messages, its settings, its signature
+#: check, its plans), the job ending through the same abort as a case left to every cell: the primary
+#: cell runs it; the cells of another MPI family run the cases where the family's launcher, abort,
+#: signals and finalize make the outcome (docs/testing.md, "Cells").
+HPCCOMM_LOGIC = pytest.mark.one_cell
+
 HEADER = """
 import os, sys, time, signal, threading
 from datetime import timedelta
@@ -56,6 +62,7 @@ def test_timeout_names_the_missing_rank_and_aborts(tmp_path):
     assert no_orphans(tmp_path)
 
 
+@HPCCOMM_LOGIC
 def test_timeout_is_honoured_in_debug_mode(tmp_path):
     # The debug-mode fingerprint exchange is a collective too: a rank that never comes is named.
     proc, took = launch(tmp_path, """
@@ -72,6 +79,7 @@ def test_timeout_is_honoured_in_debug_mode(tmp_path):
     assert no_orphans(tmp_path)
 
 
+@HPCCOMM_LOGIC
 def test_timeout_warn_mode_keeps_waiting(tmp_path):
     proc, took = launch(tmp_path, """
         hpccomm.init_process_group(timeout=timedelta(seconds=2))
@@ -146,6 +154,7 @@ MISMATCH_HINT = ("The ranks of a group must call the same collectives in the sam
 FIRST = dict(USER_LOGS, HPCCOMM_MISMATCH_CHECK="first")  # the first-call mode (the default compares every call)
 
 
+@HPCCOMM_LOGIC
 def test_a_call_new_on_one_rank_only_is_named_on_both_within_seconds(tmp_path):
     """In the first-call mode, rank 0 calls an all_reduce of a size the ranks
     agreed on (no check), rank 1 one of a size new to the group (checked):
@@ -230,6 +239,7 @@ def test_a_timeout_names_the_ranks_that_left(tmp_path):
     assert no_orphans(tmp_path)
 
 
+@HPCCOMM_LOGIC
 @pytest.mark.parametrize("mode", ["every", "first"])
 def test_a_late_rank_is_not_a_mismatch(tmp_path, mode):
     """A rank that comes late to calls is only late: the job ends normally,
@@ -339,6 +349,7 @@ def test_sigterm_report_can_be_turned_off(tmp_path):
     assert "ended by SIGTERM" not in proc.stderr, proc.stderr
 
 
+@HPCCOMM_LOGIC
 def test_monitored_barrier_names_every_missing_rank(tmp_path):
     proc, took = launch(tmp_path, """
         hpccomm.init_process_group()
@@ -366,6 +377,7 @@ def test_monitored_barrier_names_every_missing_rank(tmp_path):
         assert "rank(s) [1, 3] did not arrive within 0:00:02" in line, line
 
 
+@HPCCOMM_LOGIC
 def test_trace_is_one_merged_timeline(tmp_path):
     import json
 
@@ -453,6 +465,7 @@ def test_exit_with_async_ops_never_waited_for_is_clean(tmp_path):
 
 # -- issue 14: every blocking path honours the timeout; refusals never leave ranks in MPI ---------------
 
+@HPCCOMM_LOGIC
 def test_blocking_recv_times_out_naming_the_peer(tmp_path):
     """dist.recv from a rank that never sends: the watchdog watches
     point-to-point ops from post to completion, names the op and the peer, and ends the job.  (test_p2p's
@@ -473,6 +486,7 @@ def test_blocking_recv_times_out_naming_the_peer(tmp_path):
     print(f"fault-to-end: p2p recv timeout 3 s: {took:.1f} s")
 
 
+@HPCCOMM_LOGIC
 def test_timeout_setting_is_a_word_in_any_case(tmp_path):
     """HPCCOMM_ON_TIMEOUT=Abort (capitalised) is abort: read and checked at
     init, so the watchdog thread never meets an unparsed setting."""
@@ -488,6 +502,7 @@ def test_timeout_setting_is_a_word_in_any_case(tmp_path):
     print(f"fault-to-end: collective timeout 2 s: {took:.1f} s")
 
 
+@HPCCOMM_LOGIC
 def test_bad_setting_on_one_rank_refuses_init_on_every_rank(tmp_path):
     """A malformed value on one rank only: every rank raises ConfigError
     naming it (the ranks agree on the verdict at init), none waits in MPI;
@@ -513,6 +528,7 @@ def test_bad_setting_on_one_rank_refuses_init_on_every_rank(tmp_path):
                              "HPCCOMM_DEBUG?") == 3, proc.stderr
 
 
+@HPCCOMM_LOGIC
 def test_all_to_all_counts_no_block_fits_end_the_job(tmp_path):
     """all_to_all counts past the MPI count limit with no common block: the
     rank that meets them cannot raise alone (its peers may be inside MPI), so
@@ -533,6 +549,7 @@ def test_all_to_all_counts_no_block_fits_end_the_job(tmp_path):
     print(f"fault-to-end: all_to_all refusal on some ranks: {took:.1f} s")
 
 
+@HPCCOMM_LOGIC
 def test_group_creation_times_out(tmp_path):
     """A member that never comes to new_group: the ranks waiting in
     MPI_Comm_create_group are ended at the group's timeout (new_group's own,
@@ -613,6 +630,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@HPCCOMM_LOGIC
 @pytest.mark.parametrize("mode", ["every", "first"])
 def test_a_refusal_on_one_rank_ends_the_job_for_the_waiting_ranks(tmp_path, mode):
     """Without debug mode: rank 1 refuses an op (and its program goes on);
@@ -651,6 +669,7 @@ def test_a_refusal_on_one_rank_ends_the_job_for_the_waiting_ranks(tmp_path, mode
     print(f"fault-to-end: a refusal on one rank ({mode} mode): {took:.1f} s")
 
 
+@HPCCOMM_LOGIC
 def test_a_refused_send_ends_the_job_for_its_receiver(tmp_path):
     proc, took = launch(tmp_path, """
         hpccomm.init_process_group()

@@ -22,11 +22,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from cells import primary_only_but
 from mpilaunch import MPI_ERROR_TEXT, require
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 120  # seconds per launch, start-up of torch on every rank included
 SIZES = [1, 2, 3, 4]
+#: The sizes the matrix's other cells (another MPI family) start these jobs at: the singleton and a job
+#: with a middle rank check what a family changes (its launcher, its variables, its init and finalize);
+#: the primary cell starts them at every size (tests/cells.py primary_only_but).
+OTHER_SIZES = primary_only_but(SIZES, keep=(1, 3))
 
 # What MPI or torch prints when a job ends badly at finalize.
 BAD_STDERR = re.compile(MPI_ERROR_TEXT + r"|leak|finaliz|Traceback|Segmentation|core dumped|exited on signal",
@@ -157,7 +162,7 @@ dist.destroy_process_group()
 '''
 
 
-@pytest.fixture(scope="module", params=SIZES, ids=[f"n{n}" for n in SIZES])
+@pytest.fixture(scope="module", params=OTHER_SIZES, ids=[f"n{n}" for n in SIZES])
 def main_job(request, tmp_path_factory):
     """One job per size running MAIN with HPCCOMM_LOG=INFO: ``(n, Job)``."""
     n = request.param
@@ -249,7 +254,7 @@ dist.destroy_process_group()
 '''
 
 
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("n", OTHER_SIZES)
 def test_init_method_mpi_url(tmp_path, n):
     """(b) dist.init_process_group(backend="hpccomm", init_method="mpi://"); no
     HPCCOMM_LOG: hpccomm says nothing on stderr."""
@@ -285,7 +290,7 @@ dist.destroy_process_group()
 '''
 
 
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("n", OTHER_SIZES)
 def test_env_rendezvous(tmp_path, n):
     """(c) dist.init_process_group(backend="hpccomm") with env:// (RANK from
     the launcher's rank variable, MASTER_ADDR/MASTER_PORT/WORLD_SIZE from the test)."""
@@ -297,7 +302,7 @@ def test_env_rendezvous(tmp_path, n):
         assert rep["result"] == [_sum_of_ranks_plus_one(n)] * 4, rep
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", primary_only_but([2, 3, 4], keep=(3,)))
 def test_env_rendezvous_rank_mismatch(tmp_path, n):
     """(c') RANK shifted by one against MPI's rank (a permutation: the store
     rendezvous itself succeeds) gives InitError on every rank, naming RANK and MPI."""
@@ -396,7 +401,7 @@ report(done=True)
 
 
 @pytest.mark.parametrize("how", ["destroy", "no-destroy"])
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", primary_only_but([2, 4], keep=(4,)))
 def test_busy_job_finalizes_cleanly(tmp_path, n, how):
     """(e) after collectives, user MPI ops, subgroups (new_group and
     from_mpi4py) and point-to-point, the job exits 0 with no MPI error text,
@@ -432,7 +437,7 @@ del everyone, evens
 '''
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", primary_only_but([2, 3], keep=(3,)))
 def test_gloo_group_beside_hpccomm_world(tmp_path, n):
     """(f) new_group(backend="gloo") works beside the hpccomm world (the
     store made over MPI is shared by both)."""
@@ -671,7 +676,7 @@ rpc.shutdown()
 '''
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", primary_only_but([2, 3], keep=(3,)))
 def test_rpc_and_distributed_autograd_under_mpirun(tmp_path, n):
     """(k) torch.distributed.rpc.init_rpc under mpirun with no MASTER_ADDR or
     MASTER_PORT takes its rendezvous from MPI (rank and world size are
