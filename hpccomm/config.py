@@ -170,7 +170,10 @@ OPTIONS: dict[str, Option] = {
             "HPCCOMM_ASYNC_NONBLOCKING", _bool, False,
             "On: async_op=True all_reduce, all_gather_into_tensor, reduce_scatter_tensor and broadcast "
             "of up to 64 KiB are posted as nonblocking MPI collectives from the calling thread (no "
-            "comm-thread wake: a few us faster per op). Every rank must then pass the same async_op "
+            "comm-thread wake: a few us faster per op) where HPCCOMM_MISMATCH_CHECK is first or off; "
+            "with the every-call check on (the default) they take their nonblocking form on the comm "
+            "thread, where the check, which waits for the other ranks, runs. Every rank must then pass "
+            "the same async_op "
             "for a collective (MPI never matches a nonblocking collective with a blocking one), which "
             "torch's DDP Join (uneven inputs) does not do, so it is off by default. Set it alike on "
             "every rank.",
