@@ -13,9 +13,8 @@ docs/fault-tolerance.md states; the measured figures are printed
 (``pytest -s``).
 
 Under MPICH or Intel MPI (no ULFM) every job is refused at init on every
-rank instead, naming the library and the fix, whatever the job: three cases
-check that there (``check_refused`` at 2 and 4 ranks, and the elastic
-example's own message); the others skip (``skip_without_ulfm``)."""
+rank instead, naming the library and the fix: that is what each case checks
+there (``check_refused``)."""
 from __future__ import annotations
 
 import os
@@ -272,16 +271,6 @@ BLOCKING_THEN_P2P = """
 """
 
 
-def skip_without_ulfm() -> None:
-    """Under MPICH or Intel MPI every job of this file is refused at init on every rank, the same refusal
-    whatever the job goes on to do: three jobs check it there (check_refused at 2 and 4 ranks, and the elastic
-    example's own message); the others skip, their failures being Open MPI's alone."""
-    if not ULFM:
-        pytest.skip("no ULFM in this MPI family: the refusal at init this job would get is checked by "
-                    "test_blocking_all_reduce_then_p2p_recv_lose_a_rank_each and "
-                    "test_launch_without_with_ft_is_refused_on_every_rank")
-
-
 def test_blocking_all_reduce_then_p2p_recv_lose_a_rank_each(tmp_path):
     """4 ranks: rank 3 dies in a blocking all_reduce, the 3 survivors shrink
     (subgroups rebuilt); then rank 1 of those dies while rank 0 waits in a
@@ -351,8 +340,9 @@ def test_rank0_dies_in_a_subgroup_async_op(tmp_path):
     its op, ranks 2 and 3 when rank 1's revocation reaches them), shrink,
     and the subgroups, new groups and store-based barriers work.  In debug
     mode: the failure may come in the cross-rank fingerprint exchange."""
-    skip_without_ulfm()
     proc, took = ft_launch(tmp_path, SUBGROUP_RANK0_ASYNC, env={"HPCCOMM_DEBUG": "DETAIL"})
+    if not ULFM:
+        return check_refused(proc, took, 4)
     measured = check_phase(proc, "subgroup", survivors=[1, 2, 3], victim=0, size_after=3)
     assert proc.returncode == 0 and took < JOB_S, (proc.returncode, took, proc.stderr[-3000:])
     assert no_orphans(tmp_path)
@@ -396,8 +386,9 @@ def test_a_rank_lost_while_a_new_group_is_made(tmp_path):
     ranks 0 and 2, waiting for it in MPI_Comm_create_group, raise
     RankFailure from new_group naming it, shrink, and a new group of the two
     works."""
-    skip_without_ulfm()
     proc, took = ft_launch(tmp_path, NEW_GROUP, n=3)
+    if not ULFM:
+        return check_refused(proc, took, 3)
     measured = check_phase(proc, "new_group", survivors=[0, 2], victim=1, size_after=2)
     assert proc.returncode == 0 and took < JOB_S, (proc.returncode, took, proc.stderr[-3000:])
     assert no_orphans(tmp_path)
@@ -440,7 +431,6 @@ def test_a_second_failure_during_shrink_ends_the_job(tmp_path):
     """Rank 3 dies; while the survivors rebuild the world in
     hpccomm.shrink(), rank 1 dies too: not recoverable, said plainly, and
     the job ends (every survivor exits with status 5) instead of hanging."""
-    skip_without_ulfm()
     proc, took = ft_launch(tmp_path, """
         from hpccomm import fault_tolerance
         from hpccomm._core import failures
@@ -459,6 +449,8 @@ def test_a_second_failure_during_shrink_ends_the_job(tmp_path):
         hpccomm.shrink()
         print(f"FT rank={me} shrink returned", flush=True)
     """)
+    if not ULFM:
+        return check_refused(proc, took, 4)
     log = f"exit status {proc.returncode}\n--- stdout\n{proc.stdout[-5000:]}\n--- stderr\n{proc.stderr[-5000:]}"
     assert proc.returncode == 5 and took < JOB_S, log  # the launcher passes the survivors' status on
     assert "shrink returned" not in proc.stdout, log
@@ -499,7 +491,6 @@ def test_torch_shrink_group_replaces_the_default_group(tmp_path):
     DDP and a DeviceMesh.  torch 2.13 has dist.shrink_group but no Python
     Backend for it to reach: it refuses (torch's own RuntimeError, as
     docs/fault-tolerance.md says), and hpccomm.shrink() does the same."""
-    skip_without_ulfm()
     proc, took = ft_launch(tmp_path, """
         from torch.distributed.device_mesh import init_device_mesh
         init()
@@ -546,6 +537,8 @@ def test_torch_shrink_group_replaces_the_default_group(tmp_path):
         ok("torch", me)
         dist.destroy_process_group()
     """)
+    if not ULFM:
+        return check_refused(proc, took, 4)
     measured = check_phase(proc, "torch", survivors=[1, 2, 3], victim=0, size_after=3)
     assert proc.returncode == 0 and took < JOB_S, (proc.returncode, took, proc.stderr[-3000:])
     route = "dist.shrink_group" if compat.py_backend() else "torch 2.13: hpccomm.shrink() after dist.shrink_group"
