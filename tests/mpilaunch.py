@@ -54,9 +54,15 @@ TEST_VARIABLES = ("HPCCOMM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_S
 #: MPICH 0.1-0.4 ms).  MPICH waits with sched_yield, which on oversubscribed cores left the
 #: 4-rank MPI phase taking 136 to 667 s (test_large's 2 GiB all_reduce alone 18 to 425 s); with
 #: MPIR_CVAR_ENABLE_HEAVY_YIELD=1 (nanosleep instead) it took 79 s, test_large 20 s.
+#: Open MPI's wheel: the libfabric its OFI BTL loads probes the network interfaces and then sleeps a
+#: full second (a clock_nanosleep of 1 s under strace) in every rank's MPI_Init, on a machine without
+#: a fabric as on one with; OMPI_MCA_btl=^ofi leaves that BTL out (self, sm and tcp remain: what one
+#: node uses), and MPI_Init takes 0.07 s instead of 1.08 s.  The tests launch some hundreds of jobs:
+#: that second was about a fifth of the no-MPI phase (docs/testing.md "Where the time goes";
+#: docs/troubleshooting.md says it to users).
 SETTINGS = {
     "openmpi": {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-                "OMPI_MCA_mpi_yield_when_idle": "1"},
+                "OMPI_MCA_mpi_yield_when_idle": "1", "OMPI_MCA_btl": "^ofi"},
     "mpich": {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "1"},
     "intelmpi": {"I_MPI_PIN": "0", "I_MPI_FABRICS": "shm", "I_MPI_THREAD_YIELD": "3"},
 }
@@ -161,7 +167,7 @@ class Launch:
         base = os.environ if base is None else base
         env = {k: v for k, v in base.items() if not k.startswith(LAUNCH_PREFIXES + TEST_VARIABLES)}
         env.update(self.settings)
-        env.update(PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1", TORCH_CPP_LOG_LEVEL="ERROR",
+        env.update(PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR",
                    PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
         env.update({k: str(v) for k, v in extra.items()})
         if self.hydra:

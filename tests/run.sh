@@ -20,13 +20,18 @@
 #                                                    # (default: as HPCCOMM_TEST_SUITES; "none" skips it)
 #   HPCCOMM_TEST_MARK="not one_cell" bash tests/run.sh   # a marker expression both phases add (the matrix's
 #                                                    # cells other than the primary one)
+#   HPCCOMM_TEST_WORKERS=1 bash tests/run.sh         # the no-MPI phase in one process (default: one pytest-xdist
+#                                                    # worker per core, at most 4; each test file in one worker)
 #   HPCCOMM_TEST_TIMES=DIR bash tests/run.sh         # each phase's seconds in DIR/phases.tsv, its tests'
 #                                                    # in DIR/<phase>.xml (JUnit; the matrix's time report)
 #   bash tests/run.sh -k all_reduce                  # extra pytest arguments
 # tests/matrix.sh runs this once per cell of the CI matrix (torch version x MPI family).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+# (Bytecode is cached as usual, in the __pycache__ folders .gitignore, MANIFEST.in and the copies the tests
+# make leave out: without it every launched rank compiled hpccomm again and every pytest rewrote the test
+# files, 3.5 s of a 7 s collection.)
+export PYTHONUNBUFFERED=1
 export TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR}
 sizes=${HPCCOMM_TEST_SIZES:-"1 2 3 4"}
 limit=${HPCCOMM_TEST_TIMEOUT:-1800}
@@ -60,7 +65,13 @@ status=0
 if [ "$unit_suites" != none ]; then
     echo "== unit tests (no MPI launch)${mark:+: $mark}"
     start=$SECONDS
-    python -m pytest -q -p no:cacheprovider --durations=15 -m "not mpi${mark:+ and ($mark)}" \
+    # Most of these tests start jobs and wait on them (timeouts, late ranks, launchers): workers overlap the
+    # waits.  A file's tests stay in one worker (--dist loadfile): a module's fixtures (the SLURM cluster,
+    # the built docs, the installed clone) are made once.
+    workers=${HPCCOMM_TEST_WORKERS:-$(python -c "import os; print(min(4, len(os.sched_getaffinity(0))))")}
+    spread=()
+    [ "$workers" -gt 1 ] && spread=(-n "$workers" --dist loadfile)
+    python -m pytest -q -p no:cacheprovider --durations=15 "${spread[@]}" -m "not mpi${mark:+ and ($mark)}" \
         ${times:+--junitxml="$times/unit.xml" -o junit_family=xunit1} "${unit_files[@]}" "$@"
     rc=$?
     [ $rc -eq 5 ] && rc=0   # no test selected (MPI tests only were selected)

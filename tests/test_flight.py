@@ -148,6 +148,38 @@ def test_an_op_running_is_started_then_completed(self_group):
     assert (entry["state"], entry["retired"]) == ("completed", True)
 
 
+def test_a_later_record_is_what_a_first_one_would_be(self_group):
+    """A record after more ops (a job that caught a mismatch and went on) reuses the entries of
+    ops already written (completed ops' entries never change) and holds exactly what a record
+    written afresh holds: the new ops, the ring's oldest gone, each group at its place."""
+    g = self_group
+    g.flight = collections.deque(maxlen=3)
+    other = _group.world(_mpi.mpi().COMM_SELF, name="other")
+    try:
+        for n in (1, 2):
+            op_path.run(g, OP["all_reduce"], ([torch.ones(n)], ReduceOp.SUM))
+        first = flight.snapshot([g])
+        for n in (3, 4):
+            op_path.run(g, OP["all_reduce"], ([torch.ones(n)], ReduceOp.SUM))
+        op_path.run(other, OP["broadcast"], ([torch.ones(5)], 0))
+        later = flight.snapshot([other, g])   # g's place changed: its entries say pg_id 1 now
+        flight._written.clear()
+        fresh = flight.snapshot([other, g])
+        assert [e["input_sizes"] for e in first["entries"]] == [[[1]], [[2]]]
+        assert [(e["pg_id"], e["input_sizes"]) for e in later["entries"]] == [(1, [[2]]), (1, [[3]]), (1, [[4]]),
+                                                                              (0, [[5]])]
+        times = ("time_created_ns", "time_discovered_started_ns")   # (the wall clock's offset, read at each record)
+        untimed = [[{k: v for k, v in e.items() if k not in times} for e in r["entries"]] for r in (later, fresh)]
+        assert untimed[0] == untimed[1] and later["pg_status"] == fresh["pg_status"]
+        assert all(abs(a[k] - b[k]) < 10**6 for a, b in zip(later["entries"], fresh["entries"]) for k in times)
+        assert flight.snapshot([other, g])["entries"][0] is fresh["entries"][0]   # reused, not made again
+        assert set(flight._written) == {id(other), id(g)}   # only live groups' entries are kept
+        flight.snapshot([g])
+        assert set(flight._written) == {id(g)} and len(flight._written[id(g)][1]) == 3
+    finally:
+        other.free()
+
+
 def test_where_dumps_go(monkeypatch, tmp_path):
     """Where torch's own recorders write: TORCH_FR_DUMP_TEMP_FILE (its older name too), else
     torch's default under the cache folder."""

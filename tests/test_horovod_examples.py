@@ -49,7 +49,8 @@ def _env(tmp_path, upstream: bool) -> dict:
            if not k.startswith(("OMPI_", "PMIX_", "PMI_", "PRTE_", "SLURM_", "HPCCOMM_", "MASTER_", "RANK",
                                 "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_", "HOROVOD_"))}
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_mpi_yield_when_idle="1",
-               PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1", TORCH_CPP_LOG_LEVEL="ERROR", OMP_NUM_THREADS="1",
+               OMPI_MCA_btl="^ofi",  # tests/mpilaunch.py SETTINGS says why
+               PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR", OMP_NUM_THREADS="1",
                HOME=str(tmp_path),  # Horovod's MNIST takes a FileLock in ~
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     if upstream:

@@ -69,6 +69,7 @@ def slurm():
         "OMP_NUM_THREADS": "1",
         "TORCH_CPP_LOG_LEVEL": "ERROR",
         "OMPI_MCA_mpi_yield_when_idle": "1",  # 16 processes on 2 cores: yield instead of spinning
+        "OMPI_MCA_btl": "^ofi",  # no second's sleep in each rank's MPI_Init (tests/mpilaunch.py SETTINGS)
         "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
         "PMIX_MCA_psec": "native",  # the Open MPI wheel under srun: no "psec munge" notice per rank
     })
