@@ -159,6 +159,43 @@ prune_torch() {
     echo "== removed $dir and its cells' venvs: made by this run, needed by no later cell ($(free_disk))"
 }
 
+# The first CUDA torch of the run is installed in the background while the cells of the CPU torch before
+# it run: its download and unpacking wait on the network and the disk, those cells' tests on the CPU
+# (the 2.15 install took 79-88 s of the run's time in the foreground).  Only when the run starts with
+# the primary cell's CPU torch, so that one CUDA torch at most is on disk at any time (the venvs of
+# later versions are made when their cell comes, after the one before is removed).  The cell that
+# needs it waits for it; if it failed, the cell makes the venv itself as before (retried twice).
+prefetch_version="" prefetch_pid="" prefetch_log=$times/prefetch-torch.log
+primary_version=$(torch_version "$("$py" tests/cells.py cells | tr -s ' \n' '\n\n' | head -1)")
+first_version=$(torch_version "${cells%% *}")
+if [ "$first_version" = "$primary_version" ]; then
+    for c in $cells; do
+        v=$(torch_version "$c")
+        if [ "$v" != "$primary_version" ]; then prefetch_version=$v; break; fi
+    done
+fi
+if [ -n "$prefetch_version" ]; then
+    mkdir -p "$times"
+    echo "== installing torch $prefetch_version in the background (log: $prefetch_log; $(free_disk))"
+    ( torch_venv "$prefetch_version" ) > "$prefetch_log" 2>&1 &
+    prefetch_pid=$!
+    trap '[ -n "$prefetch_pid" ] && { pkill -P "$prefetch_pid"; kill "$prefetch_pid"; } 2>/dev/null' EXIT
+fi
+
+# Before a cell of torch $1 makes its venv: wait for the background install of that torch, if any.
+await_prefetch() {
+    [ -n "$prefetch_pid" ] && [ "$1" = "$prefetch_version" ] || return 0
+    local rc=0
+    wait "$prefetch_pid" || rc=$?
+    prefetch_pid=""
+    if [ $rc -eq 0 ]; then
+        echo "== torch $1: installed in the background ($(tail -1 "$prefetch_log"))" >&2
+    else
+        echo "!! torch $1: the background install failed (exit $rc); its log's end:" >&2
+        tail -5 "$prefetch_log" >&2
+    fi
+}
+
 declare -A RESULT
 status=0 position=0
 for cell in $cells; do
@@ -170,6 +207,7 @@ for cell in $cells; do
     start=$SECONDS
     mkdir -p "$times/$cell"
     echo "==== cell $cell: torch $version, $family ($(free_disk))"
+    await_prefetch "$version"   # (here, not in cell_venv: $(...) runs in a subshell, which cannot wait for it)
     venv=$(cell_venv "$cell" "$version" "$family") || venv=""
     printf 'install\t%s\t%s\n' $(( SECONDS - start )) "$([ -n "$venv" ] && echo ok || echo failed)" \
         >> "$times/$cell/phases.tsv"

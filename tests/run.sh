@@ -20,17 +20,19 @@
 #                                                    # (default: as HPCCOMM_TEST_SUITES; "none" skips it)
 #   HPCCOMM_TEST_MARK="not one_cell" bash tests/run.sh   # a marker expression both phases add (the matrix's
 #                                                    # cells other than the primary one)
-#   HPCCOMM_TEST_WORKERS=1 bash tests/run.sh         # the no-MPI phase in one process (default: one pytest-xdist
-#                                                    # worker per core, at most 4; each test file in one worker)
+#   HPCCOMM_TEST_WORKERS=1 bash tests/run.sh         # the no-MPI phase in one process (default: pytest-xdist
+#                                                    # workers, one more than the cores, at most 5; a file per worker)
 #   HPCCOMM_TEST_TIMES=DIR bash tests/run.sh         # each phase's seconds in DIR/phases.tsv, its tests'
 #                                                    # in DIR/<phase>.xml (JUnit; the matrix's time report)
 #   bash tests/run.sh -k all_reduce                  # extra pytest arguments
 # tests/matrix.sh runs this once per cell of the CI matrix (torch version x MPI family).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-# (Bytecode is cached as usual, in the __pycache__ folders .gitignore, MANIFEST.in and the copies the tests
-# make leave out: without it every launched rank compiled hpccomm again and every pytest rewrote the test
-# files, 3.5 s of a 7 s collection.)
+# Bytecode is cached, in the __pycache__ folders that .gitignore, MANIFEST.in and the copies the tests make
+# leave out, even where the environment says not to (this project's machines set PYTHONDONTWRITEBYTECODE=1):
+# without it every launched rank compiled hpccomm again and every rank's pytest rewrote the test files,
+# 3.5 s of a 7 s collection.
+unset PYTHONDONTWRITEBYTECODE
 export PYTHONUNBUFFERED=1
 export TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR}
 sizes=${HPCCOMM_TEST_SIZES:-"1 2 3 4"}
@@ -66,9 +68,10 @@ if [ "$unit_suites" != none ]; then
     echo "== unit tests (no MPI launch)${mark:+: $mark}"
     start=$SECONDS
     # Most of these tests start jobs and wait on them (timeouts, late ranks, launchers): workers overlap the
-    # waits.  A file's tests stay in one worker (--dist loadfile): a module's fixtures (the SLURM cluster,
-    # the built docs, the installed clone) are made once.
-    workers=${HPCCOMM_TEST_WORKERS:-$(python -c "import os; print(min(4, len(os.sched_getaffinity(0))))")}
+    # waits, one more than the cores (on 2 cores the primary cell's phase took 948 s in one process, 633 s
+    # in 2 workers, 562 s in 3).  A file's tests stay in one worker (--dist loadfile): a module's fixtures
+    # (the SLURM cluster, the built docs, the installed clone) are made once.
+    workers=${HPCCOMM_TEST_WORKERS:-$(python -c "import os; print(min(5, len(os.sched_getaffinity(0)) + 1))")}
     spread=()
     [ "$workers" -gt 1 ] && spread=(-n "$workers" --dist loadfile)
     python -m pytest -q -p no:cacheprovider --durations=15 "${spread[@]}" -m "not mpi${mark:+ and ($mark)}" \
