@@ -102,7 +102,7 @@ class Cell:
 CELLS = [
     Cell("2.13-openmpi", "2.13.0", "openmpi", (1, 2, 3, 4), EVERY, EVERY, primary=True),
     Cell("2.13-wheel", "2.13.0", "openmpi", (2,), EVERY + INSTALLED, INSTALLED),
-    Cell("2.15-openmpi", "2.15.0", "openmpi", (3,), ("ops", "training", "gpu", "horovod"),
+    Cell("2.15-openmpi", "2.15.0", "openmpi", (2,), ("ops", "training", "gpu", "horovod"),
          ("unit", "gpu", "exit", "ft", "horovod", "bench", "torchsuite")),
     Cell("2.15-mpich", "2.15.0", "mpich", (1, 2, 3, 4), ("ops", "large", "training"),
          ("init", "launch", "tools", "ft")),

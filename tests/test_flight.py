@@ -175,7 +175,7 @@ def test_a_later_record_is_what_a_first_one_would_be(self_group):
         assert flight.snapshot([other, g])["entries"][0] is fresh["entries"][0]   # reused, not made again
         assert set(flight._written) == {id(other), id(g)}   # only live groups' entries are kept
         flight.snapshot([g])
-        assert set(flight._written) == {id(g)} and len(flight._written[id(g)][1]) == 3
+        assert set(flight._written) == {id(g)} and len(flight._written[id(g)]) == 3
     finally:
         other.free()
 

@@ -223,10 +223,11 @@ def write(reason: str = "on request") -> str:
     return path
 
 
-#: The entries of completed ops already written, per group (``id(group)``): ``(pg_id, {record id:
-#: entry})``.  A completed op's entry never changes, so a later record reuses it: a job that keeps
-#: running after a mismatch it caught writes each record in a tenth of the time (only a group's
-#: place in the list, ``pg_id``, is in an entry and not in the op: a new place converts again).
+#: The entries of completed ops already written, per group (``id(group)``): ``{record id: entry}``.
+#: A completed op's entry never changes, so a later record reuses it: a job that keeps running
+#: after a mismatch it caught writes each record in a fraction of the time.  Only a group's place
+#: in the record, ``pg_id``, is in an entry and not in the op: an entry of a group that moved (the
+#: live groups are a set, whose order changes as groups come and go) is a copy with the new place.
 #: Each group keeps only the entries of its ring's ops: at most the recorder's size per live group.
 _written: dict = {}
 _written_lock = threading.Lock()
@@ -240,11 +241,9 @@ def snapshot(groups, reason: str = "on request") -> dict:
     with _written_lock:  # (two threads may write at once: the watchdog's and a signal's)
         kept = {}
         for pg_id, g in enumerate(groups):
-            before = _written.get(id(g))
-            known = before[1] if before is not None and before[0] == pg_id else {}
             now = {}
-            _group_entries(g, pg_id, running, wall, known, now, entries, pg_config, pg_status)
-            kept[id(g)] = (pg_id, now)
+            _group_entries(g, pg_id, running, wall, _written.get(id(g), {}), now, entries, pg_config, pg_status)
+            kept[id(g)] = now
         _written.clear()
         _written.update(kept)
     entries.sort(key=lambda d: d["record_id"])
@@ -276,6 +275,8 @@ def _group_entries(g, pg_id: int, running: set, wall: float, known: dict, now: d
         entry = known.get(e[ID]) if done else None
         if entry is None:
             entry = _entry(e, done, wall, g, pg_id, desc, timeout_ms)
+        elif entry["pg_id"] != pg_id:
+            entry = {**entry, "pg_id": pg_id}
         if done:
             now[e[ID]] = entry
         entries.append(entry)
