@@ -230,7 +230,7 @@ def write(reason: str = "on request") -> str:
 #: live groups are a set, whose order changes as groups come and go) is a copy with the new place.
 #: Each group keeps only the entries of its ring's ops: at most the recorder's size per live group.
 _written: dict = {}
-_written_lock = threading.Lock()
+_written_lock = threading.RLock()  # (re-entered if a signal handler writes a record in a thread building one)
 
 
 def snapshot(groups, reason: str = "on request") -> dict:
