@@ -180,6 +180,19 @@ def test_a_later_record_is_what_a_first_one_would_be(self_group):
         other.free()
 
 
+def test_a_record_of_a_new_group_where_a_freed_one_was_is_its_own(self_group, monkeypatch):
+    """A group made where a freed one was (the same ``id``), whose ops have the freed one's record
+    ids (here: the counter starts again), gets entries of its own ops, never the freed one's."""
+    g = self_group
+    g.flight = collections.deque(maxlen=3)
+    for dtype in (torch.float32, torch.int32):
+        monkeypatch.setattr(state, "_records", itertools.count())   # the same record ids both times
+        g.flight.clear()
+        op_path.run(g, OP["all_reduce"], ([torch.ones(4, dtype=dtype)], ReduceOp.SUM))
+        (entry,) = flight.snapshot([g])["entries"]
+        assert entry["input_dtypes"] == [flight._dtype_name(dtype)], (dtype, entry)
+
+
 def test_where_dumps_go(monkeypatch, tmp_path):
     """Where torch's own recorders write: TORCH_FR_DUMP_TEMP_FILE (its older name too), else
     torch's default under the cache folder."""

@@ -223,9 +223,11 @@ def write(reason: str = "on request") -> str:
     return path
 
 
-#: The entries of completed ops already written, per group (``id(group)``): ``{record id: entry}``.
-#: A completed op's entry never changes, so a later record reuses it: a job that keeps running
-#: after a mismatch it caught writes each record in a fraction of the time.  Only a group's place
+#: The entries of completed ops already written, per group (``id(group)``): ``{record id: (the ring's
+#: tuple, entry)}``.  A completed op's entry never changes, so a later record reuses it: a job that
+#: keeps running after a mismatch it caught writes each record in a fraction of the time.  An entry
+#: is reused only for the very tuple it was made from (``is``: a group made where a freed one was
+#: gets that one's ``id``, and its record ids are not this cache's to trust).  Only a group's place
 #: in the record, ``pg_id``, is in an entry and not in the op: an entry of a group that moved (the
 #: live groups are a set, whose order changes as groups come and go) is a copy with the new place.
 #: Each group keeps only the entries of its ring's ops: at most the recorder's size per live group.
@@ -272,13 +274,15 @@ def _group_entries(g, pg_id: int, running: set, wall: float, known: dict, now: d
     timeout_ms = int(g.timeout_s * 1000) if g.timeout_s else 0
     for e in ring:
         done = e[ID] in ended
-        entry = known.get(e[ID]) if done else None
-        if entry is None:
+        made = known.get(e[ID]) if done else None
+        if made is None or made[0] is not e:
             entry = _entry(e, done, wall, g, pg_id, desc, timeout_ms)
-        elif entry["pg_id"] != pg_id:
-            entry = {**entry, "pg_id": pg_id}
+        elif made[1]["pg_id"] != pg_id:
+            entry = {**made[1], "pg_id": pg_id}
+        else:
+            entry = made[1]
         if done:
-            now[e[ID]] = entry
+            now[e[ID]] = (e, entry)
         entries.append(entry)
 
 
