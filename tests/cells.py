@@ -7,6 +7,7 @@ before any venv exists, and fails before installing anything when a test file
 is in no suite or a suite is run by no cell (``check``).
 
     python3 tests/cells.py files SUITE...    # the suites' test files, from the repository root
+    python3 tests/cells.py files-at N SUITE... # those of the suites that run at world size N
     python3 tests/cells.py suites            # every suite's name
     python3 tests/cells.py cells             # the matrix's cells, in the order it runs them
     python3 tests/cells.py spec CELL         # torch|family|sizes|MPI suites|no-MPI suites|marker expression
@@ -16,13 +17,19 @@ is in no suite or a suite is run by no cell (``check``).
 
 A phase of a cell runs the files of its suites: the no-MPI phase their tests
 without ``@pytest.mark.mpi``, the MPI phase their MPI tests under the launcher
-at each of the cell's sizes.  Two markers narrow that (tests/run.sh):
+at each of the cell's sizes, or at the sizes an MPI suite names after an ``@``
+(``"large@2"``: at 2 ranks only; a cell other than the primary one, and sizes
+that include the cell's one size).  Two markers narrow that (tests/run.sh):
 
 - ``one_size``: an MPI test whose outcome cannot depend on the world size runs
   at one size of the cell (:func:`one_size_of`), not at each;
 - ``one_cell``: a test whose outcome cannot depend on what a cell other than the
   primary one changes (torch's version, the MPI family, hpccomm installed from
   its wheel) runs in the primary cell only.
+
+And one for the MPI families without ULFM: ``ulfm_only``, a fault-tolerance job whose
+check under such a family (every rank refused at init) another job of its file
+makes at the same world size, runs only in the Open MPI cells.
 
 tests/test_cells.py checks, test by test, that every test runs somewhere and
 that the primary cell runs every one (every MPI test without ``one_size`` at
@@ -72,6 +79,10 @@ SUITES = {
 INSTALLED = ("frameworks", "wheel")
 #: Every other suite: the whole suite, as the primary cell runs it.
 EVERY = tuple(s for s in SUITES if s not in INSTALLED)
+#: The MPI phase of the 2.13-wheel cell: the suites whose tests reach more of the installed package than
+#: its modules (its entry points, console script, examples, templates, docs); a module the wheel lacks
+#: fails tests/installed/test_wheel.py, which compares the wheel with the sdist and imports it on every rank.
+WHEEL_MPI = tuple(s for s in EVERY if s not in ("ops", "large", "training", "gpu", "unit"))
 
 
 @dataclass(frozen=True)
@@ -84,7 +95,8 @@ class Cell:
     family: str
     #: the world sizes of the MPI phase
     sizes: tuple
-    #: the suites of the MPI phase (their ``@pytest.mark.mpi`` tests)
+    #: the suites of the MPI phase (their ``@pytest.mark.mpi`` tests), each at every size of the cell or at
+    #: the sizes it names after an ``@`` (``"training@2,3"``)
     mpi: tuple
     #: the suites of the no-MPI phase (unit tests and the tests that start their own jobs)
     unit: tuple
@@ -94,19 +106,20 @@ class Cell:
     @property
     def mark(self) -> str:
         """The marker expression tests/run.sh adds to both phases."""
-        return "" if self.primary else "not one_cell"
+        parts = ([] if self.primary else ["not one_cell"]) + ([] if self.family == "openmpi" else ["not ulfm_only"])
+        return " and ".join(parts)
 
 
 #: The cells, in the order tests/matrix.sh runs them (one torch version after the other: the disk holds
 #: one CUDA torch at a time).  Why each runs what it runs: docs/testing.md, "Cells".
 CELLS = [
     Cell("2.13-openmpi", "2.13.0", "openmpi", (1, 2, 3, 4), EVERY, EVERY, primary=True),
-    Cell("2.13-wheel", "2.13.0", "openmpi", (2,), EVERY + INSTALLED, INSTALLED),
-    Cell("2.15-openmpi", "2.15.0", "openmpi", (2,), ("ops", "training", "gpu", "horovod"),
+    Cell("2.13-wheel", "2.13.0", "openmpi", (2,), WHEEL_MPI + INSTALLED, INSTALLED),
+    Cell("2.15-openmpi", "2.15.0", "openmpi", (2,), ("gpu", "horovod"),
          ("unit", "gpu", "exit", "ft", "horovod", "bench", "torchsuite")),
-    Cell("2.15-mpich", "2.15.0", "mpich", (1, 2, 3, 4), ("ops", "large", "training"),
+    Cell("2.15-mpich", "2.15.0", "mpich", (1, 2, 3, 4), ("ops", "large@2", "training@2,3"),
          ("init", "launch", "tools", "ft")),
-    Cell("2.15-impi", "2.15.0", "impi", (2, 3), ("ops", "large", "training"), ("failures", "ft")),
+    Cell("2.15-impi", "2.15.0", "impi", (2, 3), ("ops", "large@2", "training@2"), ("failures", "ft")),
     Cell("2.14-openmpi", "2.14.1", "openmpi", (3,), ("ops", "training"), ()),
 ]
 BY_NAME = {c.name: c for c in CELLS}
@@ -135,6 +148,8 @@ def primary_only_but(values, keep) -> list:
     Raises:
         ValueError: a value of ``keep`` is not one of ``values``.
 
+    A tuple value is one case of several argument names (``parametrize("a, b", ...)``).
+
     Example: ``@pytest.mark.parametrize("n", primary_only_but([1, 2, 3, 4], keep=(1, 3)))``.
     """
     import pytest
@@ -142,11 +157,43 @@ def primary_only_but(values, keep) -> list:
     unknown = [k for k in keep if k not in values]
     if unknown:
         raise ValueError(f"primary_only_but: keep={unknown} names no value of {list(values)}")
-    return [v if v in keep else pytest.param(v, marks=pytest.mark.one_cell) for v in values]
+    return [v if v in keep else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.one_cell)
+            for v in values]
+
+
+def split(entry: str):
+    """An MPI suite of a cell and the sizes it runs at: ``"large@2,3"`` ->
+    ``("large", (2, 3))``; ``"ops"`` -> ``("ops", None)`` (every size of the
+    cell).
+
+    Raises:
+        ValueError: a size that is not a whole number.
+    """
+    name, _, sizes = entry.partition("@")
+    if not sizes:
+        return name, None
+    try:
+        return name, tuple(int(n) for n in sizes.split(","))
+    except ValueError:
+        raise ValueError(f"{entry!r}: the sizes after '@' are whole numbers separated by commas") from None
+
+
+def sizes_of(entry: str, cell_sizes) -> tuple:
+    """The world sizes an MPI suite entry of a cell with ``cell_sizes`` runs at."""
+    sizes = split(entry)[1]
+    return tuple(int(n) for n in cell_sizes) if sizes is None else sizes
+
+
+def files_at(n: int, entries) -> list:
+    """The test files of the MPI suite entries (``"ops"``, ``"large@2"``) that run at world size ``n``
+    (an entry without ``@`` runs at every size)."""
+    return suite_files([split(e)[0] for e in entries if split(e)[1] is None or int(n) in split(e)[1]])
 
 
 def suite_files(names) -> list:
-    """The test files (paths from the repository root) of the named suites."""
+    """The test files (paths from the repository root) of the named suites
+    (an MPI suite entry's ``@`` sizes are ignored)."""
+    names = [split(n)[0] for n in names]
     unknown = [n for n in names if n not in SUITES]
     if unknown:
         raise KeyError(f"no test suite {', '.join(map(repr, unknown))} (suites: {', '.join(SUITES)})")
@@ -182,35 +229,51 @@ def check(suites=None, cells=None, on_disk=None) -> list:
     if len(primaries) != 1:
         problems.append(f"{len(primaries)} primary cells: there must be one, which runs the whole suite")
     for c in primaries:
-        left = [s for s in every if s not in c.mpi or s not in c.unit]
+        left = [s for s in every if s not in c.mpi or s not in c.unit]  # (an entry with @ sizes is not the suite)
         if left or sorted(c.sizes) != [1, 2, 3, 4]:
             problems.append(f"the primary cell {c.name} runs suites {sorted(set(c.mpi) & set(c.unit))} at sizes "
                             f"{list(c.sizes)}: it runs the whole suite at 1, 2, 3 and 4")
     for name in suites:
-        if not any(name in c.mpi or name in c.unit for c in cells):
+        if not any(name in [split(e)[0] for e in c.mpi] or name in c.unit for c in cells):
             problems.append(f"no cell runs suite {name!r}")
     for c in cells:
-        for s in c.mpi + c.unit:
+        for s in c.unit:
             if s not in suites:
                 problems.append(f"cell {c.name} names suite {s!r}, which is not in SUITES")
+        for e in c.mpi:
+            try:
+                name, sizes = split(e)
+            except ValueError as exc:
+                problems.append(f"cell {c.name}: {exc}")
+                continue
+            if name not in suites:
+                problems.append(f"cell {c.name} names suite {name!r}, which is not in SUITES")
+            if sizes is None:
+                continue
+            if c.primary:
+                problems.append(f"the primary cell {c.name} narrows {e!r}: it runs every suite at every size")
+            elif not set(sizes) <= set(c.sizes) or one_size_of(c.sizes) not in sizes:
+                problems.append(f"cell {c.name}: {e!r} must name sizes of the cell ({list(c.sizes)}) that include "
+                                f"its one size {one_size_of(c.sizes)} (where its one_size tests run)")
     return problems
 
 
-def plan(tests) -> dict:
+def plan(tests, cells=None) -> dict:
     """Where each test runs: ``tests`` maps a test id (``tests/test_x.py::test_y``)
-    to its markers (a set of names: ``mpi``, ``one_size``, ``one_cell``);
+    to its markers (a set of names: ``mpi``, ``one_size``, ``one_cell``, ``ulfm_only``);
     returns test id -> set of (cell, phase), phase ``unit`` or ``n<size>``."""
     where = {t: set() for t in tests}
-    for c in CELLS:
-        unit_files, mpi_files = set(suite_files(c.unit)), set(suite_files(c.mpi))
+    for c in CELLS if cells is None else cells:
+        unit_files = set(suite_files(c.unit))
+        mpi_sizes = {f: sizes_of(e, c.sizes) for e in c.mpi for f in suite_files([e])}  # file -> its sizes
         for t, marks in tests.items():
             path = t.split("::")[0]
-            if "one_cell" in marks and not c.primary:
+            if ("one_cell" in marks and not c.primary) or ("ulfm_only" in marks and c.family != "openmpi"):
                 continue
             if "mpi" not in marks and path in unit_files:
                 where[t].add((c.name, "unit"))
-            elif "mpi" in marks and path in mpi_files:
-                sizes = [one_size_of(c.sizes)] if "one_size" in marks else c.sizes
+            elif "mpi" in marks and path in mpi_sizes:
+                sizes = [one_size_of(c.sizes)] if "one_size" in marks else mpi_sizes[path]
                 where[t].update((c.name, f"n{n}") for n in sizes)
     return where
 
@@ -280,11 +343,11 @@ def report(folder, cells) -> str:
 
 
 def main(argv) -> int:
-    if argv[:1] == ["files"]:
+    if argv[:1] in (["files"], ["files-at"]):
         try:
-            print(" ".join(suite_files(argv[1:])))
-        except KeyError as exc:
-            print(f"tests/cells.py: {exc.args[0]}", file=sys.stderr)
+            print(" ".join(suite_files(argv[1:]) if argv[0] == "files" else files_at(int(argv[1]), argv[2:])))
+        except (KeyError, ValueError, IndexError) as exc:
+            print(f"tests/cells.py: {exc.args[0] if exc.args else exc}", file=sys.stderr)
             return 2
     elif argv == ["suites"]:
         print(" ".join(SUITES))

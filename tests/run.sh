@@ -16,6 +16,7 @@
 #   HPCCOMM_TEST_MPI=mpich bash tests/run.sh         # insist on a family (fails if mpi4py loads another)
 #   HPCCOMM_TEST_SIZES="2 3" bash tests/run.sh       # only some sizes
 #   HPCCOMM_TEST_SUITES="ops training failures" bash tests/run.sh   # only some files (tests/cells.py SUITES)
+#   HPCCOMM_TEST_SUITES="ops training@2,3" bash tests/run.sh         # a suite's MPI tests at some sizes only
 #   HPCCOMM_TEST_UNIT_SUITES="unit gpu" bash tests/run.sh            # the no-MPI phase over other files
 #                                                    # (default: as HPCCOMM_TEST_SUITES; "none" skips it)
 #   HPCCOMM_TEST_MARK="not one_cell" bash tests/run.sh   # a marker expression both phases add (the matrix's
@@ -82,6 +83,16 @@ if [ "$unit_suites" != none ]; then
     took unit $(( SECONDS - start )) "$([ $rc -eq 0 ] && echo passed || echo FAILED)"
 fi
 for n in $sizes; do
+    run_files=("${files[@]}")
+    if [ -n "${HPCCOMM_TEST_SUITES:-}" ]; then   # the suites that run at this size ("large@2": at 2 only)
+        listed=$(python tests/cells.py files-at "$n" $HPCCOMM_TEST_SUITES) || exit 2
+        run_files=()
+        read -r -a run_files <<<"$listed"
+        if [ ${#run_files[@]} -eq 0 ]; then
+            echo "== -n $n: none of the suites $HPCCOMM_TEST_SUITES runs at this size"
+            continue
+        fi
+    fi
     expr="mpi${mark:+ and ($mark)}"
     if [ "$n" = "$one" ]; then
         echo "== $MPI_LAUNCHER -n $n"
@@ -93,7 +104,7 @@ for n in $sizes; do
     # rank 0 writes the JUnit report (tests/rank_output.sh); the other ranks run the same tests
     HPCCOMM_TEST_JUNIT=${times:+$times/n$n.xml} timeout --kill-after=30 "$limit" "$MPI_LAUNCHER" -n "$n" \
         "${MPI_FLAGS[@]}" bash tests/rank_output.sh python -m pytest -q -p no:cacheprovider --durations=5 \
-        --with-mpi -m "$expr" "${files[@]}" "$@"
+        --with-mpi -m "$expr" "${run_files[@]}" "$@"
     rc=$?
     [ $rc -eq 5 ] && [ $selected -gt 0 ] && rc=0
     if [ $rc -ne 0 ]; then

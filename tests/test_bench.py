@@ -186,15 +186,17 @@ def _plot_available() -> bool:
 
 @pytest.mark.one_cell
 def test_short_sweep_every_op_all_backends(tmp_path):
-    """CI's short mode: every op at a handful of sizes, against gloo and raw MPI; no wrong result."""
+    """CI's short mode: every op at a handful of sizes, against gloo and raw MPI; no wrong result.  Two ops
+    per sample (``--batch 2``: back to back, as a sample of small ops is timed), not the hundred that
+    ``--batch auto`` gives small sizes: what is checked is every op's results and the output's form."""
     js, cs, png = tmp_path / "b.json", tmp_path / "b.csv", tmp_path / "b.png"
-    proc = bench(tmp_path, "--ops", "all", "-b", "8", "-e", "128K", "-f", "16", "-n", "3", "-w", "1",
+    proc = bench(tmp_path, "--ops", "all", "-b", "8", "-e", "128K", "-f", "16", "-n", "3", "-w", "1", "--batch", "2",
                  "--compare", "gloo,mpi4py", "--stats", "--json", js, "--csv", cs, "--plot", png)
     out = proc.stdout + proc.stderr
     if not _plot_available():  # then --plot must refuse up front, clearly
         assert proc.returncode == 2 and "--plot needs matplotlib" in out, out[-3000:]
         proc = bench(tmp_path, "--ops", "all", "-b", "8", "-e", "128K", "-f", "16", "-n", "3", "-w", "1",
-                     "--compare", "gloo,mpi4py", "--stats", "--json", js, "--csv", cs)
+                     "--batch", "2", "--compare", "gloo,mpi4py", "--stats", "--json", js, "--csv", cs)
         out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     for col in ("size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "out-of-place",
@@ -301,8 +303,8 @@ def test_floor_backend_is_checked_and_right_at_an_odd_size(tmp_path):
     """``--compare floor`` (raw MPI calls inside the thinnest Python backend, on hpccomm's own route): its
     results go through the same checker (right with MAX at 3 ranks, blocking and async, on the default group
     and on a subgroup; every checked result caught when corrupted), and the cases it cannot run say why."""
-    args = ["--ops", "all_reduce,all_gather,reduce_scatter,broadcast,sendrecv,all_to_all", "-b", "8", "-e", "128K",
-            "-f", "16", "-n", "3", "-w", "1", "-o", "max", "--compare", "floor", "--batch", "1",
+    args = ["--ops", "all_reduce,all_gather,reduce_scatter,broadcast,sendrecv,all_to_all", "-b", "8", "-e", "32K",
+            "-f", "64", "-n", "3", "-w", "1", "-o", "max", "--compare", "floor", "--batch", "1",
             "--mode", "both", "--group", "both"]
     js = tmp_path / "f.json"
     proc = bench(tmp_path, *args, "--json", js, n=3, limit=300)

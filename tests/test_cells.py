@@ -24,7 +24,7 @@ PLUGIN = """
 import json, os
 
 def pytest_collection_modifyitems(session, config, items):
-    marks = {i.nodeid: sorted({m.name for m in i.iter_markers()} & {"mpi", "one_size", "one_cell"}) for i in items}
+    marks = {i.nodeid: sorted({m.name for m in i.iter_markers()} & {"mpi", "one_size", "one_cell", "ulfm_only"}) for i in items}
     with open(os.environ["CELLS_COLLECTED"], "w") as f:
         json.dump(marks, f)
 """
@@ -68,6 +68,38 @@ def test_the_check_names_what_no_cell_runs():
         {**suites, "x": ["test_gone.py"]}, [primary], ["test_reduce.py", "test_docs.py"])
 
 
+def test_a_suite_narrowed_to_some_sizes():
+    """``"large@2"`` in a cell's MPI suites: the suite's MPI tests run at 2 ranks only there (the files of
+    each size and the plan say so); the check refuses sizes the cell does not run, sizes without the
+    cell's one size (its one_size tests would run nowhere there) and a primary cell that narrows a suite."""
+    assert cells.split("training@2,3") == ("training", (2, 3)) and cells.split("ops") == ("ops", None)
+    assert cells.sizes_of("large@2", (1, 2, 3, 4)) == (2,) and cells.sizes_of("ops", ["1", "3"]) == (1, 3)
+    assert cells.files_at(1, ["ops", "large@2"]) == cells.suite_files(["ops"])
+    assert cells.files_at(2, ["ops", "large@2"]) == cells.suite_files(["ops", "large"])
+    assert cells.suite_files(["large@2"]) == ["tests/test_large.py"]
+    suites = {"ops": ["test_reduce.py"], "large": ["test_large.py"]}
+    on_disk = ["test_reduce.py", "test_large.py"]
+    primary = cells.Cell("p", "2.13.0", "openmpi", (1, 2, 3, 4), ("ops", "large"), ("ops", "large"), primary=True)
+    other = cells.Cell("o", "2.15.0", "mpich", (1, 2, 3, 4), ("ops", "large@2"), ())
+    assert cells.check(suites, [primary, other], on_disk) == []
+    wrong = cells.Cell("o", "2.15.0", "mpich", (2, 3), ("ops", "large@3,4"), ())
+    assert cells.check(suites, [primary, wrong], on_disk) == [
+        "cell o: 'large@3,4' must name sizes of the cell ([2, 3]) that include its one size 2 (where its "
+        "one_size tests run)"]
+    assert cells.check(suites, [primary, cells.Cell("o", "2.15.0", "mpich", (2,), ("large@x",), ())], on_disk) == [
+        "cell o: 'large@x': the sizes after '@' are whole numbers separated by commas"]
+    narrowed = cells.Cell("p", "2.13.0", "openmpi", (1, 2, 3, 4), ("ops", "large@2"), ("ops", "large"), primary=True)
+    assert "the primary cell p narrows 'large@2': it runs every suite at every size" in \
+        cells.check(suites, [narrowed], on_disk)
+    tests = {"tests/test_large.py::test_big": {"mpi"}, "tests/test_large.py::test_any_size": {"mpi", "one_size"},
+             "tests/test_reduce.py::test_sum": {"mpi"}}
+    where = cells.plan(tests, [primary, other])
+    assert where["tests/test_large.py::test_big"] == {("p", "n1"), ("p", "n2"), ("p", "n3"), ("p", "n4"),
+                                                      ("o", "n2")}
+    assert where["tests/test_large.py::test_any_size"] == {("p", "n2"), ("o", "n2")}
+    assert {p for c, p in where["tests/test_reduce.py::test_sum"] if c == "o"} == {"n1", "n2", "n3", "n4"}
+
+
 def test_every_test_runs_somewhere_and_the_primary_cell_runs_every_one(collected):
     where = cells.plan(collected)
     primary = next(c for c in cells.CELLS if c.primary)
@@ -100,6 +132,18 @@ def test_the_mpich_cell_runs_the_ops_suite_at_every_size():
     """The MPI family's op layer (the mismatch checks among it) is tested at 1-4 ranks under a second family."""
     mpich = cells.BY_NAME["2.15-mpich"]
     assert "ops" in mpich.mpi and sorted(mpich.sizes) == [1, 2, 3, 4]
+
+
+def test_primary_only_but_marks_the_other_values_one_cell():
+    """The kept values run in every cell that runs the test, the others in the primary cell only; a tuple
+    is one case of several argument names."""
+    got = cells.primary_only_but([1, 2, 3], keep=(2,))
+    assert got[1] == 2 and [p.values for p in (got[0], got[2])] == [(1,), (3,)]
+    assert all([m.name for m in p.marks] == ["one_cell"] for p in (got[0], got[2]))
+    pairs = cells.primary_only_but([("a", 1), ("b", 2)], keep=[("a", 1)])
+    assert pairs[0] == ("a", 1) and pairs[1].values == ("b", 2) and pairs[1].marks[0].name == "one_cell"
+    with pytest.raises(ValueError, match=r"keep=\[5\] names no value of \[1, 2, 3\]"):
+        cells.primary_only_but([1, 2, 3], keep=(5,))
 
 
 def test_one_size_is_2_where_a_run_has_it():

@@ -187,9 +187,11 @@ JOB = textwrap.dedent('''
 
 
 @pytest.mark.slow
-def test_job_with_gloo_groups_beside_hpccomm_exits_0_every_time(tmp_path):
-    """The same 3-rank job, three times: every rank prints its results and
-    every run exits 0 (before the fix, every run ended with status 134)."""
+def test_job_with_gloo_groups_beside_hpccomm_exits_0(tmp_path):
+    """The 3-rank job: every rank prints its results and the job exits 0.
+    Before the fix every run ended with status 134: the job makes the race
+    itself (a gloo worker still in a callback when the program ends), so one
+    run shows it."""
     script = tmp_path / "job.py"
     script.write_text(JOB)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "HPCCOMM_"))}
@@ -197,18 +199,17 @@ def test_job_with_gloo_groups_beside_hpccomm_exits_0_every_time(tmp_path):
                PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
                TORCH_CPP_LOG_LEVEL="WARNING",  # torch's default, as a user has it: its warnings would show
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    for run in range(3):
-        proc = subprocess.run(["timeout", "--kill-after=10", "120", "mpirun", "-n", "3", "--oversubscribe",
-                               sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path)
-        output = proc.stdout + proc.stderr
-        assert proc.returncode != 124, f"run {run + 1}: timed out:\n{output[-3000:]}"
-        assert sorted(line for line in output.splitlines() if line.endswith(": results right")) == \
-            [f"rank {r}: results right" for r in range(3)], f"run {run + 1}:\n{output[-3000:]}"
-        assert "terminate called" not in output, f"run {run + 1}:\n{output[-3000:]}"
-        assert proc.returncode == 0, f"run {run + 1}: exit status {proc.returncode}:\n{output[-3000:]}"
-        # What the job prints last is its own: no warning or stack trace from torch, gloo or MPI at exit.
-        assert [x for x in output.splitlines() if x.strip()] == \
-            [x for x in output.splitlines() if x.endswith(": results right")], f"run {run + 1}:\n{output[-3000:]}"
+    proc = subprocess.run(["timeout", "--kill-after=10", "120", "mpirun", "-n", "3", "--oversubscribe",
+                           sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 124, f"timed out:\n{output[-3000:]}"
+    assert sorted(line for line in output.splitlines() if line.endswith(": results right")) == \
+        [f"rank {r}: results right" for r in range(3)], output[-3000:]
+    assert "terminate called" not in output, output[-3000:]
+    assert proc.returncode == 0, f"exit status {proc.returncode}:\n{output[-3000:]}"
+    # What the job prints last is its own: no warning or stack trace from torch, gloo or MPI at exit.
+    assert [x for x in output.splitlines() if x.strip()] == \
+        [x for x in output.splitlines() if x.endswith(": results right")], output[-3000:]
 
 
 POSTED_JOB = textwrap.dedent('''

@@ -251,6 +251,7 @@ def test_torchrun_one_task_per_node(slurm, jobs):
     layout_matches_slurm(result)
 
 
+@pytest.mark.one_cell  # the template's srun --mpi=<family> launch is the cpu job's (test_cpu_srun_spans_two_nodes)
 def test_tests_template_runs_pytest_mpi(slurm, tmp_path):
     script = render("tests", "--nodes", "2", "--ntasks-per-node", "2", "--time", "10", "--", sys.executable, "-m",
                     "pytest", "--with-mpi", "-m", "mpi", "-q", "-p", "no:cacheprovider", "tests/test_reduce.py",
