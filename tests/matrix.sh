@@ -18,7 +18,9 @@
 # The torch 2.14/2.15 wheels are CUDA builds with their nvidia wheels (about 4 GB to download, 5.4 GB
 # installed, about 2 minutes to install here; they run without a GPU).  One torch install serves every
 # cell of that version: the cell's venv holds its MPI wheel, mpi4py and hpccomm, and sees torch through
-# a .pth file naming the shared torch venv (one MPI wheel per venv: each writes lib/libmpi.so).
+# a .pth file naming the shared torch venv (one MPI wheel per venv: each writes lib/libmpi.so).  The
+# venvs of the cells after the primary one, up to the first CUDA torch's last cell, are made in the
+# background while the primary cell's tests run (start_prefetch, below).
 #
 # Disk: a CI machine may have little (CI's run of 471c8e8 ran out of space installing the second CUDA
 # torch).  So installs here keep no pip cache (it would hold a second copy of every wheel), the cells
@@ -107,9 +109,13 @@ wheel_venv() {
     echo "$dir"
 }
 
-# The venv of a cell: its MPI wheel, mpi4py and hpccomm (editable), torch from torch_venv.
+# The venv of a cell: its MPI wheel, mpi4py and hpccomm (editable), torch from torch_venv; one made
+# in the background this run (start_prefetch, below) as it is.
 cell_venv() {
     local cell=$1 version=$2 extra=$3 dir
+    if [ -e "$prefetched/$cell" ]; then
+        echo ".venv-$cell"; return 0
+    fi
     if [ "$cell" = 2.13-wheel ]; then
         wheel_venv ".venv-$cell" "$version" "$extra"; return
     fi
@@ -159,39 +165,67 @@ prune_torch() {
     echo "== removed $dir and its cells' venvs: made by this run, needed by no later cell ($(free_disk))"
 }
 
-# The first CUDA torch of the run is installed in the background while the cells of the CPU torch before
-# it run: its download and unpacking wait on the network and the disk, those cells' tests on the CPU
-# (the 2.15 install took 79-88 s of the run's time in the foreground).  Only when the run starts with
-# the primary cell's CPU torch, so that one CUDA torch at most is on disk at any time (the venvs of
-# later versions are made when their cell comes, after the one before is removed).  The cell that
-# needs it waits for it; if it failed, the cell makes the venv itself as before (retried twice).
-prefetch_version="" prefetch_pid="" prefetch_log=$times/prefetch-torch.log
+# The venvs of the cells after the first are made in the background while the first cell's tests run:
+# their downloads and unpacking wait on the network and the disk, those tests on the CPU (in the
+# foreground the installs took 47-88 s a cell: 2.15's torch 79-88 s, the wheel cell's build and
+# frameworks 55 s, each 2.15 cell's MPI wheel and hpccomm 22-25 s).  Only when the run starts with the
+# primary cell's CPU torch, and only up to the first CUDA torch's last cell, so that one CUDA torch at
+# most is on disk at any time (the venvs of later versions are made when their cell comes, after the
+# one before is removed).  It starts once the first cell's venv is made (two builds of the checkout at
+# once would both write its egg-info).  A cell made in the background is marked in
+# $times/prefetched/; the first cell that needs one waits for the whole background job; a cell whose
+# venv the background could not make makes it itself as before (retried twice).
+prefetch_cells="" prefetch_pid="" prefetch_log=$times/prefetch.log prefetched=$times/prefetched
 primary_version=$(torch_version "$("$py" tests/cells.py cells | tr -s ' \n' '\n\n' | head -1)")
-first_version=$(torch_version "${cells%% *}")
-if [ "$first_version" = "$primary_version" ]; then
+if [ "$(torch_version "${cells%% *}")" = "$primary_version" ]; then
+    cuda="" skip=1
     for c in $cells; do
+        [ -n "$skip" ] && { skip=""; continue; }   # the first cell makes its own venv, in the foreground
         v=$(torch_version "$c")
-        if [ "$v" != "$primary_version" ]; then prefetch_version=$v; break; fi
+        if [ "$v" != "$primary_version" ]; then
+            [ -z "$cuda" ] && cuda=$v
+            [ "$v" != "$cuda" ] && break   # a second CUDA torch: made when its cell comes
+        fi
+        prefetch_cells="$prefetch_cells $c"
     done
 fi
-if [ -n "$prefetch_version" ]; then
-    mkdir -p "$times"
-    echo "== installing torch $prefetch_version in the background (log: $prefetch_log; $(free_disk))"
-    ( torch_venv "$prefetch_version" ) > "$prefetch_log" 2>&1 &
+
+# The venvs of $prefetch_cells, one after the other (a torch venv with the first cell that needs it).
+prefetch() {
+    local c
+    for c in $prefetch_cells; do
+        echo "== $c: making its venv in the background ($(free_disk))"
+        if cell_venv "$c" "$(torch_version "$c")" "$("$py" tests/cells.py spec "$c" | cut -d'|' -f2)" > /dev/null; then
+            touch "$prefetched/$c"
+        else
+            echo "!! $c: could not make its venv in the background"
+        fi
+    done
+    echo "== the background installs ended ($(free_disk))"
+}
+
+start_prefetch() {
+    [ -n "$prefetch_cells" ] || return 0
+    mkdir -p "$prefetched"
+    echo "== making the venvs of$prefetch_cells in the background (log: $prefetch_log; $(free_disk))"
+    prefetch_start=$SECONDS
+    prefetch > "$prefetch_log" 2>&1 &
     prefetch_pid=$!
     trap '[ -n "$prefetch_pid" ] && { pkill -P "$prefetch_pid"; kill "$prefetch_pid"; } 2>/dev/null' EXIT
-fi
+}
 
-# Before a cell of torch $1 makes its venv: wait for the background install of that torch, if any.
+# Before cell $1 makes its venv: wait for the background installs, if they include it.
 await_prefetch() {
-    [ -n "$prefetch_pid" ] && [ "$1" = "$prefetch_version" ] || return 0
-    local rc=0
-    wait "$prefetch_pid" || rc=$?
+    [ -n "$prefetch_pid" ] && [[ " $prefetch_cells " == *" $1 "* ]] || return 0
+    local c made="" missed=""
+    wait "$prefetch_pid"
     prefetch_pid=""
-    if [ $rc -eq 0 ]; then
-        echo "== torch $1: installed in the background ($(tail -1 "$prefetch_log"))" >&2
-    else
-        echo "!! torch $1: the background install failed (exit $rc); its log's end:" >&2
+    for c in $prefetch_cells; do
+        if [ -e "$prefetched/$c" ]; then made="$made $c"; else missed="$missed $c"; fi
+    done
+    echo "== made in the background, $(( SECONDS - prefetch_start )) s after it began:${made:- none}" >&2
+    if [ -n "$missed" ]; then
+        echo "!! not made in the background:$missed (each makes its venv when it comes); the log's end:" >&2
         tail -5 "$prefetch_log" >&2
     fi
 }
@@ -207,8 +241,9 @@ for cell in $cells; do
     start=$SECONDS
     mkdir -p "$times/$cell"
     echo "==== cell $cell: torch $version, $family ($(free_disk))"
-    await_prefetch "$version"   # (here, not in cell_venv: $(...) runs in a subshell, which cannot wait for it)
+    await_prefetch "$cell"   # (here, not in cell_venv: $(...) runs in a subshell, which cannot wait for it)
     venv=$(cell_venv "$cell" "$version" "$family") || venv=""
+    [ $position -eq 1 ] && start_prefetch
     printf 'install\t%s\t%s\n' $(( SECONDS - start )) "$([ -n "$venv" ] && echo ok || echo failed)" \
         >> "$times/$cell/phases.tsv"
     if [ -n "$venv" ]; then   # the torch the cell really got, whatever pip was told
