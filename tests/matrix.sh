@@ -26,7 +26,8 @@
 # torch).  So installs here keep no pip cache (it would hold a second copy of every wheel), the cells
 # of one torch version run one after the other, and a torch venv this run made is removed, with the
 # cell venvs that lean on it, once no later cell of the run needs it; venvs that were there before the
-# run are kept.  At most one CUDA torch is on disk at a time: about 7 GB at the peak besides the clone.
+# run are kept.  At most one CUDA torch is on disk at a time: about 9 GB at the peak besides the clone
+# (the primary cell's venv, and the wheel cell's and 2.15's made beside it in the background).
 # An install that fails (the network dropped, say) is retried twice from an empty venv.
 #
 # pip runs with tests/constraints.txt as its only constraints, whatever the machine's or the user's pip
