@@ -104,9 +104,14 @@ class Cell:
     primary: bool = False
 
     @property
+    def ulfm(self) -> bool:
+        """Whether its MPI family can survive a lost rank (Open MPI's ULFM): else it leaves ``ulfm_only`` out."""
+        return self.family == "openmpi"
+
+    @property
     def mark(self) -> str:
         """The marker expression tests/run.sh adds to both phases."""
-        parts = ([] if self.primary else ["not one_cell"]) + ([] if self.family == "openmpi" else ["not ulfm_only"])
+        parts = ([] if self.primary else ["not one_cell"]) + ([] if self.ulfm else ["not ulfm_only"])
         return " and ".join(parts)
 
 
@@ -187,7 +192,8 @@ def sizes_of(entry: str, cell_sizes) -> tuple:
 def files_at(n: int, entries) -> list:
     """The test files of the MPI suite entries (``"ops"``, ``"large@2"``) that run at world size ``n``
     (an entry without ``@`` runs at every size)."""
-    return suite_files([split(e)[0] for e in entries if split(e)[1] is None or int(n) in split(e)[1]])
+    parsed = [split(e) for e in entries]
+    return suite_files([name for name, sizes in parsed if sizes is None or int(n) in sizes])
 
 
 def suite_files(names) -> list:
@@ -229,7 +235,7 @@ def check(suites=None, cells=None, on_disk=None) -> list:
     if len(primaries) != 1:
         problems.append(f"{len(primaries)} primary cells: there must be one, which runs the whole suite")
     for c in primaries:
-        left = [s for s in every if s not in c.mpi or s not in c.unit]  # (an entry with @ sizes is not the suite)
+        left = [s for s in every if s not in c.mpi or s not in c.unit]
         if left or sorted(c.sizes) != [1, 2, 3, 4]:
             problems.append(f"the primary cell {c.name} runs suites {sorted(set(c.mpi) & set(c.unit))} at sizes "
                             f"{list(c.sizes)}: it runs the whole suite at 1, 2, 3 and 4")
@@ -268,7 +274,7 @@ def plan(tests, cells=None) -> dict:
         mpi_sizes = {f: sizes_of(e, c.sizes) for e in c.mpi for f in suite_files([e])}  # file -> its sizes
         for t, marks in tests.items():
             path = t.split("::")[0]
-            if ("one_cell" in marks and not c.primary) or ("ulfm_only" in marks and c.family != "openmpi"):
+            if ("one_cell" in marks and not c.primary) or ("ulfm_only" in marks and not c.ulfm):
                 continue
             if "mpi" not in marks and path in unit_files:
                 where[t].add((c.name, "unit"))

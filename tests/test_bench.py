@@ -190,13 +190,13 @@ def test_short_sweep_every_op_all_backends(tmp_path):
     per sample (``--batch 2``: back to back, as a sample of small ops is timed), not the hundred that
     ``--batch auto`` gives small sizes: what is checked is every op's results and the output's form."""
     js, cs, png = tmp_path / "b.json", tmp_path / "b.csv", tmp_path / "b.png"
-    proc = bench(tmp_path, "--ops", "all", "-b", "8", "-e", "128K", "-f", "16", "-n", "3", "-w", "1", "--batch", "2",
-                 "--compare", "gloo,mpi4py", "--stats", "--json", js, "--csv", cs, "--plot", png)
+    args = ["--ops", "all", "-b", "8", "-e", "128K", "-f", "16", "-n", "3", "-w", "1", "--batch", "2",
+            "--compare", "gloo,mpi4py", "--stats", "--json", js, "--csv", cs]
+    proc = bench(tmp_path, *args, "--plot", png)
     out = proc.stdout + proc.stderr
     if not _plot_available():  # then --plot must refuse up front, clearly
         assert proc.returncode == 2 and "--plot needs matplotlib" in out, out[-3000:]
-        proc = bench(tmp_path, "--ops", "all", "-b", "8", "-e", "128K", "-f", "16", "-n", "3", "-w", "1",
-                     "--batch", "2", "--compare", "gloo,mpi4py", "--stats", "--json", js, "--csv", cs)
+        proc = bench(tmp_path, *args)
         out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     for col in ("size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "out-of-place",
