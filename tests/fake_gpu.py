@@ -433,6 +433,17 @@ class FakeNCCL:
                 raise NcclRefused("Cannot use ReduceOp.AVG with boolean inputs")
             if kind == _R.PREMUL_SUM and any(not t.dtype.is_floating_point for t in tensors):
                 raise NcclRefused("PreMulSum Data type must be half, float, bfloat16 or double")
+            # Two PREMUL_SUM calls real NCCL takes and answers wrongly, without an error (seen on an H200, torch
+            # 2.11 + NCCL 2.28.9, 2026-11-28; docs/gpu.md "Verified where"): refused here, so a route that hands
+            # NCCL either fails a CPU test.  bfloat16: torch's ProcessGroupNCCL passes a host factor to NCCL as a
+            # 4-byte float where NCCL reads 2 bytes (a power of two reads as zero: all zeros; pytorch#190745)
+            # and refuses a bfloat16 device factor.  A one-rank communicator: the reduce_scatter forms returned
+            # the unscaled sum (the factor dropped).
+            if kind == _R.PREMUL_SUM and any(t.dtype == torch.bfloat16 for t in tensors):
+                raise NcclRefused(f"{method}: bfloat16 PREMUL_SUM (torch's NCCL group reads its factor wrongly: "
+                                  "pytorch#190745)")
+            if kind == _R.PREMUL_SUM and self._size == 1:
+                raise NcclRefused(f"{method}: PREMUL_SUM in a one-rank communicator (NCCL drops the factor)")
         self._communicator()
 
     # -- running -----------------------------------------------------------------

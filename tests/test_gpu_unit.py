@@ -1623,3 +1623,22 @@ def test_docs_hold_the_nccl_route_matrix():
     table = nccl_wire.markdown_table(nccl_torch.ABILITY, dtypes)
     page = (Path(__file__).resolve().parent.parent / "docs" / "gpu.md").read_text()
     assert table in page, table
+
+
+@pytest.mark.parametrize("dtype,size,native", [(torch.float32, 2, True), (torch.float64, 4, True),
+                                               (torch.float16, 3, True), (torch.bfloat16, 2, False),
+                                               (torch.bfloat16, 1, False), (torch.float32, 1, False)])
+def test_premul_sum_goes_to_torchs_nccl_only_where_nccl_gets_it_right(dtype, size, native):
+    """PREMUL_SUM is handed to torch's NCCL group as it is only where the H200 run found it right: not
+    for bfloat16 (torch passes the factor in the wrong width: zeros, pytorch#190745), not in a one-rank
+    communicator (reduce_scatter dropped the factor); there it is SUM of a scaled copy, the CPU path's way."""
+    from hpccomm._gpu import nccl_wire
+
+    form = nccl_wire.reduction_form(nccl_torch.ABILITY, dtype, compat.RedOpType.PREMUL_SUM, 2.0, size)
+    assert form is not None
+    if native:
+        assert form.name == "native" and form.kind is None, form
+    else:
+        assert form.name.startswith("PREMUL_SUM as SUM of a scaled copy") and form.kind == compat.RedOpType.SUM, form
+        value = torch.tensor([1.5, -2.0], dtype=dtype)
+        assert torch.equal(form.convert(value), value * 2)

@@ -73,7 +73,10 @@ ABILITY = Ability(
     redops=frozenset({RedOpType.SUM, RedOpType.PRODUCT, RedOpType.MIN, RedOpType.MAX, RedOpType.AVG,
                       RedOpType.PREMUL_SUM}),
     avg=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
-    premul=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
+    # (not bfloat16: torch's group hands NCCL a host factor as a 4-byte float where NCCL reads 2 bytes, so a
+    # power of two reads as zero, and refuses a bfloat16 device factor: pytorch#190745, seen on an H200 with
+    # torch 2.11; hpccomm scales a copy and sums instead, on every torch)
+    premul=frozenset({torch.float16, torch.float32, torch.float64}),
 )
 
 

@@ -18,7 +18,9 @@ the CPU path is exact:
   int16/uint16 widened to int32 and narrowed back (wrapping as the CPU path
   does); complex SUM/AVG/PREMUL_SUM on the real view; integer AVG as SUM and
   then hpccomm's own truncating division (the CPU path's step); PREMUL_SUM
-  where NCCL has none as SUM of a scaled copy (the CPU path's way);
+  where NCCL has none, or gets it wrong (bfloat16 through torch's group, any
+  dtype in a one-rank communicator: :class:`Ability`), as SUM of a scaled copy
+  (the CPU path's way);
 - what has no exact rewrite (integer bitwise ops, bool BXOR, complex PRODUCT)
   is not NCCL's: :func:`rewrite` returns None and the call goes to the
   group's fallback route (CUDA-aware MPI, else staged), the same on every rank
@@ -56,15 +58,20 @@ _BOOL = {_R.SUM: _R.MAX, _R.PRODUCT: _R.MIN, _R.MIN: _R.MIN, _R.MAX: _R.MAX, _R.
 class Ability:
     """What one NCCL transport takes: ``dtypes`` it moves and reduces,
     ``redops`` (RedOpTypes) it reduces with, ``avg`` the dtypes it averages
-    itself, ``premul`` the dtypes it has PREMUL_SUM for, ``declared`` the
-    attribute of an op's declaration that holds how the transport calls it
-    (hpccomm._ops.op.Op ``nccl``, ``cupy``): an op without one is not its."""
+    itself, ``premul`` the dtypes it has PREMUL_SUM for (right: a dtype whose
+    PREMUL_SUM answers wrongly is left out), ``premul_one_rank`` whether its
+    PREMUL_SUM is right in a one-rank communicator (NCCL 2.28's reduce_scatter
+    there drops the factor: measured, docs/gpu.md "Verified where"),
+    ``declared`` the attribute of an op's declaration that holds how the
+    transport calls it (hpccomm._ops.op.Op ``nccl``, ``cupy``): an op without
+    one is not its."""
 
     dtypes: frozenset
     redops: frozenset
     avg: frozenset
     premul: frozenset
     declared: str = "nccl"
+    premul_one_rank: bool = False
 
 
 @dataclass(frozen=True)
@@ -125,11 +132,12 @@ def _size(dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
 
-def reduction_form(ability: Ability, dtype: torch.dtype, kind: RedOpType, factor=None) -> Optional[Form]:
-    """How ``dtype`` reduces with ``kind`` on an NCCL of ``ability``, or None
-    when no exact rewrite exists (the call goes to the fallback route).
-    ``factor``: PREMUL_SUM's.  Only pairs hpccomm's checks accepted reach here
-    (no bool AVG, no float8 reduction)."""
+def reduction_form(ability: Ability, dtype: torch.dtype, kind: RedOpType, factor=None,
+                   size: int = 2) -> Optional[Form]:
+    """How ``dtype`` reduces with ``kind`` on an NCCL of ``ability`` in a
+    communicator of ``size`` ranks, or None when no exact rewrite exists (the
+    call goes to the fallback route).  ``factor``: PREMUL_SUM's.  Only pairs
+    hpccomm's checks accepted reach here (no bool AVG, no float8 reduction)."""
     average = False
     if kind == _R.AVG and not (dtype in ability.avg and _R.AVG in ability.redops):
         kind, average = _R.SUM, True  # hpccomm divides after a SUM: the CPU path's own step
@@ -140,7 +148,7 @@ def reduction_form(ability: Ability, dtype: torch.dtype, kind: RedOpType, factor
         view = _same if torch.bool in ability.dtypes else (lambda t: t.view(torch.uint8))
         return Form(f"bool {kind.name} as {mapped.name}", view, mapped, average)
     if kind == _R.PREMUL_SUM:
-        if dtype in ability.premul and _R.PREMUL_SUM in ability.redops:
+        if dtype in ability.premul and _R.PREMUL_SUM in ability.redops and (size > 1 or ability.premul_one_rank):
             return Form("native", _same, None)
         if dtype.is_complex and isinstance(factor, torch.Tensor) and factor.is_complex():
             return None  # a complex factor does not scale the real view componentwise
@@ -228,7 +236,7 @@ def rewrite(ability: Ability, op, args: tuple, rank: int, size: int) -> Optional
         kind = reduce_op_type(redop)
         factor = premul_sum_factor(redop) if kind == _R.PREMUL_SUM else None
         dtype = next(tensors_in(args[:1])).dtype
-        form = reduction_form(ability, dtype, kind, factor)
+        form = reduction_form(ability, dtype, kind, factor, size)
         if form is None:
             return None
     before: list = []
