@@ -71,14 +71,16 @@ def routes(group=None) -> dict:
     Example::
 
         hpccomm.gpu.routes()
-        # {'cuda:0': {'reduction': 'nccl', 'movement': 'mpi', 'p2p': 'mpi', 'fallback': 'mpi', 'reason': '...'}}
+        # {'cuda:0': {'reduction': 'nccl', 'movement': 'mpi', 'p2p': 'mpi', 'fallback': 'mpi', 'reason': '...',
+        #             'reduce_scatter': 'nccl'}}
     """
     from ._gpu import group_routes
 
     out = {}
     for device, r in group_routes.routes_of(_group(group)).items():
         out[device] = r if isinstance(r, str) else {"reduction": r.reduction, "movement": r.movement,
-                                                     "p2p": r.p2p, "fallback": r.fallback, "reason": r.reason}
+                                                     "p2p": r.p2p, "fallback": r.fallback, "reason": r.reason,
+                                                     "reduce_scatter": r.reduce_scatter or r.reduction}
     return out
 
 
@@ -143,7 +145,8 @@ def info(everyone: bool = False) -> dict:
 
     Keys: ``mpi_cuda_aware`` (yes/no/unknown), ``mpi_cuda_aware_how``,
     ``mpi_cuda_advice`` (what would make it CUDA-aware, when it is not),
-    ``mpi_device_reductions``, ``nccl_torch``, ``nccl_cupy`` (yes/no with how),
+    ``mpi_device_reductions``, ``mpi_device_movement``, ``mpi_device_reduce_scatter``, ``nccl_torch``,
+    ``nccl_cupy`` (yes/no with how),
     ``gpu_count``, ``gpu_transport`` (the setting), ``cpu_transport``,
     ``cuda_routes`` (the routes a group takes for its CUDA tensors, per op
     family, and why, or why none: a group of this rank alone, or of every
@@ -189,6 +192,8 @@ def info(everyone: bool = False) -> dict:
         "mpi_cuda_advice": caps.mpi_cuda.advice or "-",
         "mpi_device_reductions": f"{caps.mpi_device_reductions.word()} ({caps.mpi_device_reductions.how})",
         "mpi_device_movement": f"{caps.mpi_device_movement.word()} ({caps.mpi_device_movement.how})",
+        "mpi_device_reduce_scatter": f"{caps.mpi_device_reduce_scatter.word()} "
+                                     f"({caps.mpi_device_reduce_scatter.how})",
         "nccl_torch": f"{caps.nccl_torch.word()} ({caps.nccl_torch.how})",
         "nccl_cupy": f"{caps.nccl_cupy.word()} ({caps.nccl_cupy.how})",
         "gpu_count": count.value,

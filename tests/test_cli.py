@@ -282,6 +282,7 @@ def _view(rank: int, size: int, host: str = "n1", launcher: str = "openmpi") -> 
                 "gpu_count": 0, "gpu_transport": "auto", "cpu_transport": "mpi (host memory)",
                 "mpi_cuda_advice": "-", "mpi_device_reductions": "unknown (not CUDA-aware)",
                 "mpi_device_movement": "unknown (not CUDA-aware)",
+                "mpi_device_reduce_scatter": "unknown (not CUDA-aware)",
                 "cuda_routes": "reduction: staged, movement: staged, p2p: staged (fallback staged): ...",
                 "gpu_binding": "none: not bound yet"},
         "pid": 1000 + rank,

@@ -33,7 +33,7 @@ from helpers import hgroup, Problems, assert_close, verdict_comm  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, pytest.mark.mpi]
 R = dist.ReduceOp
-TRANSPORTS = ["mpi", "nccl", "staged", "auto"]
+TRANSPORTS = ["mpi", "composed", "nccl", "staged", "auto"]
 
 
 def _device():
@@ -71,7 +71,7 @@ def transport(request, world, groups):
             ran |= {route.split(" ")[0] for route in hpccomm.gpu.taken(pg).values()}
             for table in hpccomm.gpu.routes(pg).values():  # (what NCCL cannot take goes to the fallback)
                 allowed |= {table} if isinstance(table, str) else \
-                    {table["reduction"], table["movement"], table["p2p"], table["fallback"]}
+                    {table["reduction"], table["movement"], table["p2p"], table["fallback"], table["reduce_scatter"]}
         if name in ("mpi", "staged"):
             allowed = {name}
         assert ran and ran <= allowed, f"transport {name}: the ops ran on {ran or 'no transport'}, not {allowed}"

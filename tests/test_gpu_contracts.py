@@ -36,7 +36,8 @@ FAKE = gpu_sequence.Device(to_device=DEVICE.tensor, to_host=lambda t: DEVICE.val
 
 
 @contextlib.contextmanager
-def fake_gpus(shared=False, mpi_cuda=True, nccl=True, reductions=None, streams=FakeStreams, movement=None):
+def fake_gpus(shared=False, mpi_cuda=True, nccl=True, reductions=None, streams=FakeStreams, movement=None,
+              scatter=None):
     """The world group's CUDA routes over the fakes: each rank on a GPU of its
     own (or all on one), with the findings given; NCCL's own channel a
     duplicate of the group's communicator.  Every rank enters it together."""
@@ -45,7 +46,8 @@ def fake_gpus(shared=False, mpi_cuda=True, nccl=True, reductions=None, streams=F
     gpu = ("node", "GPU-0" if shared else f"GPU-{rank}")
     channel = g.comm.Dup()
     caps = select.Capabilities(Finding(mpi_cuda, f"injected {mpi_cuda}"), Finding(nccl, "injected"),
-                               Finding(False, "injected"), Finding(reductions, "injected"), Finding(movement, "injected"))
+                               Finding(False, "injected"), Finding(reductions, "injected"), Finding(movement, "injected"),
+                               Finding(scatter, "injected"))
     made = {}
 
     def nccl_transport(device, reason):
@@ -90,7 +92,8 @@ def fake_gpu_comm():
 
 # name -> (setting, ranks share one GPU, CUDA-aware MPI, MPI reduces on the device, MPI moves device memory fast,
 # routes (reduction, movement, p2p, fallback), the same at one rank (who shares a GPU with nobody), receives from
-# any source work, per-family routes forced)
+# any source work, per-family routes forced; optionally, whether the MPI's own reduce_scatter is fast, and then
+# the reduce_scatter ops' route)
 SCENARIOS = {
     "auto-nccl-no-cuda-mpi": ("auto", False, False, None, None, ("nccl", "nccl", "staged", "staged"), None, True, {}),
     "auto-nccl-reductions-mpi-movement": ("auto", False, True, False, True, ("nccl", "mpi", "mpi", "mpi"), None,
@@ -109,6 +112,8 @@ SCENARIOS = {
     "forced-mpi": ("mpi", False, True, None, None, ("mpi",) * 4, None, True, {}),
     "forced-composed": ("composed", True, True, None, None, ("composed", "mpi", "mpi", "mpi"), None, True, {}),
     "forced-staged": ("staged", True, False, None, None, ("staged",) * 4, None, True, {}),
+    "auto-intel-mpi-shared-gpu": ("auto", True, True, True, False, ("mpi",) * 4, ("mpi", "nccl", "mpi", "mpi"), True,
+                                  {}, False, "composed"),
     "routes-reduction-composed-movement-staged": ("auto", False, True, True, True, ("composed", "staged", "mpi", "mpi"),
                                                   None, True, {"reduction": "composed", "movement": "staged"}),
 }
@@ -119,9 +124,11 @@ SCENARIOS = {
 def test_routes_match_the_cpu_path(world, name):
     """Each scenario's routes are the ones the table names, and run a random
     sequence of ops on fake device tensors with the CPU path's results."""
-    setting, shared, mpi_cuda, reductions, movement, expected, alone, any_source, forced = SCENARIOS[name]
+    setting, shared, mpi_cuda, reductions, movement, expected, alone, any_source, forced, *scatter = SCENARIOS[name]
+    fast_scatter, scatter_route = scatter or (None, None)
     rank, size = world
-    with fake_gpus(shared=shared, mpi_cuda=mpi_cuda, reductions=reductions, movement=movement) as made:
+    with fake_gpus(shared=shared, mpi_cuda=mpi_cuda, reductions=reductions, movement=movement,
+                   scatter=fast_scatter) as made:
         hpccomm.gpu.set_transport(setting)
         hpccomm.gpu.set_routes(**forced)
         dist.all_reduce(DEVICE.tensor(torch.ones(2)))  # the group's first collective on the device: its routes
@@ -131,9 +138,14 @@ def test_routes_match_the_cpu_path(world, name):
         assert got == want, (got, want, routes["reason"])
         steps = gpu_sequence.battery(size, any_source) + gpu_sequence.draw(7 + size, 60, size, any_source=any_source)
         report = gpu_sequence.run(0, 0, FAKE, steps=steps)
+        ran = hpccomm.gpu.taken()
         nccl_calls = len(made["nccl"]._make.made[0].calls) if "nccl" in made and made["nccl"].backend else 0
         verdict(report)
     assert (nccl_calls > 0) == ("nccl" in want[:3]), (nccl_calls, want)  # NCCL ran exactly where it is a route
+    assert routes["reduce_scatter"] == (scatter_route or want[0]), routes
+    if scatter_route:  # (routes without NCCL: no call of the battery goes to a fallback, so what ran last is the route)
+        assert ran["reduce_scatter_tensor"] == ran["reduce_scatter"] == scatter_route, ran
+        assert ran["all_reduce"] == ran["reduce"] == want[0], ran
 
 
 @pytest.mark.mpi

@@ -445,6 +445,38 @@ def test_forced_routes_on_top(forced, shared, want):
     assert "HPCCOMM_GPU_ROUTES forces" in routes.reason
 
 
+@pytest.mark.parametrize("on_device,slow_scatter,forced,want", [
+    (True, False, (), ("mpi", "mpi")),
+    (True, None, (), ("mpi", "mpi")),
+    (True, False, (("movement", "staged"),), ("mpi", "mpi")),
+    (True, True, (), ("mpi", "composed")),  # (the default of a library reducing on the device, all_reduce fast)
+    (True, True, (("movement", "staged"),), ("mpi", "composed")),
+    (True, True, (("reduction", "mpi"),), ("mpi", "mpi")),  # (a forced reduction route rules them all)
+    (True, True, (("reduction", "staged"),), ("staged", "staged")),
+    (False, True, (), ("composed", "composed")),
+])
+def test_reduce_scatter_takes_the_composition_where_the_library_s_own_is_slow(on_device, slow_scatter, forced, want):
+    """A library that reduces on the device but runs reduce_scatter far slower (Intel MPI with offload, H200:
+    64 MiB in 52 ms against the composition's 1.0 ms) keeps its all_reduce and sends the reduce_scatter ops
+    (declared ``scatters``) to hpccomm's composition; every member takes the same route."""
+    from hpccomm._ops import registry
+
+    found = None if slow_scatter is None else not slow_scatter  # (the finding: whether it is fast)
+    facts = [select.Facts("auto", None, True, on_device, False, False, ("node0", gpu), True, forced, found)
+             for gpu in ("GPU-0", "GPU-0")]
+    routes = select.route_table(facts)
+    scatters = [op for op in registry.OPS if op.reducing and op.scatters]
+    assert {op.name for op in scatters} == {"reduce_scatter", "reduce_scatter_tensor",
+                                            "reduce_scatter_tensor_coalesced"}
+    others = [op for op in registry.OPS if op.reducing and not op.scatters and not op.p2p]
+    assert {routes.of_op(op) for op in others} == {want[0]}, routes
+    assert {routes.of_op(op) for op in scatters} == {want[1]}, routes
+    assert all(routes.of_op(op) == routes.movement for op in registry.OPS if not op.reducing and not op.p2p)
+    assert (want[1] in routes.names()) and (("reduce_scatter: composed" in routes.summary()) == (want != (
+        want[0], want[0]))), routes.summary()
+    _well_formed(routes.reason)
+
+
 def test_reductions_fall_back_to_the_composition():
     routes = select.route_table(two_ranks("nccl", None, True, False, True, True, False, False))
     assert routes.fallback_for("reduction") == "composed" and routes.fallback_for("movement") == "mpi"
@@ -1338,7 +1370,7 @@ def test_info_dict(MPI):
 
     report = gpu.info()
     assert set(report) == {"mpi_cuda_aware", "mpi_cuda_aware_how", "mpi_cuda_advice", "mpi_device_reductions",
-                           "mpi_device_movement",
+                           "mpi_device_movement", "mpi_device_reduce_scatter",
                            "nccl_torch", "nccl_cupy", "gpu_count", "gpu_transport", "cpu_transport", "cuda_routes",
                            "gpu_binding"}
     assert report["mpi_cuda_aware"] in ("yes", "no", "unknown")

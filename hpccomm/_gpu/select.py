@@ -58,6 +58,8 @@ class Capabilities:
     mpi_device_reductions: Finding = field(default=Finding(None, "not asked"))
     #: whether it moves device memory fast (hpccomm._gpu.probe.device_movement)
     mpi_device_movement: Finding = field(default=Finding(None, "not asked"))
+    #: whether its reduce_scatter is as fast as its all_reduce (hpccomm._gpu.probe.device_reduce_scatter)
+    mpi_device_reduce_scatter: Finding = field(default=Finding(None, "not asked"))
 
 
 @dataclass(frozen=True)
@@ -77,13 +79,14 @@ class Facts:
     mpi_device_movement: Optional[bool] = None
     #: per-family routes forced on top (HPCCOMM_GPU_ROUTES): sorted ``(family, route)`` pairs
     forced: tuple = ()
+    mpi_device_reduce_scatter: Optional[bool] = None
 
     @classmethod
     def of(cls, requested: str, mapped: Optional[str], caps: Capabilities, gpu: tuple = (),
            forced: tuple = ()) -> "Facts":
         return cls(requested, mapped, caps.mpi_cuda.value, caps.mpi_device_reductions.value,
                    bool(caps.nccl_torch.value), bool(caps.nccl_cupy.value), tuple(gpu),
-                   caps.mpi_device_movement.value, tuple(sorted(forced)))
+                   caps.mpi_device_movement.value, tuple(sorted(forced)), caps.mpi_device_reduce_scatter.value)
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,8 @@ class Routes:
     """The transport of each op family for a group's tensors on one device,
     and ``fallback``: where a call an NCCL route cannot take goes (a dtype or
     ReduceOp NCCL lacks with no exact rewrite: hpccomm._gpu.nccl_wire).
+    ``reduce_scatter``: the route of the reductions that scatter (an op
+    declared ``scatters``) where it is not ``reduction``'s ("": the same).
     ``reason`` says why, for the log and ``hpccomm info``."""
 
     reduction: str
@@ -98,9 +103,16 @@ class Routes:
     p2p: str
     fallback: str
     reason: str
+    reduce_scatter: str = ""
 
     def of(self, family: str) -> str:
         return getattr(self, family)
+
+    def of_op(self, op) -> str:
+        """The route of a collective ``op`` (a declaration, hpccomm._ops.op.Op)."""
+        if not op.reducing:
+            return self.movement
+        return self.reduce_scatter if op.scatters and self.reduce_scatter else self.reduction
 
     def fallback_for(self, family: str) -> str:
         """Where a call of ``family`` an NCCL route cannot take goes: reductions
@@ -111,11 +123,14 @@ class Routes:
 
     def names(self) -> tuple:
         """Every transport these routes use (each made once per group and device)."""
-        return tuple(dict.fromkeys((self.reduction, self.movement, self.p2p, self.fallback)))
+        return tuple(dict.fromkeys((self.reduction, self.movement, self.p2p, self.fallback)
+                                   + ((self.reduce_scatter,) if self.reduce_scatter else ())))
 
     def summary(self) -> str:
-        """``reduction: nccl, movement: mpi, p2p: mpi (fallback mpi)``."""
-        return (f"reduction: {self.reduction}, movement: {self.movement}, p2p: {self.p2p} "
+        """``reduction: nccl, movement: mpi, p2p: mpi (fallback mpi)``; ``reduction: mpi (reduce_scatter:
+        composed), ...`` where the reduce_scatter ops take another route."""
+        scatter = f" (reduce_scatter: {self.reduce_scatter})" if self.reduce_scatter else ""
+        return (f"reduction: {self.reduction}{scatter}, movement: {self.movement}, p2p: {self.p2p} "
                 f"(fallback {self.fallback})")
 
 
@@ -161,7 +176,9 @@ def route_table(facts: Sequence[Facts]) -> Routes:
     ===============================  ==========  =============  =========
     CUDA-aware MPI reducing on the   mpi         mpi            mpi
     device (Intel MPI, offload on)   (nccl if NCCL can serve and the
-                                     library moves data slowly: movement)
+                                     library moves data slowly: movement;
+                                     reduce_scatter composed where the
+                                     library's own is slow: Intel MPI)
     CUDA-aware MPI, NCCL can serve   nccl        mpi            mpi
     CUDA-aware MPI, NCCL cannot      composed    mpi            mpi
     NCCL can serve, MPI not aware    nccl        nccl           staged
@@ -196,8 +213,9 @@ def route_table(facts: Sequence[Facts]) -> Routes:
     for family, name in forced:
         _can_serve(facts, name, f"{ROUTES_VARIABLE} {family}={name}", family)
         chosen[family] = _nccl_name(facts) if name in NCCLS else name
+    scatter = "" if any(family == REDUCTION for family, _ in forced) else routes.reduce_scatter
     return Routes(chosen[REDUCTION], chosen[MOVEMENT], chosen[P2P], routes.fallback,
-                  f"{routes.reason}; {ROUTES_VARIABLE} forces {_forced_text(forced)}")
+                  f"{routes.reason}; {ROUTES_VARIABLE} forces {_forced_text(forced)}", scatter)
 
 
 def _forced_text(forced) -> str:
@@ -259,8 +277,12 @@ def _table(facts: Sequence[Facts]) -> Routes:
         moving = (f"data movement through {nccl} (the MPI library moves device memory slowly)"
                   if movement != MPI else "data movement and point-to-point through CUDA-aware MPI")
         if on_device:
+            slow_scatter = any(f.mpi_device_reduce_scatter is False for f in facts)
+            scatter = ("; reduce_scatter composed of its point-to-point messages and torch's kernels (the "
+                       "library's own reduce_scatter of device memory is slow)") if slow_scatter else ""
             return Routes(MPI, movement, MPI, MPI, f"{VARIABLE}=auto: reductions through CUDA-aware MPI (it reduces "
-                                                   f"on the device); {moving}")
+                                                   f"on the device){scatter}; {moving}",
+                          COMPOSED if slow_scatter else "")
         known = "reduces on the host" if any(f.mpi_device_reductions is False for f in facts) else \
             "is not known to reduce on the device"
         if can_nccl:

@@ -175,6 +175,10 @@ class Op:
     :param recorded_as: its name in torch's flight records where that is not
         ``name`` (``_all_gather_base``): torch's analyser matches ops by it
         (hpccomm._core.flight).
+    :param scatters: a reduce_scatter: each rank receives one block of the
+        reduction; a CUDA-aware MPI may run these far slower than its all_reduce
+        (hpccomm._gpu.select: the route of CUDA ones may differ from the other
+        reductions').
     :param stacked: ``(inputs, outputs)``: whether torch records that list of
         per-rank tensors as one tensor stacked along a new first dimension
         (all_gather's outputs): the analyser compares those sizes with the
@@ -183,14 +187,14 @@ class Op:
 
     __slots__ = ("name", "methods", "legacy", "check", "plan", "key", "composed", "p2p", "reducing", "first",
                  "roles", "nonblocking", "chunkable", "slot", "any_source", "receives", "nccl", "cupy", "recorded_as",
-                 "stacked", "code")
+                 "stacked", "scatters", "code")
 
     def __init__(self, name: str, *, methods: tuple, check: Callable, plan: Callable, key: Optional[Callable] = None,
                  composed: Optional[Callable] = None, legacy: tuple = (), p2p: bool = False, reducing: bool = False,
                  first: str = "out", roles: Optional[Callable] = None, nonblocking: bool = False,
                  chunkable: bool = False, slot: Optional[str] = None, any_source: bool = False,
                  receives: bool = False, nccl: Optional[Callable] = None, cupy: Optional[Callable] = None,
-                 recorded_as: Optional[str] = None, stacked: tuple = (False, False)) -> None:
+                 recorded_as: Optional[str] = None, stacked: tuple = (False, False), scatters: bool = False) -> None:
         self.name, self.methods, self.legacy = name, tuple(methods), tuple(legacy)
         self.check, self.plan, self.composed = check, plan, composed
         self.key = key if key is not None else uncached
@@ -198,7 +202,7 @@ class Op:
         self.nonblocking, self.chunkable, self.slot, self.any_source = nonblocking, chunkable, slot, any_source
         self.receives = receives
         self.nccl, self.cupy = nccl, cupy
-        self.recorded_as, self.stacked = recorded_as or name, stacked
+        self.recorded_as, self.stacked, self.scatters = recorded_as or name, stacked, scatters
         self.code = next(_codes)  # (unique: what distinguishes two ops' cache keys)
 
     def role(self, args, rank: int) -> str:

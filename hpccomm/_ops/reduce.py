@@ -597,18 +597,18 @@ REDUCE = Op(
 REDUCE_SCATTER = Op(
     "reduce_scatter", methods=("reduce_scatter",), check=check_reduce_scatter,
     plan=plan_reduce_scatter, composed=composed_reduce_scatter, reducing=True, nccl=_nccl_reduce_scatter,
-    stacked=(True, False))
+    stacked=(True, False), scatters=True)
 REDUCE_SCATTER_TENSOR = Op(
     "reduce_scatter_tensor", methods=("reduce_scatter_single",),
     legacy=("_reduce_scatter_base",), key=reduce_scatter_tensor_key, check=check_reduce_scatter_tensor,
     plan=plan_reduce_scatter_tensor, composed=composed_reduce_scatter_tensor, reducing=True, nonblocking=True,
     slot="input", nccl=_nccl_reduce_scatter_tensor, cupy=_cupy_reduce_scatter_tensor,
-    recorded_as="_reduce_scatter_base")
+    recorded_as="_reduce_scatter_base", scatters=True)
 REDUCE_SCATTER_TENSOR_COALESCED = Op(
     "reduce_scatter_tensor_coalesced", methods=("reduce_scatter_single_coalesced",),
     legacy=("reduce_scatter_tensor_coalesced",), check=check_reduce_scatter_tensor_coalesced,
     plan=plan_reduce_scatter_tensor_coalesced, composed=composed_reduce_scatter_tensor_coalesced, reducing=True,
-    nccl=_nccl_reduce_scatter_tensor_coalesced)
+    nccl=_nccl_reduce_scatter_tensor_coalesced, scatters=True)
 
 OPS = (ALL_REDUCE, ALL_REDUCE_SPARSE, ALL_REDUCE_COALESCED, REDUCE, REDUCE_SCATTER, REDUCE_SCATTER_TENSOR,
        REDUCE_SCATTER_TENSOR_COALESCED)

@@ -2,7 +2,8 @@
 # The GPU machine's check, one command, no network (docs/testing.md, "On a GPU machine"):
 #
 #   bash tests/gpu/check.sh [OUT]        # OUT: where logs and the summary go (default $OUT, else tests/gpu/out)
-#   DEADLINE=450 (seconds for the whole check; later steps are listed as not run), STEPS=REGEX (only those steps)
+#   DEADLINE=450 (seconds for the whole check; later steps are listed as not run), STEPS=REGEX (only those steps),
+#   BENCH_SIZES=1M,64M (bench_gpu's sizes)
 #
 # For each MPI it finds (the Open MPI wheel, not CUDA-aware: NCCL and staging; Intel MPI from
 # tests/gpu/carry/impi with offload on, and Open MPI 4.1 built with CUDA from tests/gpu/carry/ompi, both
@@ -135,7 +136,7 @@ if [ "$gpu" = 1 ]; then
     done
     for setup in "${setups[@]}"; do
         launch_of "$setup"
-        step "$name-bench-n2" 150 env $envs $launch -n 2 "$PY" -m hpccomm.bench_gpu --compare --sizes 1M,64M \
+        step "$name-bench-n2" 150 env $envs $launch -n 2 "$PY" -m hpccomm.bench_gpu --compare --sizes "${BENCH_SIZES:-1M,64M}" \
             --iters 10 --warmup 3 --json "$OUT/$name-bench.json"
         step "$name-ddp-n2" 120 env $envs $launch -n 2 "$PY" tests/gpu/ddp_check.py --json "$OUT/$name-ddp.json"
     done
