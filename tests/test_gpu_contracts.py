@@ -143,7 +143,7 @@ def test_routes_match_the_cpu_path(world, name):
         verdict(report)
     assert (nccl_calls > 0) == ("nccl" in want[:3]), (nccl_calls, want)  # NCCL ran exactly where it is a route
     assert routes["reduce_scatter"] == (scatter_route or want[0]), routes
-    if scatter_route:  # (routes without NCCL: no call of the battery goes to a fallback, so what ran last is the route)
+    if scatter_route:  # (reductions on MPI routes: none falls back, so what ran last is the route)
         assert ran["reduce_scatter_tensor"] == ran["reduce_scatter"] == scatter_route, ran
         assert ran["all_reduce"] == ran["reduce"] == want[0], ran
 

@@ -79,6 +79,7 @@ class Facts:
     mpi_device_movement: Optional[bool] = None
     #: per-family routes forced on top (HPCCOMM_GPU_ROUTES): sorted ``(family, route)`` pairs
     forced: tuple = ()
+    #: whether its reduce_scatter keeps up with its all_reduce (False: the reduce_scatter ops are composed)
     mpi_device_reduce_scatter: Optional[bool] = None
 
     @classmethod
