@@ -99,7 +99,9 @@ _port.__name__ = "port"
 
 
 #: The op families of CUDA tensors and the routes HPCCOMM_GPU_ROUTES may force (hpccomm._gpu.select).
-GPU_FAMILIES = ("reduction", "movement", "p2p")
+GPU_FAMILIES = ("reduction", "reduce_scatter", "movement", "p2p")
+#: The families that reduce: the ones the ``composed`` route serves.
+GPU_REDUCING = GPU_FAMILIES[:2]
 GPU_ROUTES = ("mpi", "composed", "nccl", "staged")
 
 
@@ -113,7 +115,7 @@ def _routes(raw: str) -> tuple:
         if not sep or family not in GPU_FAMILIES or name not in GPU_ROUTES:
             raise ValueError(f"{item!r} is not FAMILY=ROUTE with FAMILY one of {', '.join(GPU_FAMILIES)} and ROUTE "
                              f"one of {', '.join(GPU_ROUTES)}")
-        if name == "composed" and family != "reduction":
+        if name == "composed" and family not in GPU_REDUCING:
             raise ValueError(f"{item!r}: hpccomm composes reductions only")
         pairs[family] = name
     return tuple(sorted(pairs.items()))
@@ -234,7 +236,8 @@ OPTIONS: dict[str, Option] = {
         Option(
             "HPCCOMM_GPU_ROUTES", _routes, (),
             "The route of single op families of CUDA tensors, forced on top of HPCCOMM_GPU_TRANSPORT: "
-            "'reduction=composed,movement=nccl' (families: reduction, movement, p2p; routes: mpi, composed "
+            "'reduction=composed,movement=nccl' (families: reduction, reduce_scatter (the reduce_scatter ops; "
+            "it follows a forced reduction route unless named itself), movement, p2p; routes: mpi, composed "
             "(reductions only: hpccomm's ring over the MPI library's point-to-point messages), nccl, staged). "
             "Also hpccomm.gpu.set_routes(group, reduction=...).",
         ),

@@ -48,8 +48,8 @@ def set_routes(group=None, **families) -> None:
     between ops.
 
     :param group: a process group of hpccomm (default: the world group)
-    :param families: ``reduction``, ``movement`` or ``p2p`` = ``mpi``, ``composed`` (reductions only),
-        ``nccl`` or ``staged``
+    :param families: ``reduction``, ``reduce_scatter`` (follows a forced ``reduction`` unless named),
+        ``movement`` or ``p2p`` = ``mpi``, ``composed`` (the two reducing families only), ``nccl`` or ``staged``
     :raises ValueError: for an unknown family or route
 
     Example::
@@ -80,7 +80,7 @@ def routes(group=None) -> dict:
     for device, r in group_routes.routes_of(_group(group)).items():
         out[device] = r if isinstance(r, str) else {"reduction": r.reduction, "movement": r.movement,
                                                      "p2p": r.p2p, "fallback": r.fallback, "reason": r.reason,
-                                                     "reduce_scatter": r.reduce_scatter or r.reduction}
+                                                     "reduce_scatter": r.reduce_scatter}
     return out
 
 

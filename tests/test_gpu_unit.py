@@ -451,8 +451,11 @@ def test_forced_routes_on_top(forced, shared, want):
     (True, False, (("movement", "staged"),), ("mpi", "mpi")),
     (True, True, (), ("mpi", "composed")),  # (the default of a library reducing on the device, all_reduce fast)
     (True, True, (("movement", "staged"),), ("mpi", "composed")),
-    (True, True, (("reduction", "mpi"),), ("mpi", "mpi")),  # (a forced reduction route rules them all)
+    (True, True, (("reduction", "mpi"),), ("mpi", "mpi")),  # (a forced reduction route takes them along)
     (True, True, (("reduction", "staged"),), ("staged", "staged")),
+    (True, True, (("reduce_scatter", "mpi"),), ("mpi", "mpi")),  # (their own family, forced)
+    (True, False, (("reduce_scatter", "composed"),), ("mpi", "composed")),
+    (True, True, (("reduce_scatter", "composed"), ("reduction", "staged")), ("staged", "composed")),
     (False, True, (), ("composed", "composed")),
 ])
 def test_reduce_scatter_takes_the_composition_where_the_library_s_own_is_slow(on_device, slow_scatter, forced, want):
@@ -469,9 +472,11 @@ def test_reduce_scatter_takes_the_composition_where_the_library_s_own_is_slow(on
     assert {op.name for op in scatters} == {"reduce_scatter", "reduce_scatter_tensor",
                                             "reduce_scatter_tensor_coalesced"}
     others = [op for op in registry.OPS if op.reducing and not op.scatters and not op.p2p]
-    assert {routes.of_op(op) for op in others} == {want[0]}, routes
-    assert {routes.of_op(op) for op in scatters} == {want[1]}, routes
-    assert all(routes.of_op(op) == routes.movement for op in registry.OPS if not op.reducing and not op.p2p)
+    assert {routes.of(select.family_of(op)) for op in others} == {want[0]}, routes
+    assert {routes.of(select.family_of(op)) for op in scatters} == {want[1]}, routes
+    assert all(routes.of(select.family_of(op)) == routes.movement for op in registry.OPS
+               if not op.reducing and not op.p2p)
+    assert all(select.family_of(op) == "p2p" for op in registry.OPS if op.p2p)
     assert (want[1] in routes.names()) and (("reduce_scatter: composed" in routes.summary()) == (want != (
         want[0], want[0]))), routes.summary()
     _well_formed(routes.reason)

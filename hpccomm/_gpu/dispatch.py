@@ -7,8 +7,8 @@ for NCCL, the call rewritten into what NCCL takes
 (:mod:`hpccomm._gpu.nccl_wire`):
 
 - a collective takes its group's route for that device and the op's family
-  (reductions or data movement; the reduce_scatter ops may have their own,
-  hpccomm._gpu.select.Routes), chosen once from every member's findings
+  (reductions, the reduce_scatter ops, data movement:
+  hpccomm._gpu.select.family_of), chosen once from every member's findings
   (hpccomm._gpu.agreement) and kept on the group
   (hpccomm._gpu.group_routes);
 - a point-to-point op takes the route its rank chose alone;
@@ -72,8 +72,8 @@ def route(group, op, device, args, signature=None):
         name, fallback = state.p2p.get(device) or agreement.p2p_route(group, op.name, device)
     else:
         routes = state.collective.get(device) or agreement.collective_routes(group, op.name, device)
-        family = select.REDUCTION if op.reducing else select.MOVEMENT
-        name, fallback = routes.of_op(op), routes.fallback_for(family)
+        family = select.family_of(op)
+        name, fallback = routes.of(family), routes.fallback_for(family)
     made = transports.made(group, device, name)
     if not made.delegates:
         state.ran[op.name] = name

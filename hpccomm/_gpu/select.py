@@ -1,7 +1,8 @@
 """Choosing GPU routes: pure logic over the members' findings.
 
-Which route carries a CUDA op depends on the op's family (:data:`OP_FAMILIES`:
-reductions, data movement, point-to-point), on what every member of the group
+Which route carries a CUDA op depends on the op's family (:data:`OP_FAMILIES`,
+:func:`family_of`: reductions, the reduce_scatter ops, data movement,
+point-to-point), on what every member of the group
 has (a CUDA-aware MPI, and how fast it reduces and moves device memory, as
 measured: :mod:`hpccomm._gpu.probe`; NCCL through torch or CuPy) and on whether
 two members share a GPU (NCCL refuses that).  One table decides,
@@ -44,7 +45,18 @@ NCCLS = (NCCL_TORCH, NCCL_CUPY)
 #: The op families a route is chosen for (an op's family: its declaration's ``reducing`` and ``p2p``,
 #: hpccomm._ops.op).
 OP_FAMILIES = config.GPU_FAMILIES
-REDUCTION, MOVEMENT, P2P = OP_FAMILIES
+REDUCTION, REDUCE_SCATTER, MOVEMENT, P2P = OP_FAMILIES
+#: The families that reduce (hpccomm composes these).
+REDUCING = config.GPU_REDUCING
+
+
+def family_of(op) -> str:
+    """The family of a declared op (hpccomm._ops.op.Op): its route is its group's route of that family."""
+    if op.p2p:
+        return P2P
+    if op.reducing:
+        return REDUCE_SCATTER if op.scatters else REDUCTION
+    return MOVEMENT
 
 
 @dataclass(frozen=True)
@@ -96,7 +108,7 @@ class Routes:
     and ``fallback``: where a call an NCCL route cannot take goes (a dtype or
     ReduceOp NCCL lacks with no exact rewrite: hpccomm._gpu.nccl_wire).
     ``reduce_scatter``: the route of the reductions that scatter (an op
-    declared ``scatters``) where it is not ``reduction``'s ("": the same).
+    declared ``scatters``; left out: ``reduction``'s).
     ``reason`` says why, for the log and ``hpccomm info``."""
 
     reduction: str
@@ -106,31 +118,28 @@ class Routes:
     reason: str
     reduce_scatter: str = ""
 
+    def __post_init__(self) -> None:
+        if not self.reduce_scatter:
+            object.__setattr__(self, "reduce_scatter", self.reduction)
+
     def of(self, family: str) -> str:
         return getattr(self, family)
-
-    def of_op(self, op) -> str:
-        """The route of a collective ``op`` (a declaration, hpccomm._ops.op.Op)."""
-        if not op.reducing:
-            return self.movement
-        return self.reduce_scatter if op.scatters and self.reduce_scatter else self.reduction
 
     def fallback_for(self, family: str) -> str:
         """Where a call of ``family`` an NCCL route cannot take goes: reductions
         to hpccomm's composition rather than a library that reduces on the host."""
-        if family == REDUCTION and self.fallback == MPI and self.reduction != MPI:
+        if family in REDUCING and self.fallback == MPI and self.of(family) != MPI:
             return COMPOSED
         return self.fallback
 
     def names(self) -> tuple:
         """Every transport these routes use (each made once per group and device)."""
-        return tuple(dict.fromkeys((self.reduction, self.movement, self.p2p, self.fallback)
-                                   + ((self.reduce_scatter,) if self.reduce_scatter else ())))
+        return tuple(dict.fromkeys((self.reduction, self.movement, self.p2p, self.fallback, self.reduce_scatter)))
 
     def summary(self) -> str:
         """``reduction: nccl, movement: mpi, p2p: mpi (fallback mpi)``; ``reduction: mpi (reduce_scatter:
         composed), ...`` where the reduce_scatter ops take another route."""
-        scatter = f" (reduce_scatter: {self.reduce_scatter})" if self.reduce_scatter else ""
+        scatter = f" (reduce_scatter: {self.reduce_scatter})" if self.reduce_scatter != self.reduction else ""
         return (f"reduction: {self.reduction}{scatter}, movement: {self.movement}, p2p: {self.p2p} "
                 f"(fallback {self.fallback})")
 
@@ -210,13 +219,15 @@ def route_table(facts: Sequence[Facts]) -> Routes:
     forced = facts[0].forced
     if not forced:
         return routes
-    chosen = dict(reduction=routes.reduction, movement=routes.movement, p2p=routes.p2p)
+    chosen = {family: routes.of(family) for family in OP_FAMILIES}
+    named = dict(forced)
+    if REDUCTION in named and REDUCE_SCATTER not in named:
+        chosen[REDUCE_SCATTER] = ""  # (a forced reduction route rules the reduce_scatter ops too)
     for family, name in forced:
         _can_serve(facts, name, f"{ROUTES_VARIABLE} {family}={name}", family)
         chosen[family] = _nccl_name(facts) if name in NCCLS else name
-    scatter = "" if any(family == REDUCTION for family, _ in forced) else routes.reduce_scatter
     return Routes(chosen[REDUCTION], chosen[MOVEMENT], chosen[P2P], routes.fallback,
-                  f"{routes.reason}; {ROUTES_VARIABLE} forces {_forced_text(forced)}", scatter)
+                  f"{routes.reason}; {ROUTES_VARIABLE} forces {_forced_text(forced)}", chosen[REDUCE_SCATTER])
 
 
 def _forced_text(forced) -> str:
@@ -229,7 +240,7 @@ def _can_serve(facts: Sequence[Facts], name: str, why: str, family: str = "") ->
         if facts[0].mpi_cuda is False:
             raise NoTransport(f"{why} but the MPI library is not CUDA-aware. Use a CUDA-aware MPI build (see "
                               f"hpccomm info, [gpu]), or set {VARIABLE}=auto")
-        if name == COMPOSED and family not in ("", REDUCTION):
+        if name == COMPOSED and family not in ("", *REDUCING):
             raise NoTransport(f"{why}: hpccomm composes reductions only; choose mpi, nccl or staged for {family}")
     elif name in NCCLS or name == "nccl":
         if _nccl_name(facts) is None:
