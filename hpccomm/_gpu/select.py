@@ -42,8 +42,8 @@ ROUTES_VARIABLE = "HPCCOMM_GPU_ROUTES"
 #: hpccomm's composed reductions).
 MPI, COMPOSED, NCCL_TORCH, NCCL_CUPY, STAGED = "mpi", "composed", "nccl", "nccl-cupy", "staged"
 NCCLS = (NCCL_TORCH, NCCL_CUPY)
-#: The op families a route is chosen for (an op's family: its declaration's ``reducing`` and ``p2p``,
-#: hpccomm._ops.op).
+#: The op families a route is chosen for (an op's family: its declaration's ``reducing``, ``scatters`` and
+#: ``p2p``, hpccomm._ops.op; :func:`family_of`).
 OP_FAMILIES = config.GPU_FAMILIES
 REDUCTION, REDUCE_SCATTER, MOVEMENT, P2P = OP_FAMILIES
 #: The families that reduce (hpccomm composes these).
