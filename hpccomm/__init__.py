@@ -16,16 +16,10 @@ from __future__ import annotations
 
 import importlib
 
-#: The backend name registered with torch:
-#: ``dist.init_process_group(hpccomm.BACKEND_NAME)`` is ``dist.init_process_group("hpccomm")``.
-#: (Defined before anything is imported: the modules below read it from here.)
-BACKEND_NAME = "hpccomm"
-
-from . import config, errors, launcher  # noqa: E402
+from . import config, errors, launcher
+from ._about import BACKEND_NAME, __version__
 from .errors import ConfigError, HpccommError, InitError, OpError, OpTypeError, OpValueError
 from .launcher import Launch, is_torchelastic_launched
-
-__version__ = "0.1.0"
 
 #: Public names loaded on first use: name -> module.
 _LAZY = {
@@ -41,8 +35,8 @@ _LAZY = {
     "explain": ".debugging",
     "dump_flight_record": ".debugging",
     "Explained": ".debugging",
-    "ProcessGroupHpccomm": ".process_group",
-    "BackendHpccomm": ".backend",
+    "ProcessGroupHpccomm": "._adapters.process_group",
+    "BackendHpccomm": "._adapters.backend",
     "RankFailure": ".errors",
     "Shrunk": ".fault_tolerance",
     "shrink": ".fault_tolerance",

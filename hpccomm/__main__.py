@@ -1,8 +1,9 @@
 """The ``hpccomm`` command.
 
-Each subcommand lives in its own module, which defines ``add_arguments(parser)``
-and ``run(args) -> int``; this file only dispatches.  Nothing in hpccomm
-imports the command-line modules.
+Each subcommand lives in its own module of :mod:`hpccomm.tools`, which defines
+``add_arguments(parser)`` and ``run(args) -> int``; this file only dispatches
+(``python -m hpccomm <subcommand>`` is the same command).  Nothing in the library
+imports the tools.
 """
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import sys
 
 # name -> (module, one-line help).  Modules are imported only when used.
 SUBCOMMANDS = {
-    "info": ("hpccomm._cli_info", "diagnose: versions, MPI library, thread level, launcher, ranks, network, store port, options"),
-    "bench": ("hpccomm.bench", "collective benchmark (run under mpirun)"),
-    "jobs": ("hpccomm.jobs", "SLURM job templates: list, render, submit; preflight checks inside a job"),
+    "info": ("hpccomm.tools.info", "diagnose: versions, MPI library, thread level, launcher, ranks, network, store port, options"),
+    "bench": ("hpccomm.tools.bench", "collective benchmark (run under mpirun)"),
+    "bench-gpu": ("hpccomm.tools.bench_gpu", "CUDA tensors' routes side by side (run under mpirun)"),
+    "jobs": ("hpccomm.tools.jobs", "SLURM job templates: list, render, submit; preflight checks inside a job"),
+    "demo": ("hpccomm.tools.demo", "a few collectives and a short DDP training, checked (run under mpirun)"),
 }
 
 

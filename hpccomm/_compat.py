@@ -4,8 +4,8 @@ The rest of hpccomm imports torch's distributed internals only from here.
 Which adapter torch gets is decided once, here, by feature test (not by
 version number): :func:`py_backend` is True when this torch dispatches a
 Python subclass of its C++ ``Backend`` (the ``PyBackend`` trampoline of
-torch >= 2.14); then hpccomm is a ``Backend`` (``hpccomm.backend``), else a
-whole ``ProcessGroup`` (``hpccomm.process_group``, torch 2.13).
+torch >= 2.14); then hpccomm is a ``Backend`` (``hpccomm._adapters.backend``), else a
+whole ``ProcessGroup`` (``hpccomm._adapters.process_group``, torch 2.13).
 """
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ from ._core import failures, state, ulfm
 from ._core.failures import rank_failure
 from ._start import creator
 from . import _compat as compat
-from .backend import BackendHpccomm
+from ._adapters.backend import BackendHpccomm
 from .errors import FailedRank, HpccommError, RankFailure
 
 __all__ = ["FailedRank", "RankFailure", "Shrunk", "rank_failure", "shrink"]

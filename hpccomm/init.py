@@ -15,7 +15,7 @@ from . import _mpi
 from ._core import state
 from ._start.bootstrap import DEFAULT_TIMEOUT, RankInfo, _bootstrap, started
 from . import _compat as compat
-from . import BACKEND_NAME
+from ._about import BACKEND_NAME
 from .errors import HpccommError, InitError
 
 __all__ = ["RankInfo", "from_mpi4py", "init_process_group", "local_rank", "local_size", "mpi_comm", "node_index"]

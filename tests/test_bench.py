@@ -15,9 +15,9 @@ import pytest
 from mpilaunch import require
 import torch
 
-import hpccomm.bench as bench_cli
-from hpccomm.bench import ops as B
-from hpccomm.bench import parse_bytes, report
+import hpccomm.tools.bench as bench_cli
+from hpccomm.tools.bench import ops as B
+from hpccomm.tools.bench import parse_bytes, report
 
 # -- nccl-tests' formulas (doc/PERFORMANCE.md), written out independently -----
 NCCL_TESTS_FACTOR = {
@@ -169,9 +169,9 @@ def test_report_table_has_nccl_tests_columns():
 # -- real sweeps under mpirun ---------------------------------------------------
 
 def bench(tmp_path, *args, n: int = 2, limit: int = 150):
-    """``hpccomm.bench ARGS`` on ``n`` ranks, with the MPI family's launcher (tests/mpilaunch.py)."""
+    """``hpccomm.tools.bench ARGS`` on ``n`` ranks, with the MPI family's launcher (tests/mpilaunch.py)."""
     mpi = require()
-    cmd = ["timeout", "--kill-after=10", str(limit), *mpi.argv(n, sys.executable, "-m", "hpccomm.bench",
+    cmd = ["timeout", "--kill-after=10", str(limit), *mpi.argv(n, sys.executable, "-m", "hpccomm.tools.bench",
                                                                *map(str, args))]
     return subprocess.run(cmd, capture_output=True, text=True, env=mpi.env(), cwd=tmp_path)
 
@@ -250,11 +250,11 @@ def test_default_sweep_and_full_sweep():
 
 
 def test_estimate_grows_with_the_sweep():
-    """The estimate (hpccomm.bench.estimate) counts what the sweep runs: more
+    """The estimate (hpccomm.tools.bench.estimate) counts what the sweep runs: more
     bytes, ops or backends take longer; the default sweep with every backend
     is estimated at about a minute (its measured time on the 2-core machine:
     docs/benchmarks.md)."""
-    from hpccomm.bench import estimate
+    from hpccomm.tools.bench import estimate
     p = argparse.ArgumentParser()
     bench_cli.add_arguments(p)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from mpilaunch import require
 
-from hpccomm import _cli_info as info
+from hpccomm.tools import info
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 120
@@ -257,7 +257,7 @@ OPEN_MPI = "Open MPI v5.0.11, package: Open MPI user@localhost Distribution, ide
 
 
 def _view(rank: int, size: int, host: str = "n1", launcher: str = "openmpi") -> dict:
-    """A rank's view as :func:`hpccomm._cli_info.collect` makes it (same fields)."""
+    """A rank's view as :func:`hpccomm.tools.info.collect` makes it (same fields)."""
     return {
         "versions": {"hpccomm": "0.1.0", "torch": "2.13.0+cpu", "mpi4py": "4.1.2", "numpy": "2.4.6",
                      "python": "3.11.7"},

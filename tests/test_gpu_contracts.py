@@ -343,7 +343,7 @@ def test_bench_gpu_rows_run_the_transport_they_name(world):
     """bench_gpu sets each row's transport on every rank and labels the row
     with the route hpccomm says ran (the labels were once the init-time choice
     whatever the row said)."""
-    from hpccomm import bench_gpu
+    from hpccomm.tools import bench_gpu
 
     rank, size = world
     with fake_gpus(mpi_cuda=True, reductions=False, movement=True):
@@ -368,7 +368,7 @@ def test_bench_gpu_rows_run_the_transport_they_name(world):
 def test_bench_gpu_compare_table():
     rows = [{"transport": t, "ran": t, "op": "all_reduce", "bytes": 1024, "time_us": us, "algbw_GBps": 1.0,
              "busbw_GBps": 2.0, "correct": True} for t, us in (("nccl", 10.0), ("staged", 40.0), ("gloo", 20.0))]
-    lines = __import__("hpccomm.bench_gpu").bench_gpu.compare_table(rows).splitlines()
+    lines = __import__("hpccomm.tools.bench_gpu").tools.bench_gpu.compare_table(rows).splitlines()
     assert lines[0].split()[:4] == ["op", "bytes", "nccl", "us"], lines
     assert lines[1].endswith("nccl 0.50, staged 2.00"), lines
 

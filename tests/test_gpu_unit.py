@@ -991,7 +991,7 @@ def test_nccl_calls_cover_every_op_with_tensors():
     """Every op with tensors has an NCCL form in its declaration, every op is
     reachable from torch (its declaration's methods), and CuPy's forms are
     those of the ops that take one tensor or a pair."""
-    from hpccomm.process_group import ProcessGroupHpccomm
+    from hpccomm._adapters.process_group import ProcessGroupHpccomm
 
     for op in registry.OPS:
         for name in (*op.methods, *op.legacy):

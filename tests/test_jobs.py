@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hpccomm import jobs
+from hpccomm.tools import jobs
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data" / "jobs"
@@ -135,10 +135,10 @@ def test_cli_list_and_render():
 @pytest.mark.parametrize("name", ["cpu", "gpu", "preempt", "tests"])
 def test_srun_templates_ask_the_mpi_library_for_the_plugin(name):
     """MPI_PLUGIN=auto (the default) is replaced in the job by what
-    ``python -m hpccomm.jobs mpi-plugin`` says, before the first srun."""
+    ``python -m hpccomm jobs mpi-plugin`` says, before the first srun."""
     lines = (ROOT / "jobs" / f"{name}.sbatch").read_text().splitlines()
     assert "MPI_PLUGIN=auto" in lines
-    ask = lines.index('if [ "$MPI_PLUGIN" = auto ]; then MPI_PLUGIN=$(python -m hpccomm.jobs mpi-plugin) || exit 1; fi')
+    ask = lines.index('if [ "$MPI_PLUGIN" = auto ]; then MPI_PLUGIN=$(python -m hpccomm jobs mpi-plugin) || exit 1; fi')
     first_srun = next(i for i, line in enumerate(lines) if line.startswith("srun "))
     assert ask < first_srun
 
@@ -245,7 +245,7 @@ def test_endpoint_check():
 @pytest.mark.one_cell
 def test_preflight_no_mpi_refuses_a_loopback_endpoint_on_two_nodes():
     env = {**os.environ, "PYTHONPATH": str(ROOT), "SLURM_JOB_NUM_NODES": "2"}
-    proc = subprocess.run([sys.executable, "-m", "hpccomm.jobs", "preflight", "--no-mpi", "--rdzv-endpoint",
+    proc = subprocess.run([sys.executable, "-m", "hpccomm.tools.jobs", "preflight", "--no-mpi", "--rdzv-endpoint",
                            "127.0.0.1:29500"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert proc.returncode == 1 and "is a loopback address on a 2-node job" in proc.stderr, proc.stderr
 

@@ -33,7 +33,7 @@ PKG = Path(hpccomm.__file__).resolve().parent
 #: Every module of hpccomm, by layer, bottom first (see the module docstring).
 MAP = {
     "foundation: torch's symbols, errors, settings, the launcher's view": [
-        "hpccomm._compat", "hpccomm.errors", "hpccomm.config", "hpccomm.launcher"],
+        "hpccomm._about", "hpccomm._compat", "hpccomm.errors", "hpccomm.config", "hpccomm.launcher"],
     "the MPI layer": ["hpccomm._mpi", "hpccomm._mpi.library"],
     "run-time state and instruments": [
         "hpccomm._core", "hpccomm._core.state", "hpccomm._core.flight", "hpccomm._core.debug_mode", "hpccomm._core.trace",
@@ -45,31 +45,31 @@ MAP = {
     "core services: timeouts, signals, the exit, groups": [
         "hpccomm._core.watchdog", "hpccomm._core.signals", "hpccomm._core.shutdown", "hpccomm._core.group"],
     "GPU transports, and the routes that choose them (a group's routes on the group)": [
-        "hpccomm._gpu", "hpccomm._gpu.streams", "hpccomm._gpu.tensors", "hpccomm._gpu.nccl_wire", "hpccomm._gpu.probe",
+        "hpccomm._gpu", "hpccomm._gpu.streams", "hpccomm._gpu.detect", "hpccomm._gpu.nccl_wire", "hpccomm._gpu.probe",
         "hpccomm._gpu.select", "hpccomm._gpu.once", "hpccomm._gpu.findings", "hpccomm._gpu.binding",
         "hpccomm._gpu.group_routes", "hpccomm._gpu.overrides", "hpccomm._gpu.cuda_mpi", "hpccomm._gpu.staged",
-        "hpccomm._gpu.nccl_torch", "hpccomm._gpu.nccl_cupy", "hpccomm._gpu.transports", "hpccomm._gpu.detect",
+        "hpccomm._gpu.nccl_torch", "hpccomm._gpu.nccl_cupy", "hpccomm._gpu.transports",
         "hpccomm._gpu.agreement", "hpccomm._gpu.delegation", "hpccomm._gpu.dispatch"],
     "the ops, each declared once (checks, signature, plan, GPU forms), and the op path": [
         "hpccomm._ops", "hpccomm._ops.op", "hpccomm._ops.checks", "hpccomm._ops.staging", "hpccomm._ops.composed",
         "hpccomm._ops.gather", "hpccomm._ops.reduce", "hpccomm._ops.scatter", "hpccomm._ops.alltoall",
         "hpccomm._ops.p2p", "hpccomm._ops.registry", "hpccomm._ops.op_path"],
     "the torch adapters": [
-        "hpccomm._methods", "hpccomm.barrier", "hpccomm.backend", "hpccomm.process_group"],
+        "hpccomm.barrier", "hpccomm._adapters", "hpccomm._adapters.methods", "hpccomm._adapters.backend",
+        "hpccomm._adapters.process_group"],
     "start-up": ["hpccomm._start", "hpccomm._start.bootstrap", "hpccomm._start.creator"],
     "the public API": ["hpccomm.init", "hpccomm.fault_tolerance", "hpccomm.debugging", "hpccomm.gpu"],
     "how torch finds hpccomm, and the package": [
         "hpccomm._torch", "hpccomm._torch.plugin", "hpccomm"],
 }
 
-#: Tools on top of the library (``python -m hpccomm.X``, ``hpccomm`` subcommands, the
+#: Tools on top of the library (``hpccomm`` subcommands, ``hpccomm.tools``; the
 #: examples, Horovod's API): like any user they may import anything below, and torch.distributed;
 #: nothing in the library imports them.  (hpccomm.horovod has its own map: tests/test_horovod.py.)
-TOOLS = ("hpccomm.__main__", "hpccomm._cli_info", "hpccomm.bench", "hpccomm.bench_gpu", "hpccomm.demo",
-         "hpccomm.jobs", "hpccomm.examples", "hpccomm.horovod")
+TOOLS = ("hpccomm.__main__", "hpccomm.tools", "hpccomm.examples", "hpccomm.horovod")
 
 #: The tools that may import mpi4py themselves (inside a function): the bench's raw-MPI baselines.
-RAW_MPI = ("hpccomm.bench",)
+RAW_MPI = ("hpccomm.tools.bench",)
 
 #: The modules that drive torch's own API (init, new groups, a shrink) and so import torch.distributed.
 TORCH_DISTRIBUTED = ("hpccomm._compat", "hpccomm._start.creator", "hpccomm.init", "hpccomm.fault_tolerance")
@@ -317,11 +317,11 @@ def test_a_climbing_function_level_import_is_refused():
 
 
 def test_a_module_off_the_map_and_a_tool_import_are_refused():
-    planted = {"hpccomm.low": "from . import demo\n", "hpccomm.new": "", "hpccomm.demo": "from . import low\n",
+    planted = {"hpccomm.low": "from .tools import demo\n", "hpccomm.new": "", "hpccomm.tools.demo": "from .. import low\n",
                "hpccomm": ""}
-    found = violations(planted, ["hpccomm.low", "hpccomm"], tools=("hpccomm.demo",))
+    found = violations(planted, ["hpccomm.low", "hpccomm"], tools=("hpccomm.tools.demo",))
     assert "hpccomm.new: not in the map (tests/test_layers.py MAP): give it its layer" in found, found
-    assert "hpccomm.low:1 imports the tool hpccomm.demo; nothing in the library may" in found, found
+    assert "hpccomm.low:1 imports the tool hpccomm.tools.demo; nothing in the library may" in found, found
 
 
 def test_a_folder_that_climbs_is_refused():
@@ -346,12 +346,12 @@ def test_an_allowed_graph_passes():
 
 
 @pytest.mark.parametrize("module,line", [
-    ("hpccomm._ops.reduce", "from ..process_group import ProcessGroupHpccomm"),
-    ("hpccomm._ops.reduce", "from .. import process_group"),
+    ("hpccomm._ops.reduce", "from .._adapters.process_group import ProcessGroupHpccomm"),
+    ("hpccomm._ops.reduce", "from .._adapters import process_group"),
     ("hpccomm._mpi", "from .._core.group import Group"),
     ("hpccomm.errors", "from .config import get"),
-    ("hpccomm.init", "from . import bench"),
-    ("hpccomm._ops.gather", "from ..demo import say"),
+    ("hpccomm.init", "from .tools import bench"),
+    ("hpccomm._ops.gather", "from ..tools.demo import say"),
     ("hpccomm._core.state", "def f():\n    from .._ops.op_path import run"),
     ("hpccomm._core.record", "from .._ops import checks"),
 ])
@@ -367,10 +367,10 @@ def test_the_map_catches_a_planted_import(module, line):
     ("hpccomm.init", "from torch.distributed import distributed_c10d"),
     ("hpccomm._core.work", "import torch._C._distributed_c10d as c"),
     ("hpccomm._core.group", "import torch.distributed as dist"),
-    ("hpccomm.process_group", "import importlib\nimportlib.import_module('torch.distributed.rendezvous')"),
-    ("hpccomm.bench", "from mpi4py import MPI"),
+    ("hpccomm._adapters.process_group", "import importlib\nimportlib.import_module('torch.distributed.rendezvous')"),
+    ("hpccomm.tools.bench", "from mpi4py import MPI"),
     ("hpccomm.horovod.lifecycle", "def init():\n    from mpi4py import MPI"),
-    ("hpccomm.jobs", "def run():\n    from mpi4py import MPI"),
+    ("hpccomm.tools.jobs", "def run():\n    from mpi4py import MPI"),
     ("hpccomm._core.group", "def f():\n    return __import__('mpi4py').MPI"),
 ])
 def test_only_here_rules_catch(module, source):
@@ -378,8 +378,8 @@ def test_only_here_rules_catch(module, source):
 
 
 @pytest.mark.parametrize("module,source", [
-    ("hpccomm.bench", "def main():\n    from mpi4py import MPI"),
-    ("hpccomm.demo", "import torch.distributed as dist\nimport hpccomm"),
+    ("hpccomm.tools.bench", "def main():\n    from mpi4py import MPI"),
+    ("hpccomm.tools.demo", "import torch.distributed as dist\nimport hpccomm"),
     ("hpccomm.init", "import torch.distributed as dist"),
 ])
 def test_only_here_rules_allow(module, source):

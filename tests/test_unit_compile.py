@@ -21,7 +21,7 @@ names = ["broadcast", "allreduce", "all_gather_single", "_allgather_base", "all_
          "send", "recv", "recv_anysource", "getGroupName"]
 hidden = [getattr(getattr(ProcessGroupHpccomm, n), "_torchdynamo_disable", False) for n in names]
 hidden += [getattr(getattr(Work, n), "_torchdynamo_disable", False) for n in ("wait", "get_future")]
-from hpccomm.backend import BackendHpccomm  # the torch >= 2.14 adapter (its class exists on every torch)
+from hpccomm._adapters.backend import BackendHpccomm  # the torch >= 2.14 adapter (its class exists on every torch)
 hidden += [getattr(getattr(BackendHpccomm, n), "_torchdynamo_disable", False)
            for n in [*(n for n in names[:-1] if n != "_allgather_base"), "start_coalescing", "end_coalescing",
                      "split", "monitored_barrier"]]

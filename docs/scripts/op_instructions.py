@@ -55,7 +55,7 @@ def inner(args) -> int:
     import torch.distributed as dist
 
     import hpccomm
-    from hpccomm.bench import floor, route_name
+    from hpccomm.tools.bench import floor, route_name
 
     warnings.filterwarnings("ignore")
     hpccomm.init_process_group()

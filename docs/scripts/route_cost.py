@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import hpccomm
-from hpccomm.bench import floor
+from hpccomm.tools.bench import floor
 
 hpccomm.init_process_group()
 t = torch.ones(256)

@@ -249,7 +249,7 @@ def snapshot(groups, reason: str = "on request") -> dict:
         _written.clear()
         _written.update(kept)
     entries.sort(key=lambda d: d["record_id"])
-    from .. import __version__
+    from .._about import __version__
 
     return {"version": VERSION, "comm_lib_version": f"hpccomm {__version__} over {_library()}",
             "pg_config": pg_config, "pg_status": pg_status, "entries": entries,

@@ -10,7 +10,7 @@ process's answers; :mod:`~hpccomm._gpu.select` decides from every member's
 facts and :mod:`~hpccomm._gpu.agreement` gathers them; a group's routes,
 settings and transports live on the group (:mod:`~hpccomm._gpu.group_routes`,
 :mod:`~hpccomm._gpu.overrides`, :mod:`~hpccomm._gpu.transports`);
-:mod:`~hpccomm._gpu.detect` finds a call's device, :mod:`~hpccomm._gpu.dispatch`
+:mod:`~hpccomm._gpu.detect` finds a call's device and tensors, :mod:`~hpccomm._gpu.dispatch`
 its route, :mod:`~hpccomm._gpu.delegation` the Work of what NCCL takes;
 :mod:`~hpccomm._gpu.binding` binds ranks to GPUs.  Nothing here runs at
 import: probes run at the first CUDA op or for ``hpccomm info``

@@ -23,8 +23,8 @@ import threading
 
 import torch
 
+from .detect import tensors_in, translate
 from .streams import CudaStreams
-from .tensors import tensors_in, translate
 
 log = logging.getLogger("hpccomm")
 

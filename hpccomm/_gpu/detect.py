@@ -1,18 +1,19 @@
-"""Which CUDA device a call is on, if any.
+"""Which CUDA device a call is on, if any, and the tensors among its arguments.
 
 The op path (hpccomm._ops.op_path) asks :func:`cuda_device` once per call
 it checks (a call of a shape it checked before is a CPU call, found in its
 group's cache): None sends the call to hpccomm's CPU path, a device to the
 route its group takes there (hpccomm._gpu.dispatch).  A call that mixes
 devices is refused before any communication.  :func:`future_devices` says
-which devices the Work of a device call names.
+which devices the Work of a device call names.  :func:`tensors_in` lists a
+call's tensors and :func:`translate` hands the user's tensors back in place of
+a transport's stand-ins (the GPU transports).
 """
 from __future__ import annotations
 
 import torch
 
 from ..errors import OpValueError
-from .tensors import tensors_in
 
 _Tensor = torch.Tensor
 
@@ -26,6 +27,26 @@ def _any_cuda(items) -> bool:
         elif isinstance(a, (list, tuple)) and _any_cuda(a):
             return True
     return False
+
+
+def tensors_in(args):
+    """Every tensor among an op's arguments (nested lists and tuples), in order."""
+    for a in args:
+        if isinstance(a, _Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from tensors_in(a)
+
+
+def translate(result, stand_ins: dict):
+    """``result`` (an op's outputs) with each stand-in tensor replaced by the
+    user's (``stand_ins``: ``id(stand-in) -> user tensor``): a Work's future
+    holds the user's tensors, not a transport's copies."""
+    if isinstance(result, _Tensor):
+        return stand_ins.get(id(result), result)
+    if isinstance(result, (list, tuple)):
+        return type(result)(translate(r, stand_ins) for r in result)
+    return result
 
 
 def cuda_device(group, op, args):

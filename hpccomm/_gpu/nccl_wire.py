@@ -43,7 +43,7 @@ import torch
 
 from .._core.steps import SIGNED, finish_average, overlaps, sign_flipped, signed_view
 from .._compat import ReduceOp, RedOpType, reduce_op_type, premul_sum_factor
-from .tensors import tensors_in
+from .detect import tensors_in
 
 _R = RedOpType
 

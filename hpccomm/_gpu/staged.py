@@ -27,8 +27,8 @@ import threading
 import torch
 
 from .._core.plan import run, steps
+from .detect import translate
 from .streams import CudaStreams
-from .tensors import translate
 
 
 #: The smallest tensor (bytes) whose all_reduce, broadcast or reduce is pipelined, and the chunk size.

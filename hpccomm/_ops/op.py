@@ -146,7 +146,7 @@ class Op:
 
     :param name: the op's name in messages, keys and ``hpccomm.explain``.
     :param methods: torch's method names it serves (``("allreduce",)``): the
-        adapters' methods of those names run it (hpccomm._methods.TorchOps;
+        adapters' methods of those names run it (hpccomm._adapters.methods.TorchOps;
         tests/test_declarations.py holds the two together).
     :param legacy: torch's older names for the same methods, which only the
         ProcessGroup adapter (torch 2.13's route) answers.

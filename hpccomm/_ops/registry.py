@@ -1,6 +1,6 @@
 """Every op hpccomm runs: the declarations of the op family modules, in one list.
 
-The adapters build torch's methods from it (hpccomm._methods), and
+The adapters build torch's methods from it (hpccomm._adapters.methods), and
 :func:`hpccomm.explain` finds an op by its name here.
 """
 from __future__ import annotations

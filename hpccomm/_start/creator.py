@@ -14,14 +14,14 @@ import torch.distributed as dist
 
 from .. import _compat as compat
 from .. import _mpi, config
-from .. import BACKEND_NAME
+from .._about import BACKEND_NAME
+from .._adapters.backend import BackendHpccomm
+from .._adapters.process_group import ProcessGroupHpccomm
 from .._core import comm_thread, failures, signals, state, trace, ulfm
 from .._core import group as _group
 from .._core.watchdog import watchdog
 from .._gpu import binding, overrides
-from ..backend import BackendHpccomm
 from ..errors import ConfigError, InitError
-from ..process_group import ProcessGroupHpccomm
 from .bootstrap import (DEFAULT_TIMEOUT, RankInfo, _configure_logging, _nodes, _start, _text, agree, check_adapter,
                         make_store, rank_info, started)
 

@@ -41,7 +41,7 @@ def register() -> None:
     (see the module docstring).  Idempotent; MPI is not started."""
     _registering[0] = True
     try:
-        from .. import BACKEND_NAME
+        from .._about import BACKEND_NAME
         from .. import _compat as compat
 
         if not compat.distributed_available():
@@ -136,7 +136,8 @@ def _env_or_mpi(env_handler):
 def _alone_asking_for_hpccomm() -> bool:
     """Whether no launcher started this process and the
     ``dist.init_process_group`` being run names the backend hpccomm."""
-    from .. import BACKEND_NAME, launcher
+    from .. import launcher
+    from .._about import BACKEND_NAME
     from .. import _compat as compat
 
     backend = compat.requested_backend()

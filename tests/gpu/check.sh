@@ -10,7 +10,7 @@
 # CUDA-aware), it runs: hpccomm info's GPU routes; tests/test_cuda.py (every op on CUDA tensors through each
 # transport, against the CPU path, and the random sequence of tests/gpu_sequence.py) at 1, 2 and 3 ranks with the
 # wheel, at 2 with the others; DDP on a CUDA model against a one-process run and gloo (tests/gpu/ddp_check.py);
-# hpccomm.bench_gpu with every transport and auto.  A summary table ends the output (OUT/summary.md).
+# hpccomm.tools.bench_gpu with every transport and auto.  A summary table ends the output (OUT/summary.md).
 # Prepare first where there is a network: bash tests/gpu/prepare.sh (wheels and the two CUDA-aware MPIs).
 # Without a GPU the GPU steps say so and the fake-device harness (tests/test_gpu_contracts.py) stands in: a
 # rehearsal of the script itself.
@@ -136,7 +136,7 @@ if [ "$gpu" = 1 ]; then
     done
     for setup in "${setups[@]}"; do
         launch_of "$setup"
-        step "$name-bench-n2" 150 env $envs $launch -n 2 "$PY" -m hpccomm.bench_gpu --compare --sizes "${BENCH_SIZES:-1M,64M}" \
+        step "$name-bench-n2" 150 env $envs $launch -n 2 "$PY" -m hpccomm.tools.bench_gpu --compare --sizes "${BENCH_SIZES:-1M,64M}" \
             --iters 10 --warmup 3 --json "$OUT/$name-bench.json"
         step "$name-ddp-n2" 120 env $envs $launch -n 2 "$PY" tests/gpu/ddp_check.py --json "$OUT/$name-ddp.json"
     done

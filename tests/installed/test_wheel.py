@@ -63,7 +63,7 @@ def test_hpccomm_is_the_installed_wheel():
         assert "dir_info" not in url and url.get("url", "").endswith(".whl"), url
     installed = {str(f) for f in dist.files or []}
     for module in ("hpccomm/__init__.py", "hpccomm/_mpi/__init__.py", "hpccomm/examples/train_ddp.py",
-                   "hpccomm/examples/train_lightning.py", "hpccomm/horovod/__init__.py", "hpccomm/bench/__main__.py"):
+                   "hpccomm/examples/train_lightning.py", "hpccomm/horovod/__init__.py", "hpccomm/tools/bench/__main__.py"):
         assert module in installed, f"{module} is not in the installed wheel's RECORD"
     assert not any(f.startswith(("tests/", "docs/", "jobs/")) for f in installed), sorted(installed)[:20]
 

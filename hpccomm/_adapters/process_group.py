@@ -4,19 +4,19 @@ torch 2.13 has no Python ``Backend``; a Python backend there is a whole
 ``ProcessGroup`` subclass, called directly by torch's Python functions and
 through torch's C++ ``PyProcessGroup`` trampoline by C++ callers (DDP's
 reducer, functional collectives).  The op methods are shared with the
-torch >= 2.14 adapter (:mod:`hpccomm._methods`); this class adds what a
+torch >= 2.14 adapter (:mod:`hpccomm._adapters.methods`); this class adds what a
 whole process group must answer: its name, description and lifetime.
 """
 from __future__ import annotations
 
 import torch
 
-from . import _compat as compat
-from . import _methods as methods
-from . import BACKEND_NAME
-from ._compat import ProcessGroupBase
+from .. import _compat as compat
+from .._about import BACKEND_NAME
+from .._compat import ProcessGroupBase
+from ..barrier import monitored_barrier
+from . import methods
 from .backend import BackendHpccomm
-from .barrier import monitored_barrier
 
 __all__ = ["BACKEND_NAME", "ProcessGroupHpccomm"]
 
@@ -86,7 +86,7 @@ class ProcessGroupHpccomm(methods.TorchOps, ProcessGroupBase):
         ``dist.monitored_barrier`` calls; see :func:`hpccomm.monitored_barrier`)."""
         monitored_barrier(self._g, timeout=timeout, wait_all_ranks=wait_all_ranks)
 
-    # (abort, shutdown: hpccomm._methods.TorchOps)
+    # (abort, shutdown: hpccomm._adapters.methods.TorchOps)
 
     # torch's legacy names for the same ops (older callers use them)
 

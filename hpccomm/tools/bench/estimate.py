@@ -23,7 +23,7 @@ A, C, D, START = 2.6e-4, 8.0e-5, 7.6e-10, 6.0
 
 def samples_and_ops(args, nbytes: int) -> tuple:
     """``(samples, timed ops)`` of one backend at one size, as the sweep runs
-    them (hpccomm.bench._measure): warm-up samples, then rounds of ``batch``
+    them (hpccomm.tools.bench._measure): warm-up samples, then rounds of ``batch``
     ops back to back."""
     batch = args.batch or max(1, min(100, (1 << 20) // max(1, nbytes)))
     rounds = args.iters if batch == 1 else max(5, args.iters // batch)

@@ -6,9 +6,9 @@ op declares (hpccomm._ops.op.Op ``methods``): it unpacks torch's options and
 calls :func:`hpccomm._ops.op_path.run` with the op's declaration.
 The two adapters that torch sees are thin classes over it:
 
-- ``hpccomm.process_group.ProcessGroupHpccomm``: a ``ProcessGroup`` subclass
+- ``hpccomm._adapters.process_group.ProcessGroupHpccomm``: a ``ProcessGroup`` subclass
   (torch 2.13, which has no Python ``Backend``);
-- ``hpccomm.backend.BackendHpccomm``: a ``Backend`` subclass (torch >= 2.14,
+- ``hpccomm._adapters.backend.BackendHpccomm``: a ``Backend`` subclass (torch >= 2.14,
   dispatched by torch's C++ ``PyBackend`` trampoline).
 
 Which one torch gets is decided once, by feature test
@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import types
 
-from ._core import comm_thread, failures, state, trace
-from ._gpu import group_routes
-from ._ops import alltoall, gather, op_path, p2p, reduce, scatter
-from . import _compat as compat
-from . import BACKEND_NAME
-from ._compat import ReduceOp
+from .. import _compat as compat
+from .._about import BACKEND_NAME
+from .._compat import ReduceOp
+from .._core import comm_thread, failures, state, trace
+from .._gpu import group_routes
+from .._ops import alltoall, gather, op_path, p2p, reduce, scatter
 
 _SUM = ReduceOp.SUM
 

@@ -1,4 +1,4 @@
-"""A short demonstration: ``mpirun -n 4 python -m hpccomm.demo``.
+"""A short demonstration: ``mpirun -n 4 python -m hpccomm demo``.
 
 Initialises hpccomm from MPI alone, runs a few collectives with their
 expected results, then trains a small model with DistributedDataParallel on
@@ -6,6 +6,7 @@ synthetic data and checks that every rank ends with identical weights.
 """
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 
@@ -68,14 +69,19 @@ def train(steps: int = 30, batch: int = 64) -> None:
         raise SystemExit(1)
 
 
-def main() -> None:
+def add_arguments(parser) -> None:
+    """No options: the demonstration is the same every time."""
+
+
+def run(args=None) -> int:
     warnings.filterwarnings("ignore", message=".*is deprecated. Please use", category=FutureWarning)
     hpccomm.init_process_group()
     say(f"hpccomm {hpccomm.__version__}: {dist.get_world_size()} ranks, backend {dist.get_backend()}")
     collectives()
     train()
     dist.destroy_process_group()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run())

@@ -7,7 +7,7 @@ Run under a launcher::
     mpirun -n 2 hpccomm bench --ops all_reduce -b 8 -e 1M -f 4 --compare gloo,mpi4py
     mpirun -n 2 hpccomm bench -d float32,bfloat16 --json out.json --plot out.png
     mpirun -n 2 hpccomm bench --peak-memory         # peak RSS of a 1 GiB float32 all_reduce
-    mpirun -n 2 python -m hpccomm.bench --overlap 64
+    mpirun -n 2 python -m hpccomm bench --overlap 64
 
 Every timed iteration is checked: inputs are reset and outputs poisoned
 before it, and its output is compared element by element with the
@@ -105,7 +105,7 @@ def add_arguments(p) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hpccomm.bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="hpccomm bench", description=__doc__.splitlines()[0])
     add_arguments(p)
     return run(p.parse_args(argv))
 

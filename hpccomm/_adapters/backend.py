@@ -6,7 +6,7 @@ backend: torch builds its own ``ProcessGroup`` around it, so per-device
 backend strings (``"cpu:hpccomm,cuda:nccl"``), ``batch_isend_irecv``'s
 coalescing, ``dist.split_group`` and ``dist.monitored_barrier`` reach hpccomm
 through torch's own machinery.  The op methods are shared with the
-ProcessGroup adapter (:mod:`hpccomm._methods`); this class adds what a
+ProcessGroup adapter (:mod:`hpccomm._adapters.methods`); this class adds what a
 Backend answers: its options, what it supports, coalescing windows,
 splitting, its timeout and lifetime.
 
@@ -27,15 +27,15 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from . import _mpi
-from ._core import comm_thread, state
-from ._core import group as _group
-from ._core.watchdog import watchdog
-from ._ops import op_path
-from . import _methods as methods
-from . import BACKEND_NAME
-from ._compat import BackendBase, BackendOptions
-from .barrier import monitored_barrier
+from .. import _mpi
+from .._about import BACKEND_NAME
+from .._compat import BackendBase, BackendOptions
+from .._core import comm_thread, state
+from .._core import group as _group
+from .._core.watchdog import watchdog
+from .._ops import op_path
+from ..barrier import monitored_barrier
+from . import methods
 
 __all__ = ["BACKEND_NAME", "BackendHpccomm"]
 
@@ -144,7 +144,7 @@ class BackendHpccomm(methods.TorchOps, BackendBase):
         ranks, must be the failed ones): see :func:`hpccomm.fault_tolerance.backend_shrink`."""
         return self.shrinker(self, ranks_to_exclude, opts_override)
 
-    # (abort, shutdown: hpccomm._methods.TorchOps)
+    # (abort, shutdown: hpccomm._adapters.methods.TorchOps)
 
 
 methods.hide_methods(BackendHpccomm)

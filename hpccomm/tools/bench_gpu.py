@@ -1,4 +1,4 @@
-"""GPU collective benchmark: ``mpirun -n 2 python -m hpccomm.bench_gpu``.
+"""GPU collective benchmark: ``mpirun -n 2 python -m hpccomm bench-gpu``.
 
 For each GPU transport this machine has (``mpi``: CUDA-aware MPI, ``nccl``:
 torch's or CuPy's NCCL, ``staged``: pinned host copies, or those named with
@@ -197,8 +197,7 @@ def compare_table(rows) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hpccomm.bench_gpu", description=__doc__.splitlines()[0])
+def add_arguments(parser) -> None:
     parser.add_argument("--sizes", default="4K,64K,1M,16M,64M")
     parser.add_argument("--ops", default=",".join(OPS))
     parser.add_argument("--transports", default="", help="comma-separated (default: every available one)")
@@ -209,19 +208,29 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--json", default="", help="write the results to this file (rank 0)")
-    args = parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    """``python -m hpccomm.tools.bench_gpu ...``: the same as ``hpccomm bench-gpu ...``."""
+    parser = argparse.ArgumentParser(prog="hpccomm bench-gpu", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args) -> int:
     warnings.filterwarnings("ignore", message="`torch.distributed.*` is deprecated", category=FutureWarning)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("hpccomm.bench_gpu: no GPU (torch.cuda.is_available() is False); nothing measured. "
+        print("hpccomm bench-gpu: no GPU (torch.cuda.is_available() is False); nothing measured. "
               "Use --device cpu to try the tool on hpccomm's host path", file=sys.stderr)
         return 2
-    hpccomm.init_process_group()
-    rank, n = dist.get_rank(), dist.get_world_size()
     sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     ops = [o for o in args.ops.split(",") if o]
     unknown = [o for o in ops if o not in OPS]
-    if unknown:
-        parser.error(f"unknown op(s) {unknown}; choose from {', '.join(OPS)}")
+    if unknown:  # (the same verdict on every rank, before any communication)
+        print(f"hpccomm bench-gpu: error: unknown op(s) {unknown}; choose from {', '.join(OPS)}", file=sys.stderr)
+        return 2
+    hpccomm.init_process_group()
+    rank, n = dist.get_rank(), dist.get_world_size()
     if args.device == "cpu":  # hpccomm's host path (and with --compare, gloo's, on the same CPU tensors)
         transports, device, sync = ["host"] + (["gloo"] if args.compare else []), torch.device("cpu"), (lambda: None)
     else:
@@ -230,7 +239,7 @@ def main(argv=None) -> int:
         available = [t for t in args.transports.split(",") if t] or available_transports()
         transports = [t for t in COMPARE if t == "gloo" or t in available] if args.compare else available
     if rank == 0:
-        print(f"# hpccomm.bench_gpu: {n} ranks, device {device}, transports {', '.join(transports)}")
+        print(f"# hpccomm bench-gpu: {n} ranks, device {device}, transports {', '.join(transports)}")
     rows = measure(transports, ops, sizes, lambda count, value: torch.full((count,), value, device=device), sync,
                    args.iters, args.warmup)
     if rank == 0:

@@ -10,7 +10,7 @@ those scripts' own lines, so a rendered script reads like the template:
   --partition=...`` (commented out) becomes ``#SBATCH --partition=P``;
 - the ``COMMAND=(...)`` line gets the command given after ``--``;
 - ``--mpi-plugin`` sets the ``MPI_PLUGIN=`` line (srun's ``--mpi=``; ``auto``,
-  the templates' default, asks ``python -m hpccomm.jobs mpi-plugin`` in the job);
+  the templates' default, asks ``python -m hpccomm jobs mpi-plugin`` in the job);
 - torchrun.sbatch runs one task per node: there ``--ntasks-per-node`` sets its
   ``NPROC_PER_NODE=`` line (workers per node) instead.
 
@@ -20,8 +20,8 @@ template needs.  Examples::
     hpccomm jobs list
     hpccomm jobs render cpu --nodes 2 --ntasks-per-node 4 -- python train.py > job.sbatch
     hpccomm jobs submit cpu --nodes 2 --ntasks-per-node 4 -- python train.py
-    srun --mpi=pmix python -m hpccomm.jobs preflight      # inside a job, on every rank
-    python -m hpccomm.jobs mpi-plugin                     # pmix or pmi2: the srun plugin of the MPI library
+    srun --mpi=pmix python -m hpccomm jobs preflight      # inside a job, on every rank
+    python -m hpccomm jobs mpi-plugin                     # pmix or pmi2: the srun plugin of the MPI library
 
 Nothing in the library imports this module.
 """
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Optional
 
 #: Where the templates are: the ``jobs/`` folder of the source tree.
-DEFAULT_TEMPLATES = Path(__file__).resolve().parent.parent / "jobs"
+DEFAULT_TEMPLATES = Path(__file__).resolve().parents[2] / "jobs"
 
 
 class JobsError(Exception):
@@ -257,7 +257,7 @@ def check_endpoint(host: str, host_machine: str, here: str) -> list:
 
 def _store_address() -> str:
     """The address rank 0 would give hpccomm's store on a multi-node job."""
-    from ._start.bootstrap import store_address
+    from .._start.bootstrap import store_address
 
     return store_address(multi_node=True)
 
@@ -268,7 +268,7 @@ def _library(MPI) -> str:
 
 
 def _mpi_plugin_hint(library: str) -> str:
-    from .launcher import family_of
+    from ..launcher import family_of
 
     family = family_of(library)
     if family is None:
@@ -281,8 +281,8 @@ def mpi_plugin() -> str:
     without starting MPI): ``pmix`` (Open MPI) or ``pmi2`` (MPICH, Intel MPI).
     Raises :class:`JobsError` when there is no MPI library or it is of no
     family hpccomm knows."""
-    from ._mpi import library
-    from .launcher import srun_mpi_plugin
+    from .._mpi import library
+    from ..launcher import srun_mpi_plugin
 
     probe = library.probe()
     if not probe.available:
@@ -304,7 +304,7 @@ def preflight_mpi(gpus: bool, env=os.environ, expect: Optional[int] = None) -> l
     the problems (on every rank; [] when all is well).  ``expect``: the world
     size wanted (default SLURM_NTASKS; under mpirun, pass the job's, since the
     ranks see the SLURM_NTASKS of mpirun's own daemon step)."""
-    from . import _mpi
+    from .. import _mpi
 
     # MPI_Init watched: a rank that never comes or a broken PMI exchange (the pip MPICH wheel's UCX
     # addresses under srun --mpi=pmi2) ends the preflight with a message instead of hanging the job.
@@ -316,7 +316,7 @@ def preflight_mpi(gpus: bool, env=os.environ, expect: Optional[int] = None) -> l
     if expected.isdigit() and int(expected) != size:
         # A world of 1 whose launcher is srun itself (not an mpirun or mpiexec that srun
         # started): the wrong --mpi= plugin.
-        from .launcher import detect
+        from ..launcher import detect
 
         if size == 1 and detect(env).name == "srun":
             return [f"srun started {expected} tasks (SLURM_NTASKS={expected}) but MPI sees a world of {size} "
@@ -388,7 +388,7 @@ def add_arguments(parser) -> None:
                            help="sbatch --test-only: check the job against the cluster without submitting it")
     p = sub.add_parser("preflight", help="check a launch before the real work (run on every rank)",
                        description="Check a launch before the real work.  With MPI (the default) run it on "
-                       "every rank (srun --mpi=pmix python -m hpccomm.jobs preflight): the MPI world has "
+                       "every rank (srun --mpi=pmix python -m hpccomm jobs preflight): the MPI world has "
                        "SLURM_NTASKS ranks, GPUs match ranks per node (--gpus), hpccomm's store address is "
                        "not a loopback address on a multi-host job.  With --no-mpi (torchrun: one task per "
                        "node) it checks the rendezvous endpoint and GPUs against --nproc-per-node.  Exit "
@@ -430,14 +430,14 @@ def _run_preflight(args) -> int:
         return 1 if problems else 0
     problems = preflight_mpi(args.gpus, env, args.expect_size)
     # mpirun's ranks inherit SLURM_PROCID from mpirun's daemons: the innermost launcher's rank.
-    from .launcher import detect
+    from ..launcher import detect
 
     first = (detect(env).rank or 0) == 0
     if problems and first:
         for p in problems:
             print(f"hpccomm preflight: {p}", file=sys.stderr)
     if not problems and first:
-        from . import _mpi
+        from .. import _mpi
 
         MPI = _mpi.mpi()  # (started by the preflight)
         print(f"hpccomm preflight ok: {MPI.COMM_WORLD.Get_size()} ranks, "
@@ -476,7 +476,7 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    """``python -m hpccomm.jobs ...``: the same as ``hpccomm jobs ...``."""
+    """``python -m hpccomm.tools.jobs ...``: the same as ``hpccomm jobs ...``."""
     parser = argparse.ArgumentParser(prog="hpccomm jobs", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -111,8 +111,8 @@ def port_check(port: int, host: str = "") -> str:
 def store_info() -> dict:
     """Whether the key-value store hpccomm opens on rank 0 could listen here:
     on a free port, and on HPCCOMM_STORE_PORT if set."""
-    from . import config
-    from .errors import ConfigError
+    from .. import config
+    from ..errors import ConfigError
 
     out = {"free_port": port_check(0), "configured_port": None, "port": None}
     try:
@@ -128,8 +128,8 @@ def store_info() -> dict:
 
 def options() -> dict:
     """Every HPCCOMM_* option's value; a malformed one as ``"INVALID: ..."``."""
-    from . import config
-    from .errors import ConfigError
+    from .. import config
+    from ..errors import ConfigError
 
     out = {}
     for name, opt in config.OPTIONS.items():
@@ -143,8 +143,8 @@ def options() -> dict:
 def mpi_info() -> dict:
     """The MPI library and this process's place in MPI_COMM_WORLD (starts
     MPI); without a usable MPI, why not."""
-    from . import _mpi
-    from ._mpi import library
+    from .. import _mpi
+    from .._mpi import library
 
     probe = library.probe()
     out = {"available": probe.available, "library": probe.library, "abi": probe.abi, "path": probe.path,
@@ -166,8 +166,8 @@ def family_info(probe) -> dict:
     launched (docs/mpi-families.md): ``family``, ``launcher`` (the launcher
     beside the library, else on PATH), ``oversubscribe`` (the launcher's flag
     for more ranks than cores), ``srun_mpi`` (the srun plugin)."""
-    from . import launcher
-    from ._mpi import library
+    from .. import launcher
+    from .._mpi import library
 
     fam = launcher.family_of(probe.library)
     if fam is None:
@@ -200,8 +200,9 @@ def collect() -> dict:
     rank calls it at once (its GPU routes are agreed over MPI_COMM_WORLD)."""
     import torch
 
-    from . import __version__, gpu, launcher
-    from . import _compat as compat
+    from .. import gpu, launcher
+    from .._about import __version__
+    from .. import _compat as compat
 
     mpi = mpi_info()
     try:
@@ -254,7 +255,7 @@ def _must_agree(key: str) -> bool:
 def problems(reports: list) -> list:
     """What is wrong, as sentences naming the ranks and the fix, from the
     views of all ranks (``reports[r]`` is rank r's :func:`collect`)."""
-    from . import launcher as launchers
+    from .. import launcher as launchers
 
     found = []
     flat = [flatten(r) for r in reports]
@@ -331,7 +332,7 @@ def gather(report: dict) -> list:
     """Every rank's report on rank 0 (None elsewhere); a list of one without MPI."""
     if not report["mpi"].get("available") or (report["mpi"].get("size") or 1) == 1:
         return [report]
-    from . import _mpi
+    from .. import _mpi
 
     return _mpi.mpi().COMM_WORLD.gather(report, root=0)
 
@@ -410,7 +411,7 @@ def run(args) -> int:
         sys.stdout.flush()
         status = 1 if found else 0
     if len(reports or ()) != 1 or reports[0] is not report:  # every rank exits with rank 0's verdict
-        from . import _mpi
+        from .. import _mpi
 
         status = _mpi.mpi().COMM_WORLD.bcast(status, root=0)
     return status

@@ -245,7 +245,7 @@ def new_group(ranks=None, route=None):
     """A floor group over ``ranks`` (default every rank), by ``route``
     (``"pg"``, ``"backend"``; default: the route of hpccomm's default
     group).  Called by every rank, as ``dist.new_group``."""
-    from .._compat import register_backend
+    from ..._compat import register_backend
 
     route = route_of() if route is None else route
     if route not in ROUTES:
