@@ -41,6 +41,8 @@ def register() -> None:
     (see the module docstring).  Idempotent; MPI is not started."""
     _registering[0] = True
     try:
+        if _stand_in() is not None:  # (autoload's line names the folder)
+            raise ImportError("`import hpccomm` finds a folder named hpccomm, not the package")
         from .._about import BACKEND_NAME
         from .. import _compat as compat
 
@@ -73,11 +75,19 @@ def autoload() -> None:
 _said: list = []  # autoload's line is said once per process
 
 
+def _stand_in():
+    """The namespace package that ``import hpccomm`` found in this package's
+    place (a folder named hpccomm without ``__init__.py``, such as a clone's
+    folder seen from the folder holding it), or None."""
+    package = sys.modules.get(__name__.split(".")[0])
+    return package if package is not None and getattr(package, "__file__", None) is None else None
+
+
 def _why_not(exc) -> str:
     """The line :func:`autoload` says when :func:`register` raised ``exc``."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this package's folder
-    package = sys.modules.get(__name__.split(".")[0])
-    if package is not None and getattr(package, "__file__", None) is None:  # a namespace package stands in for it
+    package = _stand_in()
+    if package is not None:
         folders = ", ".join(getattr(package, "__path__", None) or ["?"])
         return (f"hpccomm: `import hpccomm` here finds the folder {folders} (a folder named hpccomm without "
                 f"__init__.py), not the hpccomm package ({here}); torch goes on without hpccomm. Run from another "
