@@ -270,8 +270,11 @@ def test_preempt_checkpoints_requeues_and_resumes(slurm, tmp_path):
                     "--timeout", "60")  # a hang in an op ends the job with hpccomm's diagnosis in its output
     job = sbatch(slurm, script, tmp_path)
     log = tmp_path / f"hpccomm-preempt-{job}.out"
-    wait_for(slurm, job, until=lambda info: log.exists() and "\nstep 10\n" in log.read_text()
-             or info.get("JobState") in FINAL)
+    info = wait_for(slurm, job, until=lambda info: log.exists() and "\nstep 10\n" in log.read_text()
+                    or info.get("JobState") in FINAL)
+    assert info.get("JobState") not in FINAL, \
+        f"the job ended before step 10 ({info.get('JobState')} {info.get('ExitCode')}):\n" \
+        f"{stuck_job_report(slurm, job, info)}"
     # What SLURM does at --signal=B:USR2@120, now: signal the batch script only.
     subprocess.run(["scancel", "--signal=USR2", "--batch", job], env=slurm, check=True, timeout=30)
     info = wait_for(slurm, job, until=lambda info: info.get("Restarts") == "1" or info.get("JobState") in FINAL)
