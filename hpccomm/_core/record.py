@@ -100,7 +100,7 @@ class OpRecord(InFlight):
         nonblocking MPI call.  An error raises (an MPI one naming the op),
         nothing left watched."""
         g, plan = self.group, self.plan
-        if self.op.receives:  # what arrived: checked at completion, its source the Work's
+        if self.op.completes is not None:  # its step at completion reads what arrived (hpccomm._ops.op.Op)
             self.status = _mpi.status()
         seq = state.start(g, self.name, self, self.io)
         if g.instrumented and self.kind == "collective" and trace.active():
@@ -298,8 +298,9 @@ class OpRecord(InFlight):
 
     def _finish(self, error) -> None:
         """Raise ``error`` (a batch: its parts' first); a posted op's watch
-        ends and it is drawn first, and on success a receive's count is
-        checked and the plan's ``after`` step runs."""
+        ends and it is drawn first, and on success the op's own step at
+        completion runs (its declaration's ``completes``: a receive's count
+        check, which gives its source) and the plan's ``after`` step."""
         if self.req is None:
             error = error or next((p.error for p in self.parts if p.error is not None), None)
             if error is not None:
@@ -309,34 +310,21 @@ class OpRecord(InFlight):
         if self.traced and trace.active():  # drawn from its post to its completion, on any thread
             trace.active().record(self.name, self.group.name, self.seq, self.plan[NBYTES], self.traced,
                                   trace.now_ns())
+        completes = self.op.completes
         if error is not None:
-            raise self._failure(error) if _mpi.is_error(error) else error
-        if self.status is not None:
-            self.source = self.peer if self.peer is not None else self.status.Get_source()
-            message = self.plan[ARGS][0]
-            if message.__class__ is list:  # [memory, count, MPI datatype]: what the tensor holds
-                n, datatype = message[1], message[2]
-            else:  # (past the count limit: a derived datatype described the tensor's elements)
-                tensor = self.plan[OUTPUTS][0]
-                n, datatype = tensor.numel(), _mpi.mpi_type(tensor.dtype)
-            got = self.status.Get_elements(datatype)
-            if got != n:
-                raise HpccommError(f"hpccomm {self.describe()}: received {got} elements from rank {self.source} "
-                                   f"but the tensor has {n}; only its first {got} elements were written. {_SAME}")
+            raise self._failure(error, completes) if _mpi.is_error(error) else error
+        if completes is not None:  # the op's own step (a receive's count check): the source rank, the Work's
+            self.source = completes(self.plan, self.status, self.peer, self.describe)
         after = self.plan[AFTER]
         if after is not None:
             after()
 
-    def _failure(self, exc) -> HpccommError:
-        """The error of a request that completed with MPI error ``exc``."""
-        if self.status is not None and exc.Get_error_class() == _mpi.mpi().ERR_TRUNCATE:
-            source = self.peer if self.peer is not None else self.status.Get_source()
-            return HpccommError(f"hpccomm {self.describe()}: the message from rank {source} is larger than the "
-                                f"tensor ({self.plan[OUTPUTS][0].numel()} elements); the tensor may be partly "
-                                f"overwritten. {_SAME}")
-        return failures.mpi_error(self.describe(), exc, self.kind == "collective")
+    def _failure(self, exc, completes) -> HpccommError:
+        """The error of a request that completed with MPI error ``exc``:
+        the op's own step's (``completes``: a receive's larger message), else one named after the op."""
+        named = None if completes is None else completes(self.plan, self.status, self.peer, self.describe, exc)
+        return named if named is not None else failures.mpi_error(self.describe(), exc, self.kind == "collective")
 
 
-_SAME = "Sender and receiver must pass tensors with the same number of elements"
 # The future's callback runs inside torch's C++ layer: kept out of torch.compile.
 hide_from_compiler(OpRecord, ["_result_or_raise"])
