@@ -916,6 +916,79 @@ def test_every_form_in_flight_is_one_record_type(self_group):
     assert not hasattr(rec.OpRecord, "noted") and not hasattr(state, "notes")
 
 
+def test_a_receive_checks_what_arrived_in_its_own_step():
+    """recv's step at completion (hpccomm._ops.p2p.received, its declaration's ``completes``): the
+    source rank when the count fits (its peer's, or the status's for any source); a short message
+    raises naming both counts; a truncated one's MPI error becomes one naming the op; another MPI
+    error is left to the record."""
+    from hpccomm._ops import p2p
+
+    MPI = _mpi.mpi()
+
+    class Status:
+        def __init__(self, source, got):
+            self.source, self.got = source, got
+
+        def Get_source(self):
+            return self.source
+
+        def Get_elements(self, datatype):
+            assert datatype == MPI.INT64_T
+            return self.got
+
+    t = torch.zeros(5, dtype=torch.int64)
+    plan = (None, ([None, 5, MPI.INT64_T], 0, 7), None, [t], t, None, None, 40)
+
+    def describe():
+        return "recv (p2p op #4 on group 'g', rank 1/2)"
+
+    assert p2p.RECV.completes is p2p.received and p2p.SEND.completes is None
+    assert p2p.received(plan, Status(3, 5), 0, describe) == 0
+    assert p2p.received(plan, Status(3, 5), None, describe) == 3
+    with pytest.raises(errors.HpccommError, match=r"^hpccomm recv \(p2p op #4 on group 'g', rank 1/2\): received 3 "
+                                                  r"elements from rank 0 but the tensor has 5; only its first 3"):
+        p2p.received(plan, Status(0, 3), 0, describe)
+
+    class Truncated(Exception):
+        def __init__(self, cls):
+            self.cls = cls
+
+        def Get_error_class(self):
+            return self.cls
+
+    named = p2p.received(plan, Status(2, 9), None, describe, Truncated(MPI.ERR_TRUNCATE))
+    assert isinstance(named, errors.HpccommError) and str(named).startswith(
+        "hpccomm recv (p2p op #4 on group 'g', rank 1/2): the message from rank 2 is larger than the tensor (5 "
+        "elements)")
+    assert p2p.received(plan, Status(2, 9), None, describe, Truncated(MPI.ERR_OTHER)) is None
+
+
+def test_the_record_runs_the_ops_own_step_at_completion(self_group):
+    """A posted op's record keeps its request's status for the op's own step at completion
+    (``Op.completes``) and takes its source rank from it; the record has no branch on receives."""
+    from hpccomm._core import record as rec, work as core_work
+    from hpccomm._ops.op import Op
+
+    seen = []
+
+    def completes(plan, status, peer, describe, error=None):
+        seen.append((status is not None, peer, describe(), error))
+        return 3
+
+    base = _op("recv")
+    op = Op("recv", methods=("recv",), check=base.check, plan=base.plan, p2p=True, nonblocking=True,
+            receives=True, completes=completes)
+    req = FakeRequest()
+    r = rec.OpRecord(self_group, op, _call("all_reduce"), _plan(icall=lambda: req), "p2p", peer=None)
+    w = core_work.pending(r, [])
+    r.post()
+    req.finish()
+    assert w.wait() and r.state == rec.DONE and r.source == 3
+    assert seen == [(True, None, f"recv (p2p op #{r.seq} on group 'self', rank 0/1)", None)]
+    source = Path(rec.__file__).read_text()
+    assert not re.search(r"\bif\b[^\n]*receives", source) and "ERR_TRUNCATE" not in source
+
+
 def _state_table(text: str, after: str = "") -> list:
     """The rows ``(state, meaning)`` of the first ``| state | meaning | moved there by |`` table in
     ``text`` past ``after``, with the code quotes of Markdown and reST made alike."""
