@@ -843,7 +843,7 @@ def test_record_queued_failed(self_group):
 
 def test_record_posted_running_timed_out_done(self_group):
     """A posted op: RUNNING and watched from its post (numbered, a deadline), its
-    ``after`` step run once it completed; the watchdog's mark (TIMED_OUT) leaves it
+    ``after`` step run once it completed; the watchdog's mark (timed_out) leaves it
     running, and it still completes: DONE, no longer watched."""
     from hpccomm._core import record as rec, state, work as core_work
 

@@ -90,7 +90,8 @@ class InFlight:
     started (``time.monotonic()``; ``start`` None: a group's record between
     two collectives); ``token``: its key in :data:`watched` (None: a group's
     own record, never in it); ``timed_out``: the watchdog reported it past
-    its deadline (a mark: it may still complete, ``HPCCOMM_ON_TIMEOUT=warn``).
+    its deadline (a mark: it may still complete, ``HPCCOMM_ON_TIMEOUT=warn``;
+    the watchdog clears a group's own record's once that collective is over).
 
     A group's own record is rewritten by each blocking collective; whoever
     changes it clears ``start`` first and sets it last (:func:`start`,

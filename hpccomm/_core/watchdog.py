@@ -97,7 +97,7 @@ class Watchdog:
             thread.join(_JOIN)
 
     def _loop(self) -> None:
-        # (group id, kind, seq, start) -> (group, this rank's timeout key): reported (timed out or refused)
+        # (group id, kind, seq, start) -> (record, this rank's timeout key): reported (timed out or refused)
         reported: dict = {}
         notes_left: set = set()  # (group id, seq) of the first-call checks this rank left a note of in the store
         while not self._stopping.wait(_TICK):
@@ -108,23 +108,25 @@ class Watchdog:
                 if start is None:
                     continue
                 key = (id(op.group), op.kind, op.seq, start)
-                if op.start is not start:
-                    continue  # that collective ended and another began meanwhile: next tick
-                live[key] = op
+                if op.start is start:  # (else that collective ended and another began meanwhile: next tick)
+                    live[key] = op
+            for key in [k for k in reported if k not in live]:  # it completed after all (HPCCOMM_ON_TIMEOUT=warn)
+                if not self._stopping.is_set():
+                    op, timeout_key = reported.pop(key)
+                    op.timed_out = False  # (a group's own record goes on with its next collective)
+                    _forget_report(op.group, timeout_key)
+            for key, op in live.items():
                 if key in reported:
                     continue
                 seconds = op.group.timeout_s
-                if seconds and now > start + seconds:
-                    reported[key] = (op.group, state.timeout_key(op))
-                    op.expired()  # the mark TIMED_OUT (hpccomm._core.state.InFlight)
+                if seconds and now > key[3] + seconds:
+                    reported[key] = (op, state.timeout_key(op))
+                    op.expired()  # its timed_out mark (hpccomm._core.state.InFlight): it stays running
                     try:
-                        self._expired(op, start)
+                        self._expired(op, key[3])
                     except Exception as exc:  # noqa: BLE001 - the watchdog must outlive any one report
                         print(f"hpccomm: the watchdog could not report a timeout: {exc!r}", file=sys.stderr,
                               flush=True)
-            for key in [k for k in reported if k not in live]:  # it completed after all (HPCCOMM_ON_TIMEOUT=warn)
-                if not self._stopping.is_set():
-                    _forget_report(*reported.pop(key))
             waiting = sorted((key for key in live if now - key[3] > _ASK_AFTER and key not in reported),
                              key=lambda key: key[3])[:_ASK_AT_MOST]
             if waiting and not self._stopping.is_set():
@@ -135,7 +137,7 @@ class Watchdog:
                 op = live[key]
                 try:
                     if self._peer_refused(op) or signatures.watch(op, notes_left):  # (a check stuck against an op)
-                        reported[key] = (op.group, state.timeout_key(op))
+                        reported[key] = (op, state.timeout_key(op))
                 except Exception:  # noqa: BLE001 - the store may be gone (rank 0 dead): the timeout still holds
                     pass
 
@@ -239,10 +241,9 @@ def current():
     return found
 
 
-def _forget_report(store_of, key: str) -> None:
-    """Delete this rank's report ``key`` of a timed-out op (of group
-    ``store_of``) that completed after all."""
-    store = store_of.store
+def _forget_report(group, key: str) -> None:
+    """Delete this rank's report ``key`` of a timed-out op of ``group`` that completed after all."""
+    store = group.store
     if store is None:
         return
     try:
