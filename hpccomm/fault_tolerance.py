@@ -126,7 +126,7 @@ def _settle(groups) -> None:
     for g in groups:
         comm_thread.flush(g)
     for record in state.records():  # a posted point-to-point op is its own record
-        if getattr(record, "kind", None) == "p2p":
+        if record.kind == "p2p":
             state.end(record.token)
 
 

@@ -234,8 +234,9 @@ def _rank(rank: int, calls, monkeypatch) -> dict:
     record ids from 0)."""
     monkeypatch.setattr(state, "_records", itertools.count())
     g = SimpleNamespace(name="0", desc="default_pg", global_ranks=[0, 1], rank=rank, seq=0, p2p_seq=0,
-                        _seqs=itertools.count(1), running=None, last=None, timeout_s=30.0,
+                        _seqs=itertools.count(1), last=None, timeout_s=30.0,
                         flight=collections.deque(maxlen=100))
+    g.running = state.InFlight(g)  # its blocking collectives' record (a real group makes its own)
     for name, count, dtype in calls:
         state.start(g, name, None, flight.make_io(SimpleNamespace(recorded_as=name, stacked=(False, False), receives=False),
                                                    (count,), (dtype,), (count,), (dtype,)))

@@ -655,7 +655,6 @@ def test_dead_local_peers_finds_gone_and_zombie_processes():
 def test_report_line_names_the_running_op_and_the_recorded_failure(monkeypatch):
     from hpccomm._core import signals
     from hpccomm._core import state
-    from hpccomm._core.record import OpRecord
 
     class Group:
         name, timeout = "WORLD", 60
@@ -680,7 +679,9 @@ def test_report_line_names_the_running_op_and_the_recorded_failure(monkeypatch):
     assert signals.report_line() == (
         "hpccomm: rank 1 of 4 ended by SIGTERM (the launcher ends the job) outside any hpccomm op; no failed "
         "rank known here (one on another node, or the job was cancelled: the launcher's message names it)")
-    state.watch(OpRecord.noted(Group(), "all_gather", 7, time.monotonic(), 60))
+    running = state.InFlight(Group(), "all_gather")  # (an op's record, as hpccomm._core.state.start leaves it)
+    running.seq, running.start = 7, time.monotonic()
+    state.watch(running)
     state.record_failure("raised an uncaught KeyError (last op: barrier (op #6 on group 'WORLD'))")
     line = signals.report_line()
     assert line.startswith("hpccomm: rank 1 of 4 ended by SIGTERM (the launcher ends the job) while in all_gather "
@@ -704,6 +705,9 @@ def test_wait_returns_only_after_the_future_completed(monkeypatch):
         name, rank, size, seq, queued, instrumented = "test", 0, 1, 0, 0, False
         checks = SimpleNamespace(agreed=None, every=False)  # no comparison across ranks (hpccomm._core.signatures)
         _seqs = itertools.count(1)
+
+        def __init__(self):
+            self.running = state.InFlight(self)  # its blocking collective's record (hpccomm._core.state.start)
 
         def where(self, seq=None):
             return f"op #{seq} on group 'test'"
@@ -839,7 +843,7 @@ def test_record_queued_failed(self_group):
 
 def test_record_posted_running_timed_out_done(self_group):
     """A posted op: RUNNING and watched from its post (numbered, a deadline), its
-    ``after`` step run once it completed; the watchdog's mark (TIMED_OUT) leaves it
+    ``after`` step run once it completed; the watchdog's mark (timed_out) leaves it
     running, and it still completes: DONE, no longer watched."""
     from hpccomm._core import record as rec, state, work as core_work
 
@@ -855,6 +859,182 @@ def test_record_posted_running_timed_out_done(self_group):
     assert r.timed_out and r.state == rec.RUNNING and not w.is_completed()
     req.finish()
     assert w.wait() and r.state == rec.DONE and steps == [1] and r not in state.records()
+
+
+def test_every_form_in_flight_is_one_record_type(self_group):
+    """What runs is one record type, hpccomm._core.state.InFlight, whatever its form: a blocking
+    collective in its group's own record (the same object for each: none made per op), watched
+    while it runs; a posted op's record; a group's creation (its group side the members, a real
+    object, not a group) as a record of kind "setup".  The readers take them as they are."""
+    from hpccomm._core import flight, record as rec, state, work as core_work
+    from hpccomm._core.watchdog import current, watchdog
+
+    g = self_group
+    own = g.running
+    assert isinstance(own, state.InFlight) and own not in state.records()
+    seq = state.start(g, "all_reduce")
+    try:
+        assert own in state.records() and g.running is own and (own.name, own.seq, own.kind) == ("all_reduce", seq,
+                                                                                                  "collective")
+        assert own.describe() == f"all_reduce (op #{seq} on group 'self', rank 0/1)"
+        assert (id(g), False, seq) in flight._running()
+    finally:
+        state.finished(g)
+    assert own not in state.records() and own.start is None
+    state.start(g, "broadcast")
+    state.finished(g)
+    assert g.running is own and own.name == "broadcast" and state.last_op_text() == (
+        f"last op: broadcast (op #{seq + 1} on group 'self', rank 0/1)")
+    # a posted op: its op record is its InFlight
+    req = FakeRequest()
+    r = rec.OpRecord(g, _op("broadcast"), _call("broadcast"), _plan(icall=lambda: req))
+    w = core_work.pending(r, [])
+    r.post()
+    assert isinstance(r, state.InFlight) and r in state.records() and current() is r
+    made = rec.OpRecord(g, _op("recv"), _call("broadcast"), _plan(), "p2p", peer=0)
+    plain = state.InFlight(g, "recv", "p2p", 0, True)  # (OpRecord sets InFlight's fields itself: the same)
+    assert {k: getattr(made, k) for k in state.InFlight.__slots__} == {k: getattr(plain, k)
+                                                                     for k in state.InFlight.__slots__}
+    req.finish()
+    assert w.wait() and r not in state.records()
+
+    # a group's creation: watched through its members, kind "setup", never taken for an op of a ring
+    class Untouchable:  # a refusal is no question for a group being made: its store is not asked
+        def check(self, keys):
+            raise AssertionError(f"store asked {keys}")
+
+        get = set = check
+
+    members = _group.Members([0, 2], 1, 2, Untouchable(), timedelta(seconds=60))
+    token = watchdog.begin(members, "new_group (MPI_Comm_create_group)", 0)
+    try:
+        (made,) = [x for x in state.records() if x.group is members]
+        assert type(made) is state.InFlight and made.kind == "setup" and made.token == token
+        assert made.describe() == "new_group (MPI_Comm_create_group) (creating the new group of ranks [0, 2], rank 1/2)"
+        assert made.deadline == made.start + 60
+        assert not watchdog._peer_refused(made)
+        assert all(key[0] != id(members) for key in flight._running())
+    finally:
+        watchdog.end(token)
+    assert all(x.group is not members for x in state.records())
+    assert not hasattr(rec.OpRecord, "noted") and not hasattr(state, "notes")
+
+
+def test_a_receive_checks_what_arrived_in_its_own_step():
+    """recv's step at completion (hpccomm._ops.p2p.received, its declaration's ``completes``): the
+    source rank when the count fits (its peer's, or the status's for any source); a short message
+    raises naming both counts; a truncated one's MPI error becomes one naming the op; another MPI
+    error is left to the record."""
+    from hpccomm._ops import p2p
+
+    MPI = _mpi.mpi()
+
+    class Status:
+        def __init__(self, source, got):
+            self.source, self.got = source, got
+
+        def Get_source(self):
+            return self.source
+
+        def Get_elements(self, datatype):
+            assert datatype == MPI.INT64_T
+            return self.got
+
+    t = torch.zeros(5, dtype=torch.int64)
+    plan = (None, ([None, 5, MPI.INT64_T], 0, 7), None, [t], t, None, None, 40)
+
+    def describe():
+        return "recv (p2p op #4 on group 'g', rank 1/2)"
+
+    assert p2p.RECV.completes is p2p.received and p2p.SEND.completes is None
+    assert p2p.received(plan, Status(3, 5), 0, describe) == 0
+    assert p2p.received(plan, Status(3, 5), None, describe) == 3
+    with pytest.raises(errors.HpccommError, match=r"^hpccomm recv \(p2p op #4 on group 'g', rank 1/2\): received 3 "
+                                                  r"elements from rank 0 but the tensor has 5; only its first 3"):
+        p2p.received(plan, Status(0, 3), 0, describe)
+
+    class Truncated(Exception):
+        def __init__(self, cls):
+            self.cls = cls
+
+        def Get_error_class(self):
+            return self.cls
+
+    named = p2p.received(plan, Status(2, 9), None, describe, Truncated(MPI.ERR_TRUNCATE))
+    assert isinstance(named, errors.HpccommError) and str(named).startswith(
+        "hpccomm recv (p2p op #4 on group 'g', rank 1/2): the message from rank 2 is larger than the tensor (5 "
+        "elements)")
+    assert p2p.received(plan, Status(2, 9), None, describe, Truncated(MPI.ERR_OTHER)) is None
+
+
+def test_the_record_runs_the_ops_own_step_at_completion(self_group):
+    """A posted op's record keeps its request's status for the op's own step at completion
+    (``Op.completes``) and takes its source rank from it; the record has no branch on receives."""
+    from hpccomm._core import record as rec, work as core_work
+    from hpccomm._ops.op import Op
+
+    seen = []
+
+    def completes(plan, status, peer, describe, error=None):
+        seen.append((status is not None, peer, describe(), error))
+        return 3
+
+    base = _op("recv")
+    op = Op("recv", methods=("recv",), check=base.check, plan=base.plan, p2p=True, nonblocking=True,
+            receives=True, completes=completes)
+    req = FakeRequest()
+    r = rec.OpRecord(self_group, op, _call("all_reduce"), _plan(icall=lambda: req), "p2p", peer=None)
+    w = core_work.pending(r, [])
+    r.post()
+    req.finish()
+    assert w.wait() and r.state == rec.DONE and r.source == 3
+    assert seen == [(True, None, f"recv (p2p op #{r.seq} on group 'self', rank 0/1)", None)]
+    source = Path(rec.__file__).read_text()
+    assert not re.search(r"\bif\b[^\n]*receives", source) and "ERR_TRUNCATE" not in source
+
+
+def _state_table(text: str, after: str = "") -> list:
+    """The rows ``(state, meaning)`` of the first ``| state | meaning | moved there by |`` table in
+    ``text`` past ``after``, with the code quotes of Markdown and reST made alike."""
+    text = text[text.index(after):] if after else text
+    lines = text[text.index("| state | meaning | moved there by |"):].splitlines()[2:]
+    rows = []
+    for line in lines:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip().replace("``", "`") for c in line.strip("|").split("|")]
+        rows.append((cells[0], cells[1]))
+    return rows
+
+
+def test_record_state_table_is_the_code():
+    """The op record's state table (its module's docstring, and docs/design.md's copy) lists the
+    states the code has, in their order, and no other: the module's state constants (one
+    ``A, B, ... = range(n)``), and every value ``record.state`` is set to in the module."""
+    from hpccomm._core import record as rec
+
+    source = Path(rec.__file__).read_text()
+    tree = ast.parse(source)
+    (constants,) = [[t.id for t in node.targets[0].elts] for node in tree.body
+                    if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple)
+                    and isinstance(node.value, ast.Call) and getattr(node.value.func, "id", "") == "range"]
+    assert [getattr(rec, name) for name in constants] == list(range(len(constants)))
+    set_to = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                pairs = (zip(target.elts, node.value.elts) if isinstance(target, ast.Tuple)
+                         and isinstance(node.value, ast.Tuple) else [(target, node.value)])
+                for t, v in pairs:
+                    if isinstance(t, ast.Attribute) and t.attr == "state":
+                        assert isinstance(v, ast.Name), ast.unparse(node)
+                        set_to.add(v.id)
+    assert set_to and set_to <= set(constants), (set_to, constants)
+    table = _state_table(rec.__doc__)
+    assert [name for name, _ in table] == constants, (table, constants)
+    design = (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
+    assert _state_table(design, "## One record per op in flight") == table
+    assert "TIMED_OUT" not in rec.__doc__ and not hasattr(rec, "TIMED_OUT")
 
 
 def test_record_posted_failed(self_group):

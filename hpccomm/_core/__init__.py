@@ -4,13 +4,14 @@ flight is and how it runs, whatever adapter torch called.
 - :mod:`~hpccomm._core.plan`: the plan, what one call of an op needs;
 - :mod:`~hpccomm._core.execute`: a plan run blocking (numbered, recorded,
   compared in debug mode, traced);
-- :mod:`~hpccomm._core.record`: the op record, one per op in flight (queued
-  or posted), and its states;
+- :mod:`~hpccomm._core.record`: the op record, one per op that does not
+  complete in its call (queued or posted), and its states;
 - :mod:`~hpccomm._core.work`: the Work torch receives;
 - :mod:`~hpccomm._core.comm_thread`: the one background thread that calls MPI,
   and the thread rule;
 - :mod:`~hpccomm._core.state`: what is running and who failed (the one owner of
-  op numbers, op records, failure records and the store keys);
+  op numbers, of the one in-flight record type every form registers with the
+  watchdog, ``InFlight``, of failure records and the store keys);
 - :mod:`~hpccomm._core.group`: a process group's MPI side (communicators, ranks);
 - :mod:`~hpccomm._core.failures`: the failure policy, what an MPI error, a
   refusal, a timeout and a dead rank do (raise, announce, end the job);

@@ -2,8 +2,9 @@
 
 The one place that runs a collective blocking, in the calling thread or on
 the comm thread (a queued op, hpccomm._core.record): it is numbered and
-recorded as running while it communicates (hpccomm._core.state: the watchdog
-and the SIGTERM reporter read it), and an MPI error raises naming the op.
+recorded as running while it communicates, in its group's own in-flight
+record (hpccomm._core.state.InFlight: the watchdog and the SIGTERM reporter
+read it), and an MPI error raises naming the op.
 Every call (or the first of each signature, ``HPCCOMM_MISMATCH_CHECK``) is
 compared across the group's ranks first (hpccomm._core.signatures: a
 mismatch raises on every rank); debug mode, the tracer and per-op debug

@@ -287,12 +287,9 @@ def _group_entries(g, pg_id: int, running: set, wall: float, known: dict, now: d
 
 
 def _running() -> set:
-    """``(id(group), point-to-point, number)`` of every op running on this rank now (hpccomm._core.state)."""
-    now = {(id(g), False, seq) for g, (_, seq, _) in state.notes()}
-    for r in state.records():
-        if r.seq is not None:
-            now.add((id(r.group), r.kind == "p2p", r.seq))
-    return now
+    """``(id(group), point-to-point, number)`` of every op running on this rank now (hpccomm._core.state's
+    records; a group's creation, split or shrink is no op of its ring)."""
+    return {(id(r.group), r.kind == "p2p", r.seq) for r in state.records() if r.kind != "setup"}
 
 
 def _entry(e, done: bool, wall: float, g, pg_id: int, desc: str, timeout_ms: int) -> dict:

@@ -80,8 +80,9 @@ class Group:
         self.seq = 0  # collectives run so far (equal on every member)
         self.p2p_seq = 0  # point-to-point ops posted so far (this rank's own)
         self._seqs, self._p2p_seqs = itertools.count(1), itertools.count(1)  # next() is atomic under the GIL
-        self.running = None  # (name, seq, start) of the collective running now (hpccomm._core.state)
-        self.last = None  # the same, of the latest one
+        #: the record of the collective it runs in its blocking form (reused; hpccomm._core.state.start)
+        self.running = state.InFlight(self)
+        self.last = None  # the name of its latest collective (its number: seq)
         self.flight = flight.ring()  # its last ops, for the flight record (hpccomm._core.flight; None: off)
         self.queued = 0  # async ops of this group not yet run by the comm thread
         self.is_world = False
@@ -163,6 +164,36 @@ class Group:
             from .watchdog import watchdog
 
             watchdog.start()  # it watches this group's ops from now on
+
+
+class Members:
+    """The members of a group being created, before it has a communicator:
+    the group side of its creation's record (hpccomm._core.state.InFlight,
+    ``kind`` ``"setup"``), which the watchdog reads like a group's (its ranks,
+    store and timeout; a timeout's diagnosis goes through the new group's
+    store).
+
+    ``ranks``: its members as world ranks, in group-rank order; ``rank``,
+    ``size``: this rank's place in it; ``store``, ``timeout``: the new
+    group's (torch's options).  Example: ``Members([0, 2], 1, 2, store,
+    timedelta(seconds=60)).where()`` is ``creating the new group of ranks
+    [0, 2], rank 1/2``."""
+
+    __slots__ = ("global_ranks", "rank", "size", "name", "store", "timeout", "timeout_s")
+
+    def __init__(self, ranks, rank: int, size: int, store=None, timeout=None) -> None:
+        self.global_ranks = list(ranks)
+        self.rank, self.size = rank, size
+        self.name = f"new group of ranks {self.global_ranks}"
+        self.store, self.timeout = store, timeout
+        seconds = timeout.total_seconds() if timeout is not None else 0
+        self.timeout_s = seconds if seconds > 0 else None
+
+    def where(self, seq=None) -> str:
+        """What it is, for messages (``seq`` ignored: a group being made has no ops)."""
+        return f"creating the {self.name}, rank {self.rank}/{self.size}"
+
+    where_p2p = where
 
 
 def create_group(comm, ranks: Sequence[int], tag: int):

@@ -1,22 +1,29 @@
-"""The op record: one object per op in flight, from its start to its completion.
+"""The op record: one object per op that does not complete inside its call, from its start to its completion.
 
-A blocking collective run in the calling thread needs none: it completes
-inside its call, noted meanwhile in ``group.running`` (hpccomm._core.state).
-Every other op has one :class:`OpRecord`: the comm thread's queue entry (a
-queued op), the holder of its MPI request (a posted op), the watchdog's
-record (its number and deadline), and what its Work waits on
-(hpccomm._core.work).  It is started one of two ways, :meth:`~OpRecord.queue`
-or :meth:`~OpRecord.post`, and completed by the comm thread (a queued op, or
-a posted collective once its future was asked for: :meth:`~OpRecord.future`
-changes its state, never its owner), else by whoever waits on it or tests it.
+A blocking collective, in the calling thread or on the comm thread, needs
+none: it completes inside its call, watched meanwhile through its group's
+own record (hpccomm._core.state.InFlight, ``group.running``).  Every other
+op has one :class:`OpRecord`: the comm thread's queue entry (a queued op),
+the holder of its MPI request (a posted op), and what its Work waits on
+(hpccomm._core.work).  It is an :class:`~hpccomm._core.state.InFlight`:
+posted, it is the record the watchdog reads.  It is started one of two
+ways, :meth:`~OpRecord.queue` or :meth:`~OpRecord.post`, and completed by
+the comm thread (a queued op, or a posted collective once its future was
+asked for: :meth:`~OpRecord.future` changes its state, never its owner),
+else by whoever waits on it or tests it.
+
+Its states (``state``; the constants below, in this order; ``state >= DONE``: complete):
 
 | state | meaning | moved there by |
 |---|---|---|
-| SUBMITTED | queued on the comm thread, not numbered yet | the op path (``queue``) |
-| RUNNING | numbered, communicating: its blocking form runs, or its request is posted | the thread running it: the comm thread, its waiter in its place (``running``), the caller posting it (``post``) |
-| TIMED_OUT | RUNNING past its group's timeout, reported: a mark (``expired``); it may still complete (``HPCCOMM_ON_TIMEOUT=warn``) | the watchdog |
+| SUBMITTED | made, not numbered yet: queued on the comm thread (``queue``), or about to be posted | the op path (``OpRecord(...)``, ``queue``) |
+| RUNNING | numbered, communicating: its blocking form runs, or its request is posted; a batch, from its making | the thread running it: the comm thread, its waiter in its place (``running``), the caller posting it (``post``) |
 | DONE | complete: outputs in place, future completed, its callbacks run | whoever completes it, under its lock (``_complete``) |
-| FAILED | complete with an error, which ``wait()`` and the future raise | the same |
+| FAILED | complete with an error (named after the op), raised by ``wait()``, ``result()`` and the future | the same |
+
+A timeout is not a state: the watchdog marks a RUNNING op it reported
+past its group's timeout (``timed_out``, by ``expired()``: InFlight's), and
+the op stays RUNNING; it may still complete (``HPCCOMM_ON_TIMEOUT=warn``).
 
 Its lock: one thread at a time touches its MPI request, and it completes
 once.  A failed op's future fails where C++ sees it: ``set_exception`` only
@@ -36,55 +43,50 @@ from .._compat import hide_from_compiler
 from ..errors import HpccommError
 from . import comm_thread, failures, state, trace
 from .execute import execute
+from .state import InFlight
 from .plan import AFTER, ARGS, BEFORE, ICALL, NBYTES, OUTPUTS
 
 SUBMITTED, RUNNING, DONE, FAILED = range(4)  # (state >= DONE: complete)
 
 
-class OpRecord:
-    """A call of ``op`` (its declaration, hpccomm._ops.op.Op; None for what
-    only the watchdog sees, named ``name``) on ``group``: checked ``call``
+class OpRecord(InFlight):
+    """A call of ``op`` (its declaration, hpccomm._ops.op.Op; None for a
+    batch, named ``name``) on ``group``: checked ``call``
     (hpccomm._ops.op.Call) with ``plan`` (hpccomm._core.plan); ``kind``
     ``"collective"``, ``"p2p"`` (``peer``: the other rank, None for any) or
     ``"batch"`` (torch's coalesced point-to-point ops: ``parts``);
     ``devices``: the CUDA devices its future names; ``io``: its sizes and
     dtypes for the flight recorder (hpccomm._core.state.start; None: not
-    recorded).  ``seq``, ``start``,
-    ``deadline``, ``token``: given by hpccomm._core.state when numbered."""
+    recorded).  An :class:`~hpccomm._core.state.InFlight`: posted, it is the
+    record the watchdog reads (``seq``, ``start``, ``token`` given by
+    hpccomm._core.state when numbered; ``deadline`` from them)."""
 
-    __slots__ = ("group", "op", "call", "name", "plan", "kind", "peer", "devices", "state", "lock",
-                 "by_comm_thread", "seq", "start", "deadline", "token", "asynchronous", "req", "status",
-                 "error", "source", "timed_out", "parts", "traced", "latch", "fut", "raw", "io")
+    __slots__ = ("op", "call", "plan", "devices", "state", "lock", "by_comm_thread", "asynchronous", "req",
+                 "status", "error", "source", "parts", "traced", "latch", "fut", "raw", "io")
 
     def __init__(self, group, op, call, plan, kind: str = "collective", peer=None, devices=None,
                  name: str = "", io=None) -> None:
-        self.group = group
+        # InFlight's fields, as InFlight.__init__ sets them (here: one call less per op; a unit test holds
+        # the two alike, tests/test_unit.py::test_every_form_in_flight_is_one_record_type)
+        self.group, self.kind, self.peer = group, kind, peer
+        if op is not None:
+            self.name, self.receives = op.name, op.receives
+        else:
+            self.name, self.receives = name, False
+        self.seq = self.start = self.token = None
+        self.timed_out = False
         self.op, self.call = op, call
-        self.name = op.name if op is not None else name
         self.plan = plan
-        self.kind = kind
-        self.peer = peer
         self.devices = devices
         self.state = SUBMITTED
         self.lock = _allocate_lock()
-        self.by_comm_thread = self.timed_out = False
-        self.seq = self.start = self.deadline = self.token = self.req = self.status = self.error = None
+        self.by_comm_thread = False
+        self.req = self.status = self.error = None
         self.source = -1
         self.parts = ()
         self.traced = 0
         self.latch = self.fut = self.raw = None  # a queued op's waiters' latch, its futures: made when needed
         self.io = io
-
-    @classmethod
-    def noted(cls, group, name: str, seq: int, start: float, seconds=None, kind="collective", peer=None):
-        """A RUNNING record, for the watchdog, of what runs without one (a
-        blocking collective's note, group creation); ``seconds``: its limit
-        (None: its group's)."""
-        record = cls(group, None, None, None, kind, peer, name=name)
-        seconds = getattr(group, "timeout_s", None) if seconds is None else seconds
-        record.seq, record.start, record.state = seq, start, RUNNING
-        record.deadline = start + seconds if seconds else None
-        return record
 
     @classmethod
     def batch(cls, group, parts, description: str):
@@ -105,9 +107,9 @@ class OpRecord:
         nonblocking MPI call.  An error raises (an MPI one naming the op),
         nothing left watched."""
         g, plan = self.group, self.plan
-        if self.op.receives:  # what arrived: checked at completion, its source the Work's
+        if self.op.completes is not None:  # its step at completion reads what arrived (hpccomm._ops.op.Op)
             self.status = _mpi.status()
-        seq = state.start(g, self.name, self)
+        seq = state.start(g, self.name, self, self.io)
         if g.instrumented and self.kind == "collective" and trace.active():
             self.traced = trace.now_ns()
         try:
@@ -169,11 +171,7 @@ class OpRecord:
         finally:
             self.lock.release()
 
-    # -- what the watchdog reads ----------------------------------------------
-    def expired(self) -> None:
-        """The watchdog reported it past its group's timeout (TIMED_OUT)."""
-        self.timed_out = True
-
+    # -- what messages read (the watchdog reads the rest: InFlight) -----------
     def where(self) -> str:
         if self.seq is None:
             return f"group {self.group.name!r}"  # a queued op is numbered when it runs
@@ -307,8 +305,9 @@ class OpRecord:
 
     def _finish(self, error) -> None:
         """Raise ``error`` (a batch: its parts' first); a posted op's watch
-        ends and it is drawn first, and on success a receive's count is
-        checked and the plan's ``after`` step runs."""
+        ends and it is drawn first, and on success the op's own step at
+        completion runs (its declaration's ``completes``: a receive's count
+        check, which gives its source) and the plan's ``after`` step."""
         if self.req is None:
             error = error or next((p.error for p in self.parts if p.error is not None), None)
             if error is not None:
@@ -318,34 +317,21 @@ class OpRecord:
         if self.traced and trace.active():  # drawn from its post to its completion, on any thread
             trace.active().record(self.name, self.group.name, self.seq, self.plan[NBYTES], self.traced,
                                   trace.now_ns())
+        completes = self.op.completes
         if error is not None:
-            raise self._failure(error) if _mpi.is_error(error) else error
-        if self.status is not None:
-            self.source = self.peer if self.peer is not None else self.status.Get_source()
-            message = self.plan[ARGS][0]
-            if message.__class__ is list:  # [memory, count, MPI datatype]: what the tensor holds
-                n, datatype = message[1], message[2]
-            else:  # (past the count limit: a derived datatype described the tensor's elements)
-                tensor = self.plan[OUTPUTS][0]
-                n, datatype = tensor.numel(), _mpi.mpi_type(tensor.dtype)
-            got = self.status.Get_elements(datatype)
-            if got != n:
-                raise HpccommError(f"hpccomm {self.describe()}: received {got} elements from rank {self.source} "
-                                   f"but the tensor has {n}; only its first {got} elements were written. {_SAME}")
+            raise self._failure(error, completes) if _mpi.is_error(error) else error
+        if completes is not None:  # the op's own step (a receive's count check): the source rank, the Work's
+            self.source = completes(self.plan, self.status, self.peer, self.describe)
         after = self.plan[AFTER]
         if after is not None:
             after()
 
-    def _failure(self, exc) -> HpccommError:
-        """The error of a request that completed with MPI error ``exc``."""
-        if self.status is not None and exc.Get_error_class() == _mpi.mpi().ERR_TRUNCATE:
-            source = self.peer if self.peer is not None else self.status.Get_source()
-            return HpccommError(f"hpccomm {self.describe()}: the message from rank {source} is larger than the "
-                                f"tensor ({self.plan[OUTPUTS][0].numel()} elements); the tensor may be partly "
-                                f"overwritten. {_SAME}")
-        return failures.mpi_error(self.describe(), exc, self.kind == "collective")
+    def _failure(self, exc, completes) -> HpccommError:
+        """The error of a request that completed with MPI error ``exc``:
+        the op's own step's (``completes``: a receive's larger message), else one named after the op."""
+        named = None if completes is None else completes(self.plan, self.status, self.peer, self.describe, exc)
+        return named if named is not None else failures.mpi_error(self.describe(), exc, self.kind == "collective")
 
 
-_SAME = "Sender and receiver must pass tensors with the same number of elements"
 # The future's callback runs inside torch's C++ layer: kept out of torch.compile.
 hide_from_compiler(OpRecord, ["_result_or_raise"])

@@ -12,6 +12,7 @@ import time
 
 from .. import _mpi
 from . import comm_thread, failures, state
+from .record import OpRecord
 
 
 def drain_and_stop() -> None:
@@ -32,7 +33,7 @@ def settle_posted(seconds: float = 2.0) -> None:
     exiting), else a receive is cancelled and a send's request freed (MPI
     lets it finish on its own)."""
     MPI = _mpi.mpi()
-    posted = [r for r in state.records() if getattr(r, "req", None) is not None]
+    posted = [r for r in state.records() if isinstance(r, OpRecord) and r.req is not None]
     deadline = time.monotonic() + seconds
     for r in posted:
         try:

@@ -118,11 +118,12 @@ def _report_and_exit() -> None:
 
 def report_line() -> str:
     running = current()
-    if running is not None:
+    start = None if running is None else running.start
+    if start is not None:
         label = "p2p op" if running.kind == "p2p" else "op"
         where = (f"while in {running.name} ({label} #{running.seq} on group '{running.group.name}', "
-                 f"for {time.monotonic() - running.start:.1f} s)")
-    else:
+                 f"for {time.monotonic() - start:.1f} s)")
+    else:  # (or it completed as it was read)
         where = "outside any hpccomm op"
     with quiet_stderr():  # the store may be gone with rank 0: torch's C++ warning and stack add nothing
         who = state.who_failed()

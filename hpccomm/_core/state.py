@@ -1,11 +1,22 @@
 """What is running on this rank, and who failed: the one place that knows.
 
+- What runs: every op in flight, whatever its form, and every step of a
+  group that may hang outside its op order (its creation, a split, a shrink)
+  is one :class:`InFlight` record, watched from its start to its end
+  (:func:`records` lists them; the watchdog, the SIGTERM reporter, the
+  flight recorder and the exit read them, nothing else):
+
+  | form | its record | from | to |
+  |---|---|---|---|
+  | a collective in its blocking form, in the calling thread or on the comm thread (a queued op while it runs) | its group's own, ``group.running``, made with the group and reused by each such collective (no object per op) | :func:`start` (no record) | :func:`finished` |
+  | a posted op (a point-to-point op, or a collective in its nonblocking form) | its op record (hpccomm._core.record.OpRecord, an :class:`InFlight`) | :func:`start` (with it) | :func:`end` (it completed) |
+  | a group's creation, split or shrink (``kind`` ``"setup"``) | its own, made by hpccomm._core.watchdog.begin | :func:`watch` | :func:`end` |
+
+  A queued op waiting for the comm thread is not running: it has no record
+  there yet; a batch of point-to-point ops is watched through its parts.
 - Op numbers: :func:`start` numbers every op when it starts (a group's
   collectives are numbered alike on every member: they run in the same order
-  everywhere; point-to-point ops are numbered per rank) and records it as
-  running, until :func:`finished` (a collective run in this thread) or
-  :func:`end` (a posted op, once its Work completes).  :func:`begin` records
-  what else may hang: group creation, debug-mode checks.
+  everywhere; point-to-point ops are numbered per rank).
 - The flight recorder's entries: :func:`start` puts each op it numbers in its
   group's ring (``group.flight``; hpccomm._core.flight writes the rings out),
   as a tuple of the fields :data:`F_ID` ... :data:`F_START`.
@@ -37,13 +48,13 @@ from typing import Optional
 _monotonic = time.monotonic
 
 
-#: token -> the record (hpccomm._core.record.OpRecord) of an op this rank is in now, besides each
-#: group's blocking collective: a posted op, or what else may hang (group creation, a debug check).
+#: token -> the :class:`InFlight` record of each op this rank is in now but each group's blocking
+#: collective (its group's own record, ``group.running``): posted ops, and a group's creation, split or shrink.
 watched: dict = {}
 ids = itertools.count()
-#: The groups whose collectives run here: each notes the blocking collective it
-#: is in, if any, in ``group.running`` = ``(name, seq, start)``, and its latest
-#: in ``group.last`` (set by :func:`start`).  hpccomm._core.group adds every group.
+#: The groups of this process (hpccomm._core.group adds every group): each has its own
+#: :class:`InFlight` record ``running`` of the collective it runs in its blocking form, and the
+#: name of its latest collective in ``group.last`` (both set by :func:`start`).
 groups = weakref.WeakSet()
 #: [the group whose op started last on this rank]
 last_group: list = [None]
@@ -57,50 +68,107 @@ last_group: list = [None]
 #: and its start (``time.monotonic()``).  Plain values, so that Python's garbage collector stops
 #: tracking them (a ring of lists, or of ``torch.Size``, made collections longer while it filled),
 #: written here, where the op is numbered: a call frame more per op costs about 700 instructions.
-#: Whether the op is over is not kept: :func:`notes` and :func:`records` say what runs.
+#: Whether the op is over is not kept: :func:`records` says what runs.
 F_ID, F_KIND, F_SEQ, F_OTHER_SEQ, F_NAME, F_PEER, F_IO, F_START = range(8)
 _records = itertools.count()
 
 
+class InFlight:
+    """One op in flight on this rank, or one step of a group outside its op
+    order that may hang: the one record the watchdog, the SIGTERM reporter,
+    the flight recorder and the exit read, whatever the op's form (the module
+    docstring's table says who makes it and when).
+
+    ``group``: the group it runs on (hpccomm._core.group.Group), or for a
+    group being created its members (hpccomm._core.group.Members); ``name``:
+    what it is in messages; ``kind``: ``"collective"`` (numbered alike on every
+    member), ``"p2p"`` (numbered by this rank; ``peer``: the other group rank,
+    None for any; ``receives``: a receive, which waits for the peer's send)
+    or ``"setup"`` (a group's creation, split or shrink, watched against the
+    timeout outside the op order; its ``seq`` the number of the group's
+    latest collective); ``seq``, ``start``: its number and when it
+    started (``time.monotonic()``; ``start`` None: a group's record between
+    two collectives); ``token``: its key in :data:`watched` (None: a group's
+    own record, never in it); ``timed_out``: the watchdog reported it past
+    its deadline (a mark: it may still complete, ``HPCCOMM_ON_TIMEOUT=warn``;
+    the watchdog clears a group's own record's once that collective is over).
+
+    A group's own record is rewritten by each blocking collective; whoever
+    changes it clears ``start`` first and sets it last (:func:`start`,
+    :func:`relabel`, :func:`finished`), so a reader on another thread that
+    reads ``start``, then the other fields, then finds ``start`` the same
+    object read one collective's fields (hpccomm._core.watchdog does).
+
+    Example: ``InFlight(g, "new_group", "setup")``, numbered and started,
+    then :func:`watch`; its ``describe()`` reads ``new_group (op #0 on group
+    '1', rank 1/4)`` and its deadline is its start plus its group's timeout.
+    """
+
+    __slots__ = ("group", "name", "kind", "peer", "receives", "seq", "start", "token", "timed_out")
+
+    def __init__(self, group, name: str = "", kind: str = "collective", peer=None, receives: bool = False) -> None:
+        self.group, self.name, self.kind, self.peer, self.receives = group, name, kind, peer, receives
+        self.seq = self.start = self.token = None
+        self.timed_out = False
+
+    @property
+    def deadline(self):
+        """When it is past its group's timeout (``time.monotonic()``); None: no timeout, or not running."""
+        seconds, start = self.group.timeout_s, self.start
+        return start + seconds if seconds and start is not None else None
+
+    def where(self) -> str:
+        """``op #3 on group '0', rank 1/4`` (``p2p op #3 ...`` for a point-to-point op)."""
+        return self.group.where_p2p(self.seq) if self.kind == "p2p" else self.group.where(self.seq)
+
+    def describe(self) -> str:
+        """What it is, for messages: ``all_reduce (op #3 on group '0', rank 1/4)``."""
+        return f"{self.name} ({self.where()})"
+
+    def expired(self) -> None:
+        """The watchdog reported it past its deadline (``timed_out``)."""
+        self.timed_out = True
+
+
 def start(group, op: str, record=None, io=None) -> int:
     """Number op ``op`` of ``group`` and record it as running on this rank;
-    returns its number.  Its ``io`` (a blocking collective's; a posted op's
-    is ``record.io``), unless None, puts it in the group's flight record
-    (the fields :data:`F_ID` ...).
+    returns its number.  Its ``io``, unless None, puts it in the group's
+    flight record (the fields :data:`F_ID` ...).
 
     ``record`` None: a collective that runs now in the thread that calls
-    this (blocking), noted in ``group.running`` until :func:`finished` (no
-    record object is made for it: the watchdog sees the note as one,
-    hpccomm._core.watchdog.ops).  Else a posted op's record
-    (hpccomm._core.record.OpRecord: a point-to-point op, ``kind`` ``"p2p"``,
-    numbered apart, or a collective), which gets its number, start time,
-    deadline (the group's timeout) and ``token`` here, and is watched until
-    :func:`end`.  Collectives are numbered in the thread that runs (or posts)
-    them, when it does: they run in the same order on every member, so they
-    are numbered alike everywhere, whichever thread issued them; ``next()``
-    on the counters is atomic under the GIL.
+    this (its blocking form), recorded in its group's own :class:`InFlight`
+    (``group.running``, reused: no object per op) until :func:`finished`.
+    Else a posted op's record (an :class:`InFlight`: hpccomm._core.record.OpRecord,
+    ``kind`` ``"p2p"``, numbered apart, or ``"collective"``), which gets its
+    number, start time and ``token`` here, and is watched until :func:`end`.
+    Collectives are numbered in the thread that runs (or posts) them, when it
+    does: they run in the same order on every member, so they are numbered
+    alike everywhere, whichever thread issued them; ``next()`` on the
+    counters is atomic under the GIL.
     """
     now = _monotonic()
     if record is None:
         group.seq = seq = next(group._seqs)
-        group.running = group.last = (op, seq, now)
+        running = group.running
+        running.start = None  # (cleared first, set last: InFlight's docstring)
+        running.name, running.seq = op, seq
+        running.start = now
+        group.last = op
         last_group[0] = group
         if io is not None:
             group.flight.append((next(_records), "collective", seq, group.p2p_seq, op, None, io, now))
         return seq
     if record.kind == "p2p":
         group.p2p_seq = seq = next(group._p2p_seqs)
-        if record.io is not None:
-            group.flight.append((next(_records), "p2p", seq, group.seq, op, record.peer, record.io, now))
+        if io is not None:
+            group.flight.append((next(_records), "p2p", seq, group.seq, op, record.peer, io, now))
     else:
         group.seq = seq = next(group._seqs)
-        group.last = (op, seq, now)
+        group.last = op
         last_group[0] = group
-        if record.io is not None:
-            group.flight.append((next(_records), "collective", seq, group.p2p_seq, op, None, record.io, now))
+        if io is not None:
+            group.flight.append((next(_records), "collective", seq, group.p2p_seq, op, None, io, now))
     record.seq, record.start = seq, now
-    seconds = group.timeout_s
-    record.deadline = now + seconds if seconds else None
     record.token = token = next(ids)
     watched[token] = record
     return seq
@@ -109,26 +177,37 @@ def start(group, op: str, record=None, io=None) -> int:
 def relabel(group, op: str) -> None:
     """The collective running on ``group`` goes on as ``op`` (same number,
     started now): after debug mode's fingerprint check, which ran under its own label."""
-    group.running = group.last = (op, group.seq, _monotonic())
+    running = group.running
+    running.start = None  # (cleared first, set last: InFlight's docstring)
+    running.name = group.last = op
+    running.start = _monotonic()
 
 
 def finished(group) -> None:
     """The collective :func:`start` recorded in ``group.running`` is over."""
-    group.running = None
+    group.running.start = None
 
 
 def watch(record) -> int:
-    """Watch ``record`` (what else may hang: group creation, a debug check,
-    a shrink; it carries its own number, start and deadline) until
-    :func:`end` with the token returned."""
-    token = next(ids)
+    """Watch ``record`` (an :class:`InFlight` of what else may hang: a
+    group's creation, split or shrink, numbered and started by the caller)
+    until :func:`end` with the token returned."""
+    record.token = token = next(ids)
     watched[token] = record
     return token
 
 
 def records() -> list:
-    """The records watched now (a snapshot): posted ops (:func:`start`) and :func:`watch`'s."""
-    return list(watched.values())
+    """The :class:`InFlight` records of what runs now (a snapshot of the
+    list; the records themselves live): those watched (:func:`start` with a
+    record, :func:`watch`) and each group's own record while a collective
+    runs in it."""
+    found = list(watched.values())
+    for g in list(groups):
+        running = g.running
+        if running.start is not None:
+            found.append(running)
+    return found
 
 
 def end(token):
@@ -136,21 +215,11 @@ def end(token):
     return watched.pop(token, None)
 
 
-def notes() -> list:
-    """``(group, (name, seq, start))`` of each blocking collective running now (a snapshot)."""
-    found = []
-    for g in list(groups):
-        note = getattr(g, "running", None)
-        if note is not None:
-            found.append((g, note))
-    return found
-
-
 def last_op_text() -> str:
     """``"last op: all_reduce (op #3 on group '0', rank 1/4)"``, or ``"before any op"``."""
     g = last_group[0]
     latest = getattr(g, "last", None)
-    return f"last op: {latest[0]} ({g.where(latest[1])})" if latest else "before any op"
+    return f"last op: {latest} ({g.where(g.seq)})" if latest else "before any op"
 
 
 # ----------------------------------------------------------------------------
@@ -205,7 +274,7 @@ def refusal_key(g, kind: str, seq=None, from_rank=None, to_rank=None) -> str:
 
 def timeout_key(op, rank=None) -> str:
     """Where a watchdog reports that its rank timed out in ``op`` (an
-    :class:`Op`): this rank's key, or ``rank``'s (a world rank for a
+    :class:`InFlight`): this rank's key, or ``rank``'s (a world rank for a
     point-to-point op, a group rank for a collective); ``rank=""`` gives the
     prefix that every rank's key for that op starts with."""
     g = op.group

@@ -1,9 +1,14 @@
 """Timeouts: a daemon thread that notices an op outliving its group's timeout.
 
-Every op is recorded in :mod:`hpccomm._core.state` while it runs: a
-blocking collective while it communicates, a posted op (its record,
-hpccomm._core.record) from the moment it is posted until it completes.  The ``hpccomm-watchdog`` thread wakes once a
-second; when an op has run longer than its group's timeout, the watchdog
+Every op is recorded in :mod:`hpccomm._core.state` while it runs, as one
+:class:`~hpccomm._core.state.InFlight` record whatever its form: a
+blocking collective in its group's own record while it communicates, a
+posted op (its record, hpccomm._core.record) from the moment it is posted
+until it completes, a group's creation, split or shrink (:meth:`Watchdog.begin`)
+while it lasts.  The ``hpccomm-watchdog`` thread wakes once a second and
+reads them (:func:`hpccomm._core.state.records`: the records themselves,
+none made per tick); when an op has run longer than its group's timeout,
+the watchdog
 
 1. publishes in the group's key-value store which op this rank is stuck in,
 2. waits a few seconds for the other members' own reports (they time out on
@@ -36,7 +41,6 @@ import time
 from typing import Optional
 
 from . import failures, flight, signatures, state
-from .record import OpRecord
 
 _GRACE = 3.0  # seconds to wait for the other ranks' reports
 _TICK = 1.0
@@ -52,11 +56,18 @@ class Watchdog:
         self._thread: Optional[threading.Thread] = None
         self._stopping = threading.Event()
 
-    def begin(self, group, name: str, seq: int, kind: str = "collective", peer=None) -> int:
-        """Watch ``name``, something of ``group`` that may hang outside an op
-        (group creation, a shrink), against the group's timeout, as op number
-        ``seq``; returns the token for :meth:`end`."""
-        token = state.watch(OpRecord.noted(group, name, seq, time.monotonic(), None, kind, peer))
+    def begin(self, group, name: str, seq: int) -> int:
+        """Watch ``name``, a step of ``group`` that may hang outside its op
+        order (its creation: ``group`` its members, hpccomm._core.group.Members;
+        a split, a shrink), against the group's timeout, as a record of kind
+        ``"setup"`` numbered ``seq`` (the group's latest collective); returns
+        the token for :meth:`end`.
+
+        Example: ``token = watchdog.begin(g, "split_group", g.seq)``, then
+        ``watchdog.end(token)`` in a ``finally``."""
+        record = state.InFlight(group, name, "setup")
+        record.seq, record.start = seq, time.monotonic()
+        token = state.watch(record)
         if group.timeout_s and self._thread is None:
             self.start()
         return token
@@ -86,42 +97,52 @@ class Watchdog:
             thread.join(_JOIN)
 
     def _loop(self) -> None:
-        reported: dict = {}  # (group id, kind, seq, start) -> record: already reported (timed out or refused)
+        # (group id, kind, seq, start) -> (record, this rank's timeout key): reported (timed out or refused)
+        reported: dict = {}
         notes_left: set = set()  # (group id, seq) of the first-call checks this rank left a note of in the store
         while not self._stopping.wait(_TICK):
             now = time.monotonic()
-            running = ops()
             live = {}
-            for op in running:
-                key = (id(op.group), op.kind, op.seq, op.start)
-                live[key] = op
+            for op in state.records():
+                start = op.start  # (a group's own record: read first, then its fields, then checked: state.InFlight)
+                if start is None:
+                    continue
+                key = (id(op.group), op.kind, op.seq, start)
+                if op.start is start:  # (else that collective ended and another began meanwhile: next tick)
+                    live[key] = op
+            for key in [k for k in reported if k not in live]:  # it completed after all (HPCCOMM_ON_TIMEOUT=warn)
+                if not self._stopping.is_set():
+                    op, timeout_key = reported.pop(key)
+                    op.timed_out = False  # (a group's own record goes on with its next collective)
+                    _forget_report(op.group, timeout_key)
+            for key, op in live.items():
                 if key in reported:
                     continue
-                if op.deadline is not None and now > op.deadline:
-                    reported[key] = op
-                    op.expired()  # TIMED_OUT (hpccomm._core.record)
+                seconds = op.group.timeout_s
+                if seconds and now > key[3] + seconds:
+                    reported[key] = (op, state.timeout_key(op))
+                    op.expired()  # its timed_out mark (hpccomm._core.state.InFlight): it stays running
                     try:
-                        self._expired(op)
+                        self._expired(op, key[3])
                     except Exception as exc:  # noqa: BLE001 - the watchdog must outlive any one report
                         print(f"hpccomm: the watchdog could not report a timeout: {exc!r}", file=sys.stderr,
                               flush=True)
-            for key in [k for k in reported if k not in live]:  # it completed after all (HPCCOMM_ON_TIMEOUT=warn)
-                if not self._stopping.is_set():
-                    _forget_report(reported.pop(key))
-            waiting = sorted((op for key, op in live.items() if now - op.start > _ASK_AFTER and key not in reported),
-                             key=lambda op: op.start)[:_ASK_AT_MOST]
+            waiting = sorted((key for key in live if now - key[3] > _ASK_AFTER and key not in reported),
+                             key=lambda key: key[3])[:_ASK_AT_MOST]
             if waiting and not self._stopping.is_set():
                 flight.answer()  # a rank ending the job asked for every rank's flight record
-            for op in waiting:
+            for key in waiting:
                 if self._stopping.is_set():
                     break
+                op = live[key]
                 try:
                     if self._peer_refused(op) or signatures.watch(op, notes_left):  # (a check stuck against an op)
-                        reported[(id(op.group), op.kind, op.seq, op.start)] = op
+                        reported[key] = (op, state.timeout_key(op))
                 except Exception:  # noqa: BLE001 - the store may be gone (rank 0 dead): the timeout still holds
                     pass
 
-    def _expired(self, op) -> None:
+    def _expired(self, op, start) -> None:
+        """Report ``op`` (started at ``start``) past its deadline, unless it ended meanwhile."""
         g = op.group
         me = g.global_ranks[g.rank] if g.global_ranks else g.rank
         if op.kind == "p2p":
@@ -129,6 +150,8 @@ class Watchdog:
             what = f"{op.name} with {peer} ({op.where()})"
         else:
             what = f"{op.name} ({op.where()})"
+        if op.start is not start:
+            return  # it completed as it was read (a group's own record, reused since)
         flight.dump_quietly(f"timed out in {what}")  # (as the op stands, before the diagnosis's seconds)
         failures.timed_out(f"hpccomm: rank {me}: {what} did not complete within its timeout of {g.timeout}: "
                            f"{self._diagnose(op)}", what)
@@ -139,8 +162,8 @@ class Watchdog:
         the failure policy acts (hpccomm._core.failures.peer_refused) and
         True is returned once reported."""
         g = op.group
-        if g.store is None or g.size == 1 or not hasattr(g, "key"):
-            return False
+        if op.kind == "setup" or g.store is None or g.size == 1:
+            return False  # (a group's creation, split or shrink is outside the op order: nothing to refuse)
         me = g.global_ranks[g.rank]
         if op.kind == "p2p":
             if op.peer is None:
@@ -199,7 +222,7 @@ class Watchdog:
         peer = others[0] if others else me
         if peer in answers:
             return f"rank {peer} is stuck in {answers[peer]} (the two ranks wait for each other)"
-        matching = "send" if op.op is not None and op.op.receives else "recv"
+        matching = "send" if op.receives else "recv"
         left = state.who_left([int(peer)])
         if left:
             return f"rank {peer} left before posting the matching {matching}: it {left[int(peer)]}"
@@ -207,26 +230,24 @@ class Watchdog:
                 "(busy outside hpccomm, hung or dead)")
 
 
-def ops() -> list:
-    """The ops this rank is in now (a snapshot), as records: those watched
-    (posted ops, group creation ...) and each group's blocking collective,
-    from its note (hpccomm._core.state)."""
-    return state.records() + [OpRecord.noted(g, name, seq, start) for g, (name, seq, start) in state.notes()]
-
-
 def current():
-    """The longest-running op on this rank (a record), or None."""
-    running = ops()
-    return min(running, key=lambda op: op.start) if running else None
+    """The longest-running op on this rank (a :class:`~hpccomm._core.state.InFlight`
+    record), or None."""
+    found, first = None, None
+    for op in state.records():
+        start = op.start
+        if start is not None and (first is None or start < first):
+            found, first = op, start
+    return found
 
 
-def _forget_report(op) -> None:
-    """Delete this rank's report of a timed-out op that completed after all."""
-    store = op.group.store
+def _forget_report(group, key: str) -> None:
+    """Delete this rank's report ``key`` of a timed-out op of ``group`` that completed after all."""
+    store = group.store
     if store is None:
         return
     try:
-        store.delete_key(state.timeout_key(op))
+        store.delete_key(key)
     except Exception:  # noqa: BLE001 - cleaning up a warning must not raise into the op path
         pass
 

@@ -166,8 +166,15 @@ class Op:
         output; ``"input"``: reduce_scatter_tensor's output in its slot of the
         input): NCCL's in-place forms.
     :param any_source: None may name its peer (a receive from any rank).
-    :param receives: a receive: its request's status says what arrived (its
-        count is checked at completion, its source is the Work's).
+    :param receives: a receive (a peer sends to it: the watchdog's diagnosis
+        names the send it waits for; the flight record draws it ``<-``).
+    :param completes: a posted op's step once its request completed, given
+        ``(plan, status, peer, describe, error)``: its request's MPI status is
+        kept for it (hpccomm._core.record); ``error`` None: it checks what
+        arrived and returns the source rank (the Work's ``source_rank``),
+        raising where it does not fit; ``error`` the request's MPI error: it
+        returns the error to raise instead, or None (recv's: a receive's count
+        and truncation checks, hpccomm._ops.p2p.received).
     :param nccl: ``nccl(backend, args, opts)``: the call made on torch's NCCL
         process group with NCCL's arguments (hpccomm._gpu.nccl_wire rewrote them).
     :param cupy: ``cupy(transport, group, args)``: the call made through
@@ -186,21 +193,22 @@ class Op:
     """
 
     __slots__ = ("name", "methods", "legacy", "check", "plan", "key", "composed", "p2p", "reducing", "first",
-                 "roles", "nonblocking", "chunkable", "slot", "any_source", "receives", "nccl", "cupy", "recorded_as",
-                 "stacked", "scatters", "code")
+                 "roles", "nonblocking", "chunkable", "slot", "any_source", "receives", "completes", "nccl", "cupy",
+                 "recorded_as", "stacked", "scatters", "code")
 
     def __init__(self, name: str, *, methods: tuple, check: Callable, plan: Callable, key: Optional[Callable] = None,
                  composed: Optional[Callable] = None, legacy: tuple = (), p2p: bool = False, reducing: bool = False,
                  first: str = "out", roles: Optional[Callable] = None, nonblocking: bool = False,
                  chunkable: bool = False, slot: Optional[str] = None, any_source: bool = False,
-                 receives: bool = False, nccl: Optional[Callable] = None, cupy: Optional[Callable] = None,
+                 receives: bool = False, completes: Optional[Callable] = None, nccl: Optional[Callable] = None,
+                 cupy: Optional[Callable] = None,
                  recorded_as: Optional[str] = None, stacked: tuple = (False, False), scatters: bool = False) -> None:
         self.name, self.methods, self.legacy = name, tuple(methods), tuple(legacy)
         self.check, self.plan, self.composed = check, plan, composed
         self.key = key if key is not None else uncached
         self.p2p, self.reducing, self.first, self.roles = p2p, reducing, first, roles
         self.nonblocking, self.chunkable, self.slot, self.any_source = nonblocking, chunkable, slot, any_source
-        self.receives = receives
+        self.receives, self.completes = receives, completes
         self.nccl, self.cupy = nccl, cupy
         self.recorded_as, self.stacked, self.scatters = recorded_as or name, stacked, scatters
         self.code = next(_codes)  # (unique: what distinguishes two ops' cache keys)

@@ -5,8 +5,9 @@ and its declaration (:class:`~hpccomm._ops.op.Op`) at the end.  Sends and
 receives have no blocking form: hpccomm._ops.op_path posts them
 (MPI_Isend/MPI_Irecv on the group's private point-to-point communicator, so
 they never match hpccomm's own internal messages) and returns a pending
-Work; the op's record (hpccomm._core.record) checks what a receive got when
-it completes.
+Work.  What a receive got is checked here, by recv's step at completion
+(:func:`received`, its declaration's ``completes``), which the op's record
+(hpccomm._core.record) runs once the request completed.
 
 A tensor always travels as ONE MPI message.  Past the per-call count limit
 (``group.max_count``) it is described by a derived datatype whose count fits,
@@ -26,6 +27,8 @@ from functools import partial
 import torch
 
 from .. import _mpi
+from .._core.plan import ARGS, OUTPUTS
+from ..errors import HpccommError
 from . import checks, staging
 from .op import STRIDED, Call, Op, Signature, Tensor
 
@@ -132,6 +135,45 @@ def plan_recv(group, call: Call, args):
                     call.facts)
 
 
+def received(plan, status, peer, describe, error=None):
+    """recv's step at completion (its declaration's ``completes``; the op's
+    record runs it once the request completed, hpccomm._core.record).
+
+    ``plan``: the receive's plan; ``status``: its request's MPI status;
+    ``peer``: the group rank it was posted for (None: any source);
+    ``describe()``: the op for messages (``recv (p2p op #3 on group '0',
+    rank 1/4)``).  ``error`` None: returns the rank the message came from
+    (the Work's ``source_rank``), once as many elements arrived as the tensor
+    holds; raises :class:`~hpccomm.errors.HpccommError` naming both counts
+    when fewer did.  ``error`` an MPI error of the request: returns the error
+    to raise in its place (a message larger than the tensor), or None (the
+    record names it as any other).
+
+    Example: a 5-element receive that got 3 raises ``hpccomm recv (p2p op #1
+    ...): received 3 elements from rank 0 but the tensor has 5; ...``."""
+    if error is not None:
+        if error.Get_error_class() != _mpi.mpi().ERR_TRUNCATE:
+            return None
+        source = peer if peer is not None else status.Get_source()
+        return HpccommError(f"hpccomm {describe()}: the message from rank {source} is larger than the tensor "
+                            f"({plan[OUTPUTS][0].numel()} elements); the tensor may be partly overwritten. {_SAME}")
+    source = peer if peer is not None else status.Get_source()
+    message = plan[ARGS][0]
+    if message.__class__ is list:  # [memory, count, MPI datatype]: what the tensor holds
+        n, datatype = message[1], message[2]
+    else:  # (past the count limit: a derived datatype described the tensor's elements)
+        tensor = plan[OUTPUTS][0]
+        n, datatype = tensor.numel(), _mpi.mpi_type(tensor.dtype)
+    got = status.Get_elements(datatype)
+    if got != n:
+        raise HpccommError(f"hpccomm {describe()}: received {got} elements from rank {source} but the tensor has "
+                           f"{n}; only its first {got} elements were written. {_SAME}")
+    return source
+
+
+_SAME = "Sender and receiver must pass tensors with the same number of elements"
+
+
 def _nccl_send(b, a, o, options):
     return b.send(a[0], a[1], a[2])
 
@@ -179,7 +221,8 @@ SEND = Op(
     first="in", nonblocking=True, nccl=_nccl_send, cupy=_cupy_send)
 RECV = Op(
     "recv", methods=("recv", "recv_anysource"), key=recv_key, check=check_recv,
-    plan=plan_recv, p2p=True, nonblocking=True, any_source=True, receives=True, nccl=_nccl_recv, cupy=_cupy_recv)
+    plan=plan_recv, p2p=True, nonblocking=True, any_source=True, receives=True, completes=received, nccl=_nccl_recv,
+    cupy=_cupy_recv)
 BARRIER = Op("barrier", methods=("barrier",), key=barrier_key, check=check_barrier, plan=plan_barrier)
 BARRIER_KEY = (BARRIER,)
 

@@ -89,7 +89,7 @@ def _subgroup(opts, ranks) -> _group.Group:
     if pending is not None:  # from_mpi4py: the user's communicator, reordered by world rank
         return _group.Group(pending, ranks, store=opts.store, timeout=opts.timeout)
     world = state.world.group
-    creating = _Creating(ranks, opts)
+    creating = _group.Members(ranks, opts.group_rank, opts.group_size, opts.store, opts.timeout)
     if world is not None and not world.freed:
         comm_thread.flush(world)  # the comm thread must be done with the parent communicator
         parent = world.comm
@@ -111,24 +111,6 @@ def _subgroup(opts, ranks) -> _group.Group:
         watchdog.end(token)
     return _group.Group(comm, ranks, store=opts.store, timeout=opts.timeout)
 
-
-class _Creating:
-    """A group being created, as the watchdog sees it (members only; the
-    diagnosis of a timeout goes through the new group's store)."""
-
-    def __init__(self, ranks, opts) -> None:
-        self.global_ranks = list(ranks)
-        self.rank, self.size = opts.group_rank, opts.group_size
-        self.name = f"new group of ranks {list(ranks)}"
-        self.store = opts.store
-        self.timeout = opts.timeout
-        seconds = opts.timeout.total_seconds() if opts.timeout is not None else 0
-        self.timeout_s = seconds if seconds > 0 else None
-
-    def where(self, seq=None) -> str:
-        return f"creating the {self.name}, rank {self.rank}/{self.size}"
-
-    where_p2p = where
 
 _made_before: dict = {}  # members -> groups of exactly them this process agreed on before
 
