@@ -43,8 +43,8 @@ from .._compat import hide_from_compiler
 from ..errors import HpccommError
 from . import comm_thread, failures, state, trace
 from .execute import execute
-from .state import InFlight
 from .plan import AFTER, ARGS, BEFORE, ICALL, NBYTES, OUTPUTS
+from .state import InFlight
 
 SUBMITTED, RUNNING, DONE, FAILED = range(4)  # (state >= DONE: complete)
 
