@@ -243,6 +243,41 @@ def test_bad_arguments_exit_2_without_traceback(args, fragment):
     assert proc.stdout == "" and fragment in proc.stderr and "Traceback" not in proc.stderr, describe(proc)
 
 
+@pytest.mark.one_cell
+def test_every_subcommand_is_a_tool_with_help():
+    """Every subcommand is a module of hpccomm.tools with its own --help."""
+    from hpccomm.__main__ import SUBCOMMANDS
+
+    assert all(module.startswith("hpccomm.tools.") for module, _ in SUBCOMMANDS.values()), SUBCOMMANDS
+    for name in SUBCOMMANDS:
+        proc = run(name, "--help")
+        assert proc.returncode == 0 and proc.stdout.startswith(f"usage: hpccomm {name}"), describe(proc)
+
+
+@pytest.mark.one_cell
+def test_demo_under_mpirun():
+    proc = run("demo", mpirun=2)
+    assert proc.returncode == 0, describe(proc)
+    assert "all_reduce(SUM) of rank+1 over 2 ranks: [3.0, 3.0, 3.0, 3.0]  (expected 3.0)" in proc.stdout, \
+        describe(proc)
+    assert "all ranks hold identical weights" in proc.stdout, describe(proc)
+
+
+@pytest.mark.one_cell
+def test_bench_gpu_on_the_host_path_and_a_bad_op():
+    """``hpccomm bench-gpu --device cpu`` runs its loop on CPU tensors and checks
+    every result; an unknown op is refused (status 2) before MPI starts."""
+    proc = run("bench-gpu", "--device", "cpu", "--ops", "all_reduce,broadcast", "--sizes", "64,4K", "--iters", "2",
+               "--warmup", "1", mpirun=2)
+    assert proc.returncode == 0 and "WRONG" not in proc.stdout, describe(proc)
+    rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] == ["host"]]
+    assert sorted((r[2], r[3]) for r in rows) == sorted(
+        (op, size) for op in ("all_reduce", "broadcast") for size in ("64", "4096")), describe(proc)
+    bad = run("bench-gpu", "--device", "cpu", "--ops", "all_reduce,nosuch")
+    assert bad.returncode == 2 and "unknown op(s) ['nosuch']" in bad.stderr and "Traceback" not in bad.stderr, \
+        describe(bad)
+
+
 def test_console_script_is_declared():
     cfg = configparser.ConfigParser()
     cfg.read(REPO / "setup.cfg")
