@@ -175,11 +175,12 @@ class OpRecord(InFlight):
     def where(self) -> str:
         if self.seq is None:
             return f"group {self.group.name!r}"  # a queued op is numbered when it runs
-        return self.group.where_p2p(self.seq) if self.kind == "p2p" else self.group.where(self.seq)
+        return InFlight.where(self)
 
     def describe(self) -> str:
-        """What it is, for messages: ``all_reduce (op #3 on group '0', rank 1/4)``."""
-        return self.name if self.kind == "batch" else f"{self.name} ({self.where()})"
+        """What it is, for messages: ``all_reduce (op #3 on group '0', rank 1/4)``; a
+        batch (no op of its own), its description, which says where."""
+        return self.name if self.op is None else InFlight.describe(self)
 
     # -- what its Work asks (hpccomm._core.work) ------------------------------
     def wait(self, seconds=None) -> None:

@@ -151,13 +151,12 @@ def received(plan, status, peer, describe, error=None):
 
     Example: a 5-element receive that got 3 raises ``hpccomm recv (p2p op #1
     ...): received 3 elements from rank 0 but the tensor has 5; ...``."""
+    if error is not None and error.Get_error_class() != _mpi.mpi().ERR_TRUNCATE:
+        return None
+    source = peer if peer is not None else status.Get_source()
     if error is not None:
-        if error.Get_error_class() != _mpi.mpi().ERR_TRUNCATE:
-            return None
-        source = peer if peer is not None else status.Get_source()
         return HpccommError(f"hpccomm {describe()}: the message from rank {source} is larger than the tensor "
                             f"({plan[OUTPUTS][0].numel()} elements); the tensor may be partly overwritten. {_SAME}")
-    source = peer if peer is not None else status.Get_source()
     message = plan[ARGS][0]
     if message.__class__ is list:  # [memory, count, MPI datatype]: what the tensor holds
         n, datatype = message[1], message[2]
