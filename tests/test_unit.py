@@ -716,9 +716,9 @@ def test_wait_returns_only_after_the_future_completed(monkeypatch):
     out = [torch.ones(2)]
     go, in_set_result, release = threading.Event(), threading.Event(), threading.Event()
     plan = (lambda: go.wait(10), (), None, out, out, None, None, 0)  # blocks the comm thread until go
-    record = core_record.OpRecord(Group(), _op("all_reduce"), _call("all_reduce"), plan)
+    record = core_record.OpRecord(Group(), _op("all_reduce"), plan)
     work = core_work.pending(record, out)
-    record.queue(True)
+    record.queue(_call("all_reduce"), True)
 
     class HeldFuture:  # holds the completing thread just before it completes the future
         def __init__(self, raw):
@@ -799,12 +799,12 @@ def test_record_queued_submitted_running_done(self_group):
     from hpccomm._core import comm_thread, record as rec, state, work as core_work
 
     gate, running, go = threading.Event(), threading.Event(), threading.Event()
-    first = rec.OpRecord(self_group, _op("barrier"), _call("barrier"), _plan(lambda: gate.wait(30)))
-    first.queue(True)
+    first = rec.OpRecord(self_group, _op("barrier"), _plan(lambda: gate.wait(30)))
+    first.queue(_call("barrier"), True)
     out = [torch.ones(1)]
-    second = rec.OpRecord(self_group, _op("all_reduce"), _call("all_reduce"), _plan(lambda: (running.set(), go.wait(30)), outputs=out))
+    second = rec.OpRecord(self_group, _op("all_reduce"), _plan(lambda: (running.set(), go.wait(30)), outputs=out))
     w = core_work.pending(second, out)
-    second.queue(True)
+    second.queue(_call("all_reduce"), True)
     assert second.state == rec.SUBMITTED and second.seq is None and second.describe() == "all_reduce (group 'self')"
     ran = []
     chained = w.get_future().then(lambda f: ran.append(threading.current_thread().name) or f.value())
@@ -826,17 +826,17 @@ def test_record_queued_failed(self_group):
     def broken():
         raise RuntimeError("the plan broke")
 
-    r = rec.OpRecord(self_group, _op("all_reduce"), _call("all_reduce"), _plan(broken))
+    r = rec.OpRecord(self_group, _op("all_reduce"), _plan(broken))
     w = core_work.pending(r, [])
-    r.queue(True)
+    r.queue(_call("all_reduce"), True)
     with pytest.raises(errors.HpccommError, match=r"hpccomm all_reduce \(op #\d+ on group 'self', rank 0/1\): "
                                                   r"RuntimeError: the plan broke"):
         w.wait()
     assert r.state == rec.FAILED and w.is_completed() and not w.is_success() and w.exception() is r.error
     with pytest.raises(RuntimeError, match="HpccommError: hpccomm all_reduce .*the plan broke"):  # (torch's wrapping)
         w.get_future().wait()
-    ok = rec.OpRecord(self_group, _op("all_reduce"), _call("all_reduce"), _plan())
-    ok.queue(True)
+    ok = rec.OpRecord(self_group, _op("all_reduce"), _plan())
+    ok.queue(_call("all_reduce"), True)
     ok.wait()
     assert ok.state == rec.DONE
 
@@ -848,7 +848,7 @@ def test_record_posted_running_timed_out_done(self_group):
     from hpccomm._core import record as rec, state, work as core_work
 
     req, steps = FakeRequest(), []
-    r = rec.OpRecord(self_group, _op("all_gather_into_tensor"), _call("all_gather_into_tensor"), _plan(icall=lambda: req, after=lambda: steps.append(1)))
+    r = rec.OpRecord(self_group, _op("all_gather_into_tensor"), _plan(icall=lambda: req, after=lambda: steps.append(1)))
     w = core_work.pending(r, [])
     r.post()
     assert r.state == rec.RUNNING and r in state.records() and r.seq == self_group.seq and r.token is not None
@@ -887,11 +887,11 @@ def test_every_form_in_flight_is_one_record_type(self_group):
         f"last op: broadcast (op #{seq + 1} on group 'self', rank 0/1)")
     # a posted op: its op record is its InFlight
     req = FakeRequest()
-    r = rec.OpRecord(g, _op("broadcast"), _call("broadcast"), _plan(icall=lambda: req))
+    r = rec.OpRecord(g, _op("broadcast"), _plan(icall=lambda: req))
     w = core_work.pending(r, [])
     r.post()
     assert isinstance(r, state.InFlight) and r in state.records() and current() is r
-    made = rec.OpRecord(g, _op("recv"), _call("broadcast"), _plan(), "p2p", peer=0)
+    made = rec.OpRecord(g, _op("recv"), _plan(), "p2p", peer=0)
     plain = state.InFlight(g, "recv", "p2p", 0, True)  # (OpRecord sets InFlight's fields itself: the same)
     assert {k: getattr(made, k) for k in state.InFlight.__slots__} == {k: getattr(plain, k)
                                                                      for k in state.InFlight.__slots__}
@@ -983,7 +983,7 @@ def test_the_record_runs_the_ops_own_step_at_completion(self_group):
     op = Op("recv", methods=("recv",), check=base.check, plan=base.plan, p2p=True, nonblocking=True,
             receives=True, completes=completes)
     req = FakeRequest()
-    r = rec.OpRecord(self_group, op, _call("all_reduce"), _plan(icall=lambda: req), "p2p", peer=None)
+    r = rec.OpRecord(self_group, op, _plan(icall=lambda: req), "p2p", peer=None)
     w = core_work.pending(r, [])
     r.post()
     req.finish()
@@ -1043,7 +1043,7 @@ def test_record_posted_failed(self_group):
     from hpccomm._core import record as rec, state, work as core_work
 
     req, steps = FakeRequest(RuntimeError("the request broke")), []
-    r = rec.OpRecord(self_group, _op("broadcast"), _call("broadcast"), _plan(icall=lambda: req, after=lambda: steps.append(1)))
+    r = rec.OpRecord(self_group, _op("broadcast"), _plan(icall=lambda: req, after=lambda: steps.append(1)))
     w = core_work.pending(r, [])
     r.post()
     req.finish()
@@ -1060,14 +1060,14 @@ def test_record_future_hands_a_posted_collective_to_the_comm_thread(self_group):
     from hpccomm._core import comm_thread, record as rec, work as core_work
 
     req, out = FakeRequest(), [torch.ones(1)]
-    r = rec.OpRecord(self_group, _op("all_reduce"), _call("all_reduce"), _plan(icall=lambda: req, outputs=out))
+    r = rec.OpRecord(self_group, _op("all_reduce"), _plan(icall=lambda: req, outputs=out))
     w = core_work.pending(r, out)
     r.post()
     ran = []
     fut = w.get_future().then(lambda f: ran.append(threading.current_thread().name))
     assert r.by_comm_thread and self_group.queued == 1 and w._op is r
-    later = rec.OpRecord(self_group, _op("barrier"), _call("barrier"), _plan())
-    later.queue(True)  # behind it
+    later = rec.OpRecord(self_group, _op("barrier"), _plan())
+    later.queue(_call("barrier"), True)  # behind it
     assert later.state == rec.SUBMITTED
     req.finish()
     fut.wait()

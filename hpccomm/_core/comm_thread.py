@@ -17,10 +17,13 @@ queued op in the thread's place counts as the thread (``steal``), and a request
 is touched under its record's lock.  Below MPI_THREAD_MULTIPLE queued ops run
 in the caller and this thread never starts (logged once; ``hpccomm info``).
 Fault tolerance's revocation is the one exception: MPI_Comm_revoke exists to
-interrupt a communicator another thread is in.  The queue holds op records
-(hpccomm._core.record), used through their protocol only: ``run()``,
-``release()``, ``test()`` (watched posted ops, tested between queued ones with
-a back-off up to 1 ms) and ``group``.
+interrupt a communicator another thread is in.  The queue holds entries,
+tuples ``(run, record, ...)``: what to run and the record it completes
+(hpccomm._core.record's, and ``flush``'s marks), as ProcessGroupMPI queues
+``(WorkEntry, Work)`` pairs.  The thread calls ``run(entry)``, then, the
+group counted idle, ``record.release()``; it uses a record through that
+and ``group`` only, and watched posted ops' records through ``test()``
+(tested between queued entries with a back-off up to 1 ms).
 """
 from __future__ import annotations
 
@@ -49,7 +52,8 @@ def latch():
 
 
 class _Mark:
-    """A queue entry that runs nothing: :meth:`CommThread.flush` waits until it has run."""
+    """The record of a queue entry that runs nothing (``(_nothing, mark)``):
+    :meth:`CommThread.flush` waits until it has run."""
 
     __slots__ = ("group", "latch", "release")
 
@@ -57,12 +61,13 @@ class _Mark:
         self.group, self.latch = group, latch()
         self.release = self.latch.release
 
-    def run(self) -> None:
-        pass
+
+def _nothing(entry) -> None:
+    """A mark's run."""
 
 
 class CommThread:
-    """One FIFO queue of op records and its thread.  One plain lock guards the
+    """One FIFO queue of entries and its thread.  One plain lock guards the
     queue, the thread's sleep, the watched records and every group's
     ``queued``; the thread sleeps on another, released by a submitter that
     finds it asleep (two lock operations, not a Python Condition)."""
@@ -92,27 +97,28 @@ class CommThread:
         ident = _get_ident()
         return ident == self._ident or ident == self._stealer
 
-    def submit(self, record) -> None:
-        """Queue ``record``: the thread runs it after every op queued before it."""
+    def submit(self, entry) -> None:
+        """Queue ``entry`` (``(run, record, ...)``): the thread runs it after
+        every entry queued before it."""
         with self._mutex:
             self._stopping = False
-            record.group.queued += 1
-            self._queue.append(record)
+            entry[1].group.queued += 1
+            self._queue.append(entry)
             if not self._busy:  # (busy: the thread, or the stealer, looks at the queue when done)
                 self._wake_locked(True)
 
     def steal(self, record) -> bool:
-        """Run queued ``record`` in its waiter (the caller) in the thread's
-        place if it is the only one queued and the thread idle (else False):
-        it runs and completes as on the thread, the caller counting as the
-        thread, saving two thread switches per op waited on at once."""
+        """Run the queued entry of ``record`` in its waiter (the caller) in
+        the thread's place if it is the only one queued and the thread idle
+        (else False): it runs and completes as on the thread, the caller
+        counting as the thread, saving two thread switches per op waited on at once."""
         with self._mutex:
             queue = self._queue
-            if self._busy or len(queue) != 1 or queue[0] is not record:
+            if self._busy or len(queue) != 1 or queue[0][1] is not record:
                 return False
-            queue.popleft()
+            entry = queue.popleft()
             self._busy, self._stealer = True, _get_ident()
-        record.run()
+        entry[0](entry)
         with self._mutex:
             self._busy, self._stealer = False, None
             record.group.queued -= 1
@@ -132,7 +138,7 @@ class CommThread:
         """Wait until ``group`` has no queued ops (before a collective that must not overlap them)."""
         if group.queued:
             mark = _Mark(group)
-            self.submit(mark)
+            self.submit((_nothing, mark))
             mark.latch.acquire()
             mark.latch.release()
 
@@ -174,15 +180,15 @@ class CommThread:
         idle = _IDLE_MIN
         while True:
             with mutex:
-                watched, record = bool(self._watched), None
+                watched, entry = bool(self._watched), None
                 if queue and not self._busy:
-                    record, self._busy = queue.popleft(), True
+                    entry, self._busy = queue.popleft(), True
                 elif self._stopping and not queue:
                     self._thread = self._ident = None
                     return
                 else:
                     self._sleeping = True
-            if record is None:
+            if entry is None:
                 if not watched:
                     wake.acquire()  # until a submit, a watch or stop opens it
                 elif not wake.acquire(True, idle):  # nothing submitted meanwhile: test the watched records
@@ -193,7 +199,8 @@ class CommThread:
                             wake.acquire()  # opened just now by a submitter: close it again
                     idle = _IDLE_MIN if self._test_watched() else min(idle * 2, _IDLE_MAX)
                 continue
-            record.run()
+            entry[0](entry)
+            record = entry[1]
             with mutex:
                 self._busy = False
                 record.group.queued -= 1
@@ -211,6 +218,6 @@ class CommThread:
 
 
 _the = CommThread()
-#: The comm thread's calls (see :class:`CommThread`): ``comm_thread.submit(record)`` ...
+#: The comm thread's calls (see :class:`CommThread`): ``comm_thread.submit(entry)`` ...
 usable, on_it, submit, steal, watch, flush, stop = (_the.usable, _the.on_it, _the.submit, _the.steal, _the.watch,
                                                     _the.flush, _the.stop)

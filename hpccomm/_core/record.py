@@ -1,16 +1,29 @@
-"""The op record: one object per op that does not complete inside its call, from its start to its completion.
+"""The op record: how an op that does not complete inside its call completes;
+and the queue entries, what the comm thread runs.
 
 A blocking collective, in the calling thread or on the comm thread, needs
-none: it completes inside its call, watched meanwhile through its group's
-own record (hpccomm._core.state.InFlight, ``group.running``).  Every other
-op has one :class:`OpRecord`: the comm thread's queue entry (a queued op),
-the holder of its MPI request (a posted op), and what its Work waits on
-(hpccomm._core.work).  It is an :class:`~hpccomm._core.state.InFlight`:
-posted, it is the record the watchdog reads.  It is started one of two
-ways, :meth:`~OpRecord.queue` or :meth:`~OpRecord.post`, and completed by
-the comm thread (a queued op, or a posted collective once its future was
-asked for: :meth:`~OpRecord.future` changes its state, never its owner),
-else by whoever waits on it or tests it.
+no record: it completes inside its call, watched meanwhile through its
+group's own record (hpccomm._core.state.InFlight, ``group.running``).
+Every other op has one :class:`OpRecord`: its completion (its state, the
+MPI request of a posted op, the steps after it, its futures and callbacks,
+its error), which its Work asks everything of (hpccomm._core.work).  It is
+an :class:`~hpccomm._core.state.InFlight`: posted, it is the record the
+watchdog reads.  It is started one of two ways, :meth:`~OpRecord.queue` or
+:meth:`~OpRecord.post`, and completed by the comm thread (a queued op, or a
+posted collective once its future was asked for: :meth:`~OpRecord.future`
+changes its state, never its owner), else by whoever waits on it or tests
+it.
+
+What the comm thread runs is apart from it, as ProcessGroupMPI queues a
+``(WorkEntry, Work)`` pair: a queue entry is a tuple ``(run, record,
+...)``, what to run and the record it completes (hpccomm._core.comm_thread
+calls ``run(entry)``, then ``record.release()``).  Two kinds:
+``(run_queued, record, call, asynchronous)``, a queued op (its checked call
+run in its plan's blocking form by hpccomm._core.execute), and
+``(complete_posted, record)``, a posted collective whose future was asked
+for (its request waited for at its place in the group's op order).  A tuple,
+not an object: the queued form makes one per op, and a tuple costs a tenth
+of an object with slots (docs/benchmarks.md).
 
 Its states (``state``; the constants below, in this order; ``state >= DONE``: complete):
 
@@ -51,8 +64,8 @@ SUBMITTED, RUNNING, DONE, FAILED = range(4)  # (state >= DONE: complete)
 
 class OpRecord(InFlight):
     """A call of ``op`` (its declaration, hpccomm._ops.op.Op; None for a
-    batch, named ``name``) on ``group``: checked ``call``
-    (hpccomm._ops.op.Call) with ``plan`` (hpccomm._core.plan); ``kind``
+    batch, named ``name``) on ``group`` with ``plan`` (hpccomm._core.plan:
+    its outputs, and a posted op's steps); ``kind``
     ``"collective"``, ``"p2p"`` (``peer``: the other rank, None for any) or
     ``"batch"`` (torch's coalesced point-to-point ops: ``parts``);
     ``devices``: the CUDA devices its future names; ``io``: its sizes and
@@ -61,10 +74,10 @@ class OpRecord(InFlight):
     record the watchdog reads (``seq``, ``start``, ``token`` given by
     hpccomm._core.state when numbered; ``deadline`` from them)."""
 
-    __slots__ = ("op", "call", "plan", "devices", "state", "lock", "by_comm_thread", "asynchronous", "req",
-                 "status", "error", "source", "parts", "traced", "latch", "fut", "raw", "io")
+    __slots__ = ("op", "plan", "devices", "state", "lock", "by_comm_thread", "req", "status", "error", "source",
+                 "parts", "traced", "latch", "fut", "raw", "io")
 
-    def __init__(self, group, op, call, plan, kind: str = "collective", peer=None, devices=None,
+    def __init__(self, group, op, plan, kind: str = "collective", peer=None, devices=None,
                  name: str = "", io=None) -> None:
         # InFlight's fields, as InFlight.__init__ sets them (here: one call less per op; a unit test holds
         # the two alike, tests/test_unit.py::test_every_form_in_flight_is_one_record_type)
@@ -75,8 +88,7 @@ class OpRecord(InFlight):
             self.name, self.receives = name, False
         self.seq = self.start = self.token = None
         self.timed_out = False
-        self.op, self.call = op, call
-        self.plan = plan
+        self.op, self.plan = op, plan
         self.devices = devices
         self.state = SUBMITTED
         self.lock = _allocate_lock()
@@ -91,16 +103,18 @@ class OpRecord(InFlight):
     @classmethod
     def batch(cls, group, parts, description: str):
         """A batch of point-to-point ops' records: complete when every part is."""
-        record = cls(group, None, None, None, "batch", name=description)
+        record = cls(group, None, None, "batch", name=description)
         record.parts, record.state = tuple(parts), RUNNING
         return record
 
     # -- two ways to start it (the op path) ---------------------------------
-    def queue(self, asynchronous: bool) -> None:
-        """Queue it: the comm thread runs its plan's blocking form after the
-        group's earlier queued ops (its ``async_op``: debug mode compares it)."""
-        self.asynchronous, self.by_comm_thread = asynchronous, True
-        comm_thread.submit(self)
+    def queue(self, call, asynchronous: bool) -> None:
+        """Queue checked ``call`` (hpccomm._ops.op.Call): the comm thread runs
+        its plan's blocking form after the group's earlier queued ops (entry
+        ``(run_queued, self, call, asynchronous)``; ``asynchronous``: the
+        call's ``async_op``, which debug mode compares)."""
+        self.by_comm_thread = True
+        comm_thread.submit((run_queued, self, call, asynchronous))
 
     def post(self) -> None:
         """Post it here: numbered and watched, its plan's ``before`` step, its
@@ -126,20 +140,12 @@ class OpRecord(InFlight):
         if g.coalescing is not None and self.kind == "p2p":  # torch's coalescing window collects it
             g.coalescing.append(self)
 
-    # -- what the comm thread calls (hpccomm._core.comm_thread) ---------------
-    def run(self) -> None:
-        """Run it here (the comm thread, or its waiter in its place): a queued
-        op's plan, or a posted op's request waited for; complete it,
-        callbacks included, before the group counts as idle (so ops they
-        issue run at one point of the op order on every rank)."""
-        error = None
-        try:
-            if self.req is not None:
-                self.req.Wait(self.status)
-            else:
-                execute(self.group, self.op, self.call, self.plan, self, self.asynchronous, self.io)
-        except BaseException as exc:  # noqa: BLE001 - handed to its waiters
-            error = exc
+    # -- what its queue entry calls (the comm thread, or its waiter in its place)
+    def ran(self, error) -> None:
+        """Its queue entry ran it, or waited for its request, with ``error``
+        (None: none): complete it, callbacks included, before the group
+        counts as idle (so ops they issue run at one point of the op order
+        on every rank); its waiters go on at :meth:`release`."""
         with self.lock:
             if self.state < DONE:
                 self._complete(error, False)
@@ -149,7 +155,7 @@ class OpRecord(InFlight):
         self.seq, self.state = seq, RUNNING
 
     def release(self) -> None:
-        """Let its waiters go (after :meth:`run`, once the group counts as idle)."""
+        """Let its waiters go (after its queue entry ran, once the group counts as idle)."""
         if self.latch is not None:
             self.latch.release()
 
@@ -241,7 +247,7 @@ class OpRecord(InFlight):
                     handed = self.state < DONE and not self.by_comm_thread
                     self.by_comm_thread = self.by_comm_thread or handed
                 if handed:
-                    comm_thread.submit(self)
+                    comm_thread.submit((complete_posted, self))
             elif comm_thread.on_it() or not comm_thread.usable():
                 self.wait_quietly()  # (the future carries its error)
             else:
@@ -332,6 +338,33 @@ class OpRecord(InFlight):
         the op's own step's (``completes``: a receive's larger message), else one named after the op."""
         named = None if completes is None else completes(self.plan, self.status, self.peer, self.describe, exc)
         return named if named is not None else failures.mpi_error(self.describe(), exc, self.kind == "collective")
+
+
+# -- the queue entries' runs (hpccomm._core.comm_thread calls ``run(entry)``) --
+def run_queued(entry) -> None:
+    """Entry ``(run_queued, record, call, asynchronous)``: a queued op, run
+    here in its plan's blocking form (numbered there and told to its
+    record: ``running``); its outcome completes the record."""
+    _, record, call, asynchronous = entry
+    error = None
+    try:
+        execute(record.group, record.op, call, record.plan, record, asynchronous, record.io)
+    except BaseException as exc:  # noqa: BLE001 - handed to its waiters
+        error = exc
+    record.ran(error)
+
+
+def complete_posted(entry) -> None:
+    """Entry ``(complete_posted, record)``: a posted collective whose future
+    was asked for, its request waited for here, at its place in the group's
+    op order (so its callbacks run there on every rank alike); its outcome
+    completes the record."""
+    record, error = entry[1], None
+    try:
+        record.req.Wait(record.status)
+    except BaseException as exc:  # noqa: BLE001 - handed to its waiters
+        error = exc
+    record.ran(error)
 
 
 # The future's callback runs inside torch's C++ layer: kept out of torch.compile.

@@ -77,16 +77,16 @@ def run(g, op, args, opts=None, call=None, plan=None, devices=None):
     where, nonblocking = form(g, op, plan, asynchronous)
     if nonblocking:
         if where is POSTED:
-            record = OpRecord(g, op, call, plan, "p2p" if op.p2p else "collective", args[1] if op.p2p else None,
-                              devices, io=io)
+            record = OpRecord(g, op, plan, "p2p" if op.p2p else "collective", args[1] if op.p2p else None, devices,
+                              io=io)
             record.post()
             return work.pending(record, plan[OUTPUTS])
         plan = waited(plan)  # posted and waited for where it runs
     if where is HERE:  # the latency-bound case: blocking, here
         return work.finished(execute(g, op, call, plan, None, asynchronous, io), devices)
-    record = OpRecord(g, op, call, plan, "collective", None, devices, io=io)
+    record = OpRecord(g, op, plan, "collective", None, devices, io=io)
     queued = work.pending(record, plan[OUTPUTS])  # (made first: its waiter more often finds the op not taken yet)
-    record.queue(asynchronous)
+    record.queue(call, asynchronous)
     if not asynchronous:  # queued only to keep this group's issue order
         queued.wait()
     return queued
