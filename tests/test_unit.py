@@ -818,6 +818,38 @@ def test_record_queued_submitted_running_done(self_group):
     assert first.state == rec.DONE and self_group.queued == 0 and state.records() == []
 
 
+def test_comm_thread_runs_entries_in_order_then_releases_their_records(self_group):
+    """The comm thread's protocol: an entry is a tuple ``(run, record, ...)``;
+    the thread calls ``run(entry)`` (the entry whole: what to run travels in
+    it, not in the record), then, with the group's queued count down,
+    ``record.release()``, entry after entry in queue order."""
+    from hpccomm._core import comm_thread
+
+    seen, done = [], threading.Event()
+
+    class Record:  # what the thread uses of a record: its group and release()
+        def __init__(self, name):
+            self.group, self.name = self_group, name
+
+        def release(self):
+            seen.append(("release", self.name, self.group.queued))
+            if self.name == "b":
+                done.set()
+
+    def run(entry):
+        seen.append(("run", entry[1].name, entry[2], threading.current_thread().name))
+
+    a, b = Record("a"), Record("b")
+    comm_thread.submit((run, a, "what a runs"))
+    comm_thread.submit((run, b, "what b runs"))
+    assert done.wait(30)
+    thread = comm_thread.THREAD_NAME
+    queued_at_a = seen[1][2] if len(seen) == 4 else None  # (b queued by then, or not yet: 1 or 0)
+    assert seen == [("run", "a", "what a runs", thread), ("release", "a", queued_at_a),
+                    ("run", "b", "what b runs", thread), ("release", "b", 0)] and queued_at_a in (0, 1)
+    assert self_group.queued == 0
+
+
 def test_record_queued_failed(self_group):
     """A queued op whose plan raises: FAILED, its error named after the op, raised by
     wait(), result() and the future; the group goes on."""

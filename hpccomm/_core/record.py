@@ -22,8 +22,8 @@ calls ``run(entry)``, then ``record.release()``).  Two kinds:
 run in its plan's blocking form by hpccomm._core.execute), and
 ``(complete_posted, record)``, a posted collective whose future was asked
 for (its request waited for at its place in the group's op order).  A tuple,
-not an object: the queued form makes one per op, and a tuple costs a tenth
-of an object with slots (docs/benchmarks.md).
+not an object: the queued form makes one per op, and an object with slots
+cost that form about 1,800 instructions more (docs/benchmarks.md).
 
 Its states (``state``; the constants below, in this order; ``state >= DONE``: complete):
 
