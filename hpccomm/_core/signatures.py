@@ -3,10 +3,13 @@ differently (another op, size, dtype, ReduceOp or root, splits that do not
 fit) raises on every rank, naming each rank's call, before any data moves.
 
 The most common mistake in distributed code is a collective that the ranks
-call differently: left to MPI it raises ``MPI_ERR_TRUNCATE`` on some ranks
-while others return wrong data, returns wrong data everywhere without a word
-(a broadcast; any op under MPICH and Intel MPI), or hangs (a rank in another
-collective).  What must agree is each op's declared signature
+call differently: left to MPI, depending on the library and the group's
+size, it returns wrong data without a word (another ReduceOp or root, on
+every library), fails on some ranks while others hang or return wrong data
+(another count), or hangs or aborts inside the library (a rank in another
+collective, or one that skipped a step's: no rank gets past it, so only a
+check before the op can name it; docs/benchmarks.md, "Why no lagged mode,
+on any MPI").  What must agree is each op's declared signature
 (hpccomm._ops.op.Signature: the op, every tensor's dtype and element count,
 the ReduceOp, the root; all_to_all's splits as pairs that must fit).
 ``HPCCOMM_MISMATCH_CHECK`` says how it is compared:
