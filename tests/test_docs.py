@@ -231,6 +231,13 @@ def _command(launcher: str, script: Path) -> list:
     raise AssertionError(f"unknown launcher in '# runnable: {launcher}' (use mpirun or torchrun)")
 
 
+#: What torch's gloo prints when a TCP connection of its own mesh is lost while the group starts.
+#: Seen under load on the 2-core machine in the torchrun + gloo blocks (the "before" side of
+#: docs/migrating.md, no hpccomm in them): docs/mpi-families.md, and fresh-clone CI run P
+#: (docs/testing.md).  Such a block is run once more when its first run ends with it.
+GLOO_LOST_CONNECTION = "Gloo connectFullMesh failed"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -249,9 +256,15 @@ def test_runnable_example(tmp_path, page, line, launcher, env, expect, code):
     if "MASTER_PORT" in code and "MASTER_PORT" not in env:
         full["MASTER_PORT"] = str(_free_port())  # the example's fixed port may be taken on a busy machine
     full.update(env)
-    proc = subprocess.run(["timeout", "--kill-after=10", "240", *_command(launcher, script)],
-                          capture_output=True, text=True, env=full, cwd=tmp_path)
-    output = proc.stdout + proc.stderr
+    for attempt in (1, 2):
+        proc = subprocess.run(["timeout", "--kill-after=10", "240", *_command(launcher, script)],
+                              capture_output=True, text=True, env=full, cwd=tmp_path)
+        output = proc.stdout + proc.stderr
+        if not (attempt == 1 and launcher.startswith("torchrun") and proc.returncode != 0
+                and GLOO_LOST_CONNECTION in output):
+            break
+        # (torch's gloo lost a connection of its own TCP mesh while starting: a torchrun + gloo block,
+        # run once more; a second failure fails the test)
     where = f"{page} line {line} ({launcher}), exit {proc.returncode}:\n{output[-4000:]}"
     assert proc.returncode != 124, "timed out: " + where
     must_fail, text = expect or (False, "")
