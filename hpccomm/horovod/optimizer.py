@@ -34,7 +34,7 @@ from .compression import Compression
 from .ops.allgather import sparse_allreduce_async
 from .ops.allreduce import start_allreduce
 from .ops.checks import OP_NAMES, Adasum, Average
-from .ops.negotiation import negotiate
+from .ops.negotiation import OPTIMIZER, negotiate
 from .process_sets import ProcessSet, global_process_set
 
 DEFAULT_FUSION_BYTES = 25 * 1024 * 1024
@@ -188,7 +188,7 @@ class _GradReducer:
             tensors = tuple((str(self._wire_dtype(p)).replace("torch.", ""), tuple(p.shape), p.device.type)
                             for unit in self.units for p in unit)
             pre, post = self._scales()
-            self._desc = ("optimizer", f"DistributedOptimizer#{self.key[1]}",
+            self._desc = (OPTIMIZER, f"DistributedOptimizer#{self.key[1]}",
                           (("op", OP_NAMES.get(self.op, self.op)), ("prescale_factor", pre),
                            ("postscale_factor", post), ("units", tuple(len(u) for u in self.units)),
                            ("key", self.key)), tensors)

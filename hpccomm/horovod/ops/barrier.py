@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ..process_sets import global_process_set, member
-from .negotiation import negotiate
+from .negotiation import BARRIER, negotiate
 
 
 def barrier(process_set=global_process_set) -> None:
@@ -20,5 +20,5 @@ def barrier(process_set=global_process_set) -> None:
         hvd.barrier()
     """
     ps = member(process_set, "barrier")
-    negotiate(ps, ("barrier", None, (), ()))
+    negotiate(ps, (BARRIER, None, (), ()))
     dist.barrier(group=ps._data)

@@ -13,17 +13,17 @@ from .. import optimizer
 from ..process_sets import ProcessSet, global_process_set, member
 from .allreduce import start_allreduce
 from .checks import OP_NAMES
-from .negotiation import join_negotiate
+from .negotiation import BARRIER, OPTIMIZER, join_negotiate
 
 
 def _feed(ps: ProcessSet, desc, device, started: list) -> None:
     """As a joined rank, take part in ``desc``'s data step with zeros
     (DistributedOptimizer's reductions are started into ``started``, not waited)."""
     kind = desc[0]
-    if kind == "barrier":
+    if kind == BARRIER:
         dist.barrier(group=ps._data)
         return
-    if kind == "optimizer":
+    if kind == OPTIMIZER:
         started.extend(optimizer.feed_round(desc, device))
         return
     params = dict(desc[2])

@@ -12,8 +12,11 @@ from ..basics import HorovodInternalError
 from ..process_sets import ProcessSet
 from .checks import where
 
+#: The kinds of agreement-step description (``desc[0]``) that a joined rank answers in its own way
+#: (hpccomm.horovod.ops.join): Horovod's barrier, and a DistributedOptimizer round.
+BARRIER, OPTIMIZER = "barrier", "optimizer"
 #: ops that ranks which have joined can take part in (Horovod's rule).
-JOIN_OK = ("allreduce", "grouped_allreduce", "barrier", "optimizer")
+JOIN_OK = ("allreduce", "grouped_allreduce", BARRIER, OPTIMIZER)
 
 # torch 2.13 renamed all_gather_into_tensor (the old name warns)
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
