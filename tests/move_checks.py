@@ -82,17 +82,21 @@ def count_limit(limit: int, group=None):
 
     Yields the :class:`CallLog`; every member must enter it together.  (The
     group's ``calls``, the MPI calls its plans hand over, bound once per group,
-    are bound to the log meanwhile too.)"""
+    are bound to the log meanwhile too; the group's checked calls, whose plans
+    are bound to the limit and calls of their first call, are dropped on the
+    way in and out.)"""
     from hpccomm._core.group import MPICalls
 
     g = hgroup(dist.group.WORLD if group is None else group)
     old_limit, old_comm, old_calls = g.max_count, g.comm, g.calls
     log = CallLog(old_comm)
     g.max_count, g.comm, g.calls = limit, log, MPICalls(log, g.p2p)
+    g.checked.clear()  # (a checked call's plan is bound to the limit and calls of its first call: Op.bind)
     try:
         yield log
     finally:
         g.max_count, g.comm, g.calls = old_limit, old_comm, old_calls
+        g.checked.clear()
 
 
 class Checks:

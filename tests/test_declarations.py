@@ -294,6 +294,94 @@ def test_premul_sum_and_strange_reduce_ops_are_never_kept():
 
 
 # --------------------------------------------------------------------------
+# a plan bound to a call's shape is the op's plan
+# --------------------------------------------------------------------------
+
+def _bound_cases(rank: int):
+    """``(op, call, fill expected)`` for every op with a bound plan: the hot
+    cases (a plan of one MPI call, no steps) and those ``fill`` must leave to
+    ``plan`` (strided, aliased)."""
+    out = torch.zeros(4 * SIZE)
+    mine = out[4 * rank:4 * rank + 4]  # this rank's slot of the output (FSDP's in-place layout)
+    other = out[4 * ((rank + 1) % SIZE):4 * ((rank + 1) % SIZE) + 4]  # another rank's slot: aliased
+    big, strided = torch.ones(4 * SIZE), torch.ones(8)[::2]
+    root = (rank + 1) % SIZE
+    return [
+        (reduce.ALL_REDUCE, ([t()], R.SUM), True), (reduce.ALL_REDUCE, ([t(0)], R.MAX), True),
+        (reduce.ALL_REDUCE, ([t(4, torch.int64)], R.BAND), True),
+        (reduce.ALL_REDUCE, ([t(4, torch.bfloat16)], R.SUM), True),
+        (reduce.ALL_REDUCE, ([strided], R.SUM), False),
+        (scatter.BROADCAST, ([t()], 0), True), (scatter.BROADCAST, ([t(3, torch.int8)], root), True),
+        (scatter.BROADCAST, ([strided], root), False),
+        (gather.ALL_GATHER_INTO_TENSOR, (out, t()), True), (gather.ALL_GATHER_INTO_TENSOR, (out, mine), True),
+        (gather.ALL_GATHER_INTO_TENSOR, (torch.zeros(0), t(0)), True),
+        (gather.ALL_GATHER_INTO_TENSOR, (out, other), False), (gather.ALL_GATHER_INTO_TENSOR, (out, strided), False),
+        (gather.ALL_GATHER_INTO_TENSOR, (torch.zeros(32)[::2], t()), False),
+        (reduce.REDUCE_SCATTER_TENSOR, (t(), big, R.SUM), True),
+        (reduce.REDUCE_SCATTER_TENSOR, (t(4, torch.float16), big.half(), R.MIN), True),
+        (reduce.REDUCE_SCATTER_TENSOR, (big[:4], big, R.SUM), False),
+        (reduce.REDUCE_SCATTER_TENSOR, (strided, big, R.SUM), False),
+    ]
+
+
+def _plain(value):
+    """A plan's field with its MPI buffers as ``(address, bytes)`` (they compare by identity)."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    if hasattr(value, "address") and hasattr(value, "nbytes"):
+        return ("buffer", value.address, value.nbytes)
+    return value
+
+
+def _kept(keep) -> set:
+    """The ids of the tensors a plan keeps alive."""
+    items = keep if isinstance(keep, tuple) else (keep,)
+    return {id(x) for x in items if isinstance(x, torch.Tensor)}
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_a_bound_plan_is_the_ops_plan(rank):
+    """Every op's ``bind`` (the plan of a cached call's shape, hpccomm._ops.op_path's fast path
+    and every later form) makes what the op's ``plan`` makes of the same call: the same MPI call
+    and nonblocking call, the same buffers (addresses and bytes), counts, datatypes, ReduceOp and
+    root, the same outputs, tensors kept and bytes, and no steps; it gives None where ``plan``
+    needs copies (strided, aliased), and ``bind`` gives None where the shape needs steps or
+    pieces (AVG, PREMUL_SUM, past the count limit)."""
+    g = fake_group(rank, SIZE)
+    bound = {op for op in registry.OPS if op.bind is not None}
+    assert bound == {reduce.ALL_REDUCE, scatter.BROADCAST, gather.ALL_GATHER_INTO_TENSOR,
+                     reduce.REDUCE_SCATTER_TENSOR}
+    seen = set()
+    for op, args, hot in _bound_cases(rank):
+        call = op.check(g, *args)
+        fill = op.bind(g, call)
+        assert fill is not None, (op, args)
+        made = fill(args)
+        if not hot:
+            assert made is None, (op, args)
+            continue
+        seen.add(op)
+        plan = op.plan(g, call, args)
+        assert plan[5] is None and plan[6] is None and made[5] is None and made[6] is None  # (no steps)
+        assert _plain(made[:3]) == _plain(plan[:3]), (op, args)
+        assert made[3] == plan[3] or all(a is b for a, b in zip(made[3], plan[3])), (op, args)  # outputs
+        assert _kept(made[4]) == _kept(plan[4]) and made[7] == plan[7], (op, args)
+    assert seen == bound
+    # shapes that need the op's plan: steps (AVG, PREMUL_SUM) or pieces (past the count limit)
+    assert reduce.ALL_REDUCE.bind(g, reduce.ALL_REDUCE.check(g, [t()], R.AVG)) is None
+    assert reduce.ALL_REDUCE.bind(g, reduce.ALL_REDUCE.check(g, [t()], dist._make_nccl_premul_sum(2.0))) is None
+    assert reduce.REDUCE_SCATTER_TENSOR.bind(g, reduce.REDUCE_SCATTER_TENSOR.check(g, t(), big4(), R.AVG)) is None
+    g.max_count = 3
+    for op in bound:  # (each op's first case)
+        args = next(args for o, args, _ in _bound_cases(rank) if o is op)
+        assert op.bind(g, op.check(g, *args)) is None, op
+
+
+def big4():
+    return torch.ones(4 * SIZE)
+
+
+# --------------------------------------------------------------------------
 # no branches on op names
 # --------------------------------------------------------------------------
 

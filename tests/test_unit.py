@@ -850,6 +850,78 @@ def test_comm_thread_runs_entries_in_order_then_releases_their_records(self_grou
     assert self_group.queued == 0
 
 
+def test_the_fast_path_takes_its_case_only(self_group, monkeypatch):
+    """A repeated blocking call of a cached shape with a bound plan, on a group with nothing
+    queued or instrumented, runs through hpccomm._core.execute.execute_bound (the op path's fast
+    path): numbered (one op number per op), in the flight record, with the right result and a
+    completed Work, for every op with a bound plan.  Every other case takes the general path with
+    the same results: the first call of a shape, tensors the bound plan does not take (strided),
+    ``async_op=True``, debug mode, a signature not yet agreed in ``first`` mode.  A destroyed
+    group's cached calls are gone: the next call is refused naming the op."""
+    from hpccomm._core import work as core_work
+    from hpccomm._ops import op_path
+
+    g = self_group
+    taken = []
+    fast, general = op_path.execute_bound, op_path.execute
+    monkeypatch.setattr(op_path, "execute_bound", lambda *a: taken.append("fast") or fast(*a))
+    monkeypatch.setattr(op_path, "execute", lambda *a: taken.append("general") or general(*a))
+    R = dist.ReduceOp
+
+    def run(op, args, opts=None):
+        """One call through the op path: which way it went, and its Work."""
+        taken.clear()
+        seq = g.seq
+        w = op_path.run(g, op, args, opts)
+        assert w.wait() and w.is_completed() and w.is_success()
+        assert g.seq == seq + 1
+        return taken[:], w
+
+    out, inp = torch.zeros(4), torch.arange(4.0)
+    calls = [(reduce.ALL_REDUCE, lambda: ([torch.arange(4.0)], R.SUM), torch.arange(4.0)),
+             (scatter.BROADCAST, lambda: ([torch.arange(3, dtype=torch.int64)], 0), torch.arange(3)),
+             (gather.ALL_GATHER_INTO_TENSOR, lambda: (out, inp), inp),
+             (reduce.REDUCE_SCATTER_TENSOR, lambda: (out, inp * 2, R.SUM), inp * 2)]
+    for op, args, expected in calls:
+        out.zero_()
+        assert run(op, args())[0] == ["general"], op  # its first call: checked, then kept with its bound plan
+        for _ in range(3):
+            out.zero_()
+            a = args()
+            way, w = run(op, a)
+            assert way == ["fast"], op
+            result = w.result()
+            mine = a[0][0] if op in (reduce.ALL_REDUCE, scatter.BROADCAST) else out  # (its output tensor)
+            assert torch.equal(result[0].to(expected.dtype), expected) and result[0] is mine
+        entry = g.flight[-1]
+        assert entry[4] == op.name and entry[2] == g.seq and entry[6] is not None, entry  # (its io: in the record)
+    # the same shape, another way: strided, async, debug mode, not yet agreed
+    strided = torch.arange(8.0)[::2]
+    assert run(reduce.ALL_REDUCE, ([strided], R.SUM))[0] == ["general"]
+    assert torch.equal(strided, torch.arange(0.0, 8.0, 2))
+    way, w = run(reduce.ALL_REDUCE, ([torch.arange(4.0)], R.SUM), SimpleNamespace(asyncOp=True))
+    assert way == [] and torch.equal(w.result()[0], torch.arange(4.0))  # (queued: the comm thread ran it)
+    g.debug = True
+    try:
+        assert run(reduce.ALL_REDUCE, ([torch.arange(4.0)], R.SUM))[0] == ["general"]
+    finally:
+        g.debug = False
+    call = next(c for c in g.checked.values() if c.signature.op == "all_reduce")
+    agreed, call.agreed = call.agreed, False
+    old = g.checks.agreed, g.checks.every
+    g.checks.agreed, g.checks.every = set(), False  # (``first`` mode: this signature not agreed yet)
+    try:
+        assert run(reduce.ALL_REDUCE, ([torch.arange(4.0)], R.SUM))[0] == ["general"]
+        assert call.agreed  # (agreed by its first-call check: the next call is fast)
+        assert run(reduce.ALL_REDUCE, ([torch.arange(4.0)], R.SUM))[0] == ["fast"]
+    finally:
+        (g.checks.agreed, g.checks.every), call.agreed = old, agreed
+    assert isinstance(w, core_work.Work)
+    g.free()
+    with pytest.raises(errors.HpccommError, match="all_reduce .*destroyed"):
+        op_path.run(g, reduce.ALL_REDUCE, ([torch.arange(4.0)], R.SUM))
+
+
 def test_record_queued_failed(self_group):
     """A queued op whose plan raises: FAILED, its error named after the op, raised by
     wait(), result() and the future; the group goes on."""

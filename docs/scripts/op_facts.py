@@ -5,7 +5,8 @@
 Every op is declared once (hpccomm._ops.op.Op) in its family's module; this prints,
 for every op, the torch methods it serves and the file that states its checks and
 signature (the op's ``check``: the signature is what it returns), its plan, its
-cache key, its composed plan and its NCCL and CuPy forms ("-" where it has none).
+cache key, its plan bound to a cached call's shape (``bind``), its composed
+plan and its NCCL and CuPy forms ("-" where it has none).
 Its description in messages is derived from its signature (hpccomm._ops.op.Signature),
 the same code for every op.  tests/test_declarations.py runs it and checks that
 each op's row names one file.
@@ -20,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from hpccomm._ops import registry  # noqa: E402
 
-PARTS = ("check", "plan", "key", "composed", "nccl", "cupy")
+PARTS = ("check", "plan", "key", "bind", "composed", "nccl", "cupy")
 
 
 def where(fn) -> str:
@@ -31,8 +32,8 @@ def where(fn) -> str:
 
 
 def main() -> int:
-    print("| op | torch methods | checks and signature | plan | cache key | composed | NCCL | CuPy |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| op | torch methods | checks and signature | plan | cache key | bound plan | composed | NCCL | CuPy |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for op in registry.OPS:
         methods = ", ".join(f"`{m}`" for m in (*op.methods, *op.legacy))
         cells = [where(getattr(op, part)) for part in PARTS]

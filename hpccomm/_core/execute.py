@@ -20,7 +20,7 @@ from .. import _mpi
 from ..errors import HpccommError
 from . import debug_mode, failures, signatures, state, trace
 from .comm_thread import THREAD_NAME
-from .plan import CALL, NBYTES, OUTPUTS, Waited
+from .plan import ARGS, CALL, NBYTES, OUTPUTS, Waited
 from .plan import run as run_plan
 
 log = logging.getLogger("hpccomm")
@@ -73,6 +73,30 @@ def execute(g, op, call, plan, record=None, asynchronous: bool = False, io=None)
                               None if record is None else THREAD_NAME)
         if observed and logged:
             log.debug("%s (%s): %.1f us", name, g.where(seq), (time.perf_counter() - t0) * 1e6)
+    finally:
+        state.finished(g)
+    return plan[OUTPUTS]
+
+
+def execute_bound(g, op, call, plan):
+    """:func:`execute` of a cached call's bound plan (hpccomm._ops.op.Op
+    ``bind``: no steps around its MPI call) on a group with nothing
+    instrumented, no record, and no first-call check to make: the op path's
+    fast path (hpccomm._ops.op_path.run).  The same steps in the same order:
+    numbered and recorded as running (and in the flight record: the cached
+    call keeps its sizes, ``call.io``), compared across ranks first (the
+    every-call check), the MPI call, an MPI error named after the op."""
+    seq = state.start(g, op.name, None, call.io if g.flight is not None else None)
+    try:
+        if g.checks.every:
+            try:
+                signatures.compare(g, call, seq)
+            except _mpi.mpi().Exception as exc:
+                raise failures.mpi_error(f"{op.name}{signatures.LABEL} ({g.where(seq)})", exc) from exc
+        try:
+            plan[CALL](*plan[ARGS])
+        except _mpi.mpi().Exception as exc:
+            raise failures.mpi_error(f"{op.name} ({g.where(seq)})", exc) from exc
     finally:
         state.finished(g)
     return plan[OUTPUTS]

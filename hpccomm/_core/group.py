@@ -125,6 +125,7 @@ class Group:
         if self.comm is not None and flush:
             comm_thread.flush(self)
         comm, p2p, self.comm, self.p2p, self.calls = self.comm, self.p2p, None, None, None
+        self.checked = {}  # (its checked calls' plans are bound to these communicators: a later call is refused)
         MPI = _mpi.mpi()
         if comm is None or MPI.Is_finalized():
             return

@@ -113,6 +113,39 @@ def plan_all_gather_into_tensor(group, call: Call, args):
     return allgather(group, input, out, recv, group.rank * (nbytes // group.size), None, [output], after, kind)
 
 
+def bind_all_gather_into_tensor(group, call: Call):
+    """all_gather_into_tensor's plan bound to a cached call's shape
+    (:class:`~hpccomm._ops.op.Op` ``bind``): a contiguous output written in
+    place and a contiguous input read where it is (this rank's slot of the
+    output: MPI_IN_PLACE, or apart from it), one MPI call; None past the
+    count limit; ``fill`` gives None for a strided output or input, or an
+    input aliased elsewhere in the output (copies: :func:`allgather`)."""
+    (_, n), (_, total) = call.signature.tensors
+    if total > group.max_count:
+        return None
+    mtype, isize = call.facts
+    nbytes, total_bytes = n * isize, total * isize
+    offset = group.rank * nbytes
+    calls, fromaddress, overlap, in_place = group.calls, _mpi.fromaddress, staging.overlap, _mpi.IN_PLACE
+    allgather_, iallgather = calls.Allgather, calls.Iallgather
+
+    def fill(args):
+        output, input = args
+        if not (output.is_contiguous() and input.is_contiguous()):
+            return None
+        base, here = output.data_ptr(), input.data_ptr()
+        if n and here == base + offset:
+            sendbuf = in_place
+        elif overlap(here, nbytes, base, total_bytes):
+            return None
+        else:
+            sendbuf = [fromaddress(here, nbytes), n, mtype]
+        return (allgather_, (sendbuf, [fromaddress(base, total_bytes), n, mtype]), iallgather, [output],
+                (input, output, None if sendbuf is in_place else input), None, None, nbytes)
+
+    return fill
+
+
 def _nccl_all_gather_into_tensor(b, a, o, options):
     return b._allgather_base(a[0], a[1], options("allgather", o))
 
@@ -323,7 +356,8 @@ def _gather_recv(group, input, root, outputs, result, write_back=None):
 ALL_GATHER_INTO_TENSOR = Op(
     "all_gather_into_tensor", methods=("all_gather_single",), legacy=("_allgather_base",),
     key=all_gather_into_tensor_key, check=check_all_gather_into_tensor, plan=plan_all_gather_into_tensor,
-    nonblocking=True, slot="output", nccl=_nccl_all_gather_into_tensor, cupy=_cupy_all_gather_into_tensor,
+    bind=bind_all_gather_into_tensor, nonblocking=True, slot="output", nccl=_nccl_all_gather_into_tensor,
+    cupy=_cupy_all_gather_into_tensor,
     recorded_as="_all_gather_base")
 ALL_GATHER_INTO_TENSOR_COALESCED = Op(
     "all_gather_into_tensor_coalesced", methods=("all_gather_single_coalesced",),

@@ -7,7 +7,7 @@ naming them.  Nothing else in hpccomm states a fact of one op: the op path
 (hpccomm._ops.op_path), the adapters torch calls, the cross-rank checks, the
 messages and the GPU routes all read the declaration.
 
-An op's call goes through four functions, each defined once (``args``: the
+An op's call goes through five functions, each defined once (``args``: the
 op's arguments, torch's tensors with its options' ReduceOp and root, passed
 as one tuple to the functions on the fast path and unpacked by ``check``):
 
@@ -17,7 +17,7 @@ as one tuple to the functions on the fast path and unpacked by ``check``):
     without its memory or layout in it (the plan reads those every call);
     None where the call is not cached.  Only the hot ops have one: a repeated call of the same shape
     skips ``check`` (hpccomm._ops.op_path keeps the :class:`Call` per group).
-    tests/test_signatures.py holds every key to its check: a change of any
+    tests/test_declarations.py holds every key to its check: a change of any
     field that changes the verdict or the signature changes the key.
 ``check(group, *args)``
     every argument checked, on any device, before anything is allocated or
@@ -29,6 +29,17 @@ as one tuple to the functions on the fast path and unpacked by ``check``):
     buffers on their memory, the steps around the MPI call.  The CPU path,
     CUDA-aware MPI and staging run it (the GPU transports on their view of
     the group, or on host stand-ins).
+``bind(group, call)`` (the hot ops only)
+    the plan of the call's shape bound at its first call, when the op path
+    keeps the :class:`Call`: a function ``fill(args)`` that makes the plan of
+    a later call of that shape from its tensors' addresses alone (the MPI
+    calls, counts, datatypes and ReduceOp fixed once), with no steps around
+    its MPI call; None where the shape needs ``plan`` (past the count limit,
+    AVG, ...).  ``fill`` returns None for tensors it does not take (strided,
+    aliased): ``plan`` makes theirs.  Whatever it returns is what ``plan``
+    returns for the same call (tests/test_declarations.py holds the two
+    together); every form runs it, and a blocking call on a quiet group runs
+    it on the fast path (hpccomm._ops.op_path.run).
 ``composed(group, call, args)`` (reductions only)
     the plan of hpccomm's own reduction composed of point-to-point messages
     (hpccomm._ops.composed), for a CUDA-aware MPI that reduces device memory
@@ -125,15 +136,18 @@ class Call:
     that lookup; ``fingerprint``: what the every-call check sends and expects
     back for it (made once: a cached call's is reused); ``io``: its tensors'
     counts and dtypes as the flight recorder keeps them
-    (hpccomm._core.flight.tensors_io: made at the call's first run, kept
-    with it; the key of a cached call fixes them)."""
+    (hpccomm._core.flight.tensors_io: made when the op path keeps the call,
+    or at an uncached call's first run; the key of a cached call fixes them); ``fill``: its op's
+    ``bind`` of it, once the op path keeps it (None: ``plan`` makes each
+    plan)."""
 
-    __slots__ = ("signature", "facts", "cacheable", "agreed", "fingerprint", "io")
+    __slots__ = ("signature", "facts", "cacheable", "agreed", "fingerprint", "io", "fill")
 
     def __init__(self, signature: Signature, facts=None, cacheable: bool = True) -> None:
         self.signature, self.facts, self.cacheable, self.agreed = signature, facts, cacheable, False
         self.fingerprint = None  # (hpccomm._core.signatures: made at the call's first check, kept with it)
-        self.io = None  # (hpccomm._core.flight: made at the call's first run, kept with it)
+        self.io = None  # (hpccomm._core.flight: made when kept, or at its first run)
+        self.fill = None  # (hpccomm._ops.op_path.remember: its op's bind of it)
 
 
 def uncached(args) -> None:
@@ -150,7 +164,7 @@ class Op:
         tests/test_declarations.py holds the two together).
     :param legacy: torch's older names for the same methods, which only the
         ProcessGroup adapter (torch 2.13's route) answers.
-    :param check, plan, key, composed: the op's functions (module docstring).
+    :param check, plan, key, bind, composed: the op's functions (module docstring).
     :param p2p: point-to-point: a peer waits for this rank, not every member.
     :param reducing: it reduces (its last argument is the ReduceOp).
     :param first: its first argument's role: ``"out"`` (written), ``"inout"``
@@ -194,10 +208,11 @@ class Op:
 
     __slots__ = ("name", "methods", "legacy", "check", "plan", "key", "composed", "p2p", "reducing", "first",
                  "roles", "nonblocking", "chunkable", "slot", "any_source", "receives", "completes", "nccl", "cupy",
-                 "recorded_as", "stacked", "scatters", "code")
+                 "recorded_as", "stacked", "scatters", "bind", "code")
 
     def __init__(self, name: str, *, methods: tuple, check: Callable, plan: Callable, key: Optional[Callable] = None,
-                 composed: Optional[Callable] = None, legacy: tuple = (), p2p: bool = False, reducing: bool = False,
+                 bind: Optional[Callable] = None, composed: Optional[Callable] = None, legacy: tuple = (),
+                 p2p: bool = False, reducing: bool = False,
                  first: str = "out", roles: Optional[Callable] = None, nonblocking: bool = False,
                  chunkable: bool = False, slot: Optional[str] = None, any_source: bool = False,
                  receives: bool = False, completes: Optional[Callable] = None, nccl: Optional[Callable] = None,
@@ -206,6 +221,7 @@ class Op:
         self.name, self.methods, self.legacy = name, tuple(methods), tuple(legacy)
         self.check, self.plan, self.composed = check, plan, composed
         self.key = key if key is not None else uncached
+        self.bind = bind
         self.p2p, self.reducing, self.first, self.roles = p2p, reducing, first, roles
         self.nonblocking, self.chunkable, self.slot, self.any_source = nonblocking, chunkable, slot, any_source
         self.receives, self.completes = receives, completes

@@ -5,12 +5,17 @@
 torch's options, and returns the op's Work (hpccomm._core.work):
 
 1. the call's shape (the op's ``key``) finds the checked :class:`~hpccomm._ops.op.Call`
-   this group made of an earlier call of the same shape: the fast path, one
-   dict lookup; else the op's ``check`` runs (a refusal raises
-   :class:`hpccomm.errors.OpError` before any communication, and the other
-   ranks, which may be waiting in the op, learn of it: :func:`refused`), and
-   a CPU call's :class:`Call` is kept for the next one (at most
-   :data:`MAX_CHECKED` per group);
+   this group made of an earlier call of the same shape, one dict lookup,
+   and its plan bound to that shape (``fill``, the op's ``bind``) makes this
+   call's plan from its tensors' addresses; else the op's ``check`` runs (a
+   refusal raises :class:`hpccomm.errors.OpError` before any communication,
+   and the other ranks, which may be waiting in the op, learn of it:
+   :func:`refused`), and a CPU call's :class:`Call` is kept for the next one
+   (at most :data:`MAX_CHECKED` per group) with its bound plan.  **The fast
+   path**: a cached call with a bound plan, blocking, on a group with nothing
+   queued and nothing instrumented, its signature agreed or checked on every
+   call, runs at once (hpccomm._core.execute.execute_bound: step 3's
+   ``HERE``, with the steps that case takes);
 2. a checked call with CUDA tensors goes to the route its group takes for
    that device and op family (hpccomm._gpu.dispatch.find: a lookup on the
    group, chosen once from every rank's findings, hpccomm._gpu.agreement):
@@ -24,7 +29,7 @@ torch's options, and returns the op's Work (hpccomm._core.work):
 from __future__ import annotations
 
 from .._core import comm_thread, debug_mode, failures, flight, signatures, state
-from .._core.execute import execute
+from .._core.execute import execute, execute_bound
 from .._core.plan import ICALL, NBYTES, OUTPUTS, waited
 from .._core.record import OpRecord
 from .._core import work
@@ -57,6 +62,7 @@ def run(g, op, args, opts=None, call=None, plan=None, devices=None):
     its Work (see the module docstring).  ``call``, ``plan``: a checked call
     and the plan a GPU transport made of it, with ``devices`` the CUDA
     devices its Work's future names; else the op's plan of the call."""
+    asynchronous = opts is not None and getattr(opts, "asyncOp", False)  # (a ReduceOp may stand for the options)
     if plan is None:
         key = op.key(args)
         call = g.checked.get(key)  # (a key of None is never stored)
@@ -66,9 +72,16 @@ def run(g, op, args, opts=None, call=None, plan=None, devices=None):
             if routed is not None:  # CUDA tensors: the route of the group for their device
                 return _on_device(g, op, call, args, opts, *routed)
             if key is not None and call.cacheable:
-                remember(g, key, call)
-        plan = op.plan(g, call, args)
-    asynchronous = opts is not None and getattr(opts, "asyncOp", False)  # (a ReduceOp may stand for the options)
+                remember(g, op, key, call, args)
+        else:
+            fill = call.fill
+            if fill is not None:
+                plan = fill(args)  # the plan bound to the call's shape (None: these tensors need op.plan's)
+                if plan is not None and not (asynchronous or g.queued or g.instrumented) and \
+                        (call.agreed or g.checks.agreed is None):
+                    return work.finished(execute_bound(g, op, call, plan))  # the fast path
+        if plan is None:
+            plan = op.plan(g, call, args)
     io = None
     if g.flight is not None:  # what the flight recorder keeps: made once per cached call
         io = call.io
@@ -103,11 +116,17 @@ def check(g, op, args):
         raise refused(g, op, exc, args[1] if op.p2p else None) from None  # the other ranks must not wait for it
 
 
-def remember(g, key, call) -> None:
-    """Keep checked ``call`` for the next call of its shape ``key`` on ``g``."""
+def remember(g, op, key, call, args) -> None:
+    """Keep checked ``call`` of ``op`` (called with ``args``) for the next
+    call of its shape ``key`` on ``g``, with its plan bound to that shape (the
+    op's ``bind``) and its tensors' sizes as the flight recorder keeps them
+    (the key fixes them)."""
     checked = g.checked
     if len(checked) >= MAX_CHECKED:
         checked.clear()
+    if op.bind is not None:
+        call.fill = op.bind(g, call)
+    call.io = flight.tensors_io(op, args)
     checked[key] = call
 
 

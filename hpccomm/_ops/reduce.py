@@ -124,6 +124,32 @@ def plan_all_reduce(group, call: Call, args):
             calls.Iallreduce if r.nonblocking else None, tensors, keep, before, after, nbytes)
 
 
+def bind_all_reduce(group, call: Call):
+    """all_reduce's plan bound to a cached call's shape (:class:`~hpccomm._ops.op.Op`
+    ``bind``): a contiguous tensor reduced in place, one MPI call; None for
+    AVG, PREMUL_SUM or a sparse tensor (steps, or no MPI call of its own) and
+    past the count limit or the piece size (pieces)."""
+    r = call.facts
+    if r is SPARSE or r.factor is not None or r.average:
+        return None
+    n = call.signature.tensors[0][1]
+    nbytes = n * r.itemsize
+    if n > group.max_count or nbytes > _ALLREDUCE_PIECE_BYTES:
+        return None
+    calls, fromaddress, in_place, mtype, mop = group.calls, _mpi.fromaddress, _mpi.IN_PLACE, r.mtype, r.mop
+    allreduce, iallreduce = calls.Allreduce, calls.Iallreduce if r.nonblocking else None
+
+    def fill(args):
+        tensors = args[0]
+        t = tensors[0]
+        if not t.is_contiguous():
+            return None
+        return (allreduce, (in_place, [fromaddress(t.data_ptr(), nbytes), n, mtype], mop), iallreduce, tensors, t,
+                None, None, nbytes)
+
+    return fill
+
+
 def _work(t: torch.Tensor, r):
     """``(buffer, before, after)``: where a composed ring reduces ``t`` in
     place: ``t`` itself when contiguous and nothing scales it, else a
@@ -458,6 +484,35 @@ def plan_reduce_scatter_tensor(group, call: Call, args):
     return _reduce_scatter_plan(group, send, spec, out, recv, r, before, after, [output], (input, output, send, out))
 
 
+def bind_reduce_scatter_tensor(group, call: Call):
+    """reduce_scatter_tensor's plan bound to a cached call's shape
+    (:class:`~hpccomm._ops.op.Op` ``bind``): contiguous tensors apart from
+    each other, one MPI call; None for AVG and past the count limit; ``fill``
+    gives None for a strided or aliased pair."""
+    r = call.facts
+    if r.factor is not None or r.average:
+        return None
+    n = call.signature.tensors[1][1]  # (the output's elements: one block)
+    if n > group.max_count:
+        return None
+    out_bytes = n * r.itemsize
+    in_bytes = out_bytes * group.size
+    calls, fromaddress, overlap, mtype, mop = group.calls, _mpi.fromaddress, staging.overlap, r.mtype, r.mop
+    scatter, iscatter = calls.Reduce_scatter_block, calls.Ireduce_scatter_block if r.nonblocking else None
+
+    def fill(args):
+        output, input = args[0], args[1]
+        if not (output.is_contiguous() and input.is_contiguous()):
+            return None
+        out_at, in_at = output.data_ptr(), input.data_ptr()
+        if overlap(in_at, in_bytes, out_at, out_bytes):
+            return None
+        return (scatter, ([fromaddress(in_at, in_bytes), n, mtype], [fromaddress(out_at, out_bytes), n, mtype], mop),
+                iscatter, [output], (input, output), None, None, in_bytes)
+
+    return fill
+
+
 def _composed_scatter(group, outputs, output: torch.Tensor, fill, r, nbytes: int):
     """The composed plan of a reduce-scatter into ``output`` from a work copy
     that ``fill(work)`` makes of this rank's input (group size x output's elements)."""
@@ -581,8 +636,8 @@ def _nccl_reduce_scatter_tensor_coalesced(b, a, o, options):
 
 ALL_REDUCE = Op(
     "all_reduce", methods=("allreduce",), key=all_reduce_key, check=check_all_reduce,
-    plan=plan_all_reduce, composed=composed_all_reduce, reducing=True, first="inout", nonblocking=True,
-    chunkable=True, nccl=_nccl_all_reduce, cupy=_cupy_all_reduce)
+    plan=plan_all_reduce, bind=bind_all_reduce, composed=composed_all_reduce, reducing=True, first="inout",
+    nonblocking=True, chunkable=True, nccl=_nccl_all_reduce, cupy=_cupy_all_reduce)
 ALL_REDUCE_SPARSE = Op(
     "all_reduce", methods=("allreduce_sparse",), check=check_all_reduce_sparse,
     plan=plan_all_reduce_sparse, reducing=True, first="inout")
@@ -601,8 +656,8 @@ REDUCE_SCATTER = Op(
 REDUCE_SCATTER_TENSOR = Op(
     "reduce_scatter_tensor", methods=("reduce_scatter_single",),
     legacy=("_reduce_scatter_base",), key=reduce_scatter_tensor_key, check=check_reduce_scatter_tensor,
-    plan=plan_reduce_scatter_tensor, composed=composed_reduce_scatter_tensor, reducing=True, nonblocking=True,
-    slot="input", nccl=_nccl_reduce_scatter_tensor, cupy=_cupy_reduce_scatter_tensor,
+    plan=plan_reduce_scatter_tensor, bind=bind_reduce_scatter_tensor, composed=composed_reduce_scatter_tensor,
+    reducing=True, nonblocking=True, slot="input", nccl=_nccl_reduce_scatter_tensor, cupy=_cupy_reduce_scatter_tensor,
     recorded_as="_reduce_scatter_base", scatters=True)
 REDUCE_SCATTER_TENSOR_COALESCED = Op(
     "reduce_scatter_tensor_coalesced", methods=("reduce_scatter_single_coalesced",),

@@ -53,6 +53,28 @@ def plan_broadcast(group, call: Call, args):
     return (calls.Bcast, (spec, root), calls.Ibcast, tensors, keep, before, after, nbytes)
 
 
+def bind_broadcast(group, call: Call):
+    """broadcast's plan bound to a cached call's shape (:class:`~hpccomm._ops.op.Op`
+    ``bind``): a contiguous tensor sent or written in place, one MPI call;
+    None past the count limit (chunks)."""
+    n = call.signature.tensors[0][1]
+    if n > group.max_count:
+        return None
+    (mtype, size), root = call.facts, call.signature.fields[0][1]
+    nbytes = n * size
+    calls, fromaddress = group.calls, _mpi.fromaddress
+    bcast, ibcast = calls.Bcast, calls.Ibcast
+
+    def fill(args):
+        tensors = args[0]
+        t = tensors[0]
+        if not t.is_contiguous():
+            return None
+        return (bcast, ([fromaddress(t.data_ptr(), nbytes), n, mtype], root), ibcast, tensors, t, None, None, nbytes)
+
+    return fill
+
+
 def _bcast_chunks(group, buf, root: int):
     """The blocking form of a broadcast past the count limit: in chunks."""
     comm = group.comm
@@ -159,7 +181,7 @@ def _nccl_scatter(b, a, o, options):
 
 BROADCAST = Op(
     "broadcast", methods=("broadcast",), key=broadcast_key, check=check_broadcast,
-    plan=plan_broadcast, first="inout", roles=_broadcast_roles, nonblocking=True, chunkable=True,
+    plan=plan_broadcast, bind=bind_broadcast, first="inout", roles=_broadcast_roles, nonblocking=True, chunkable=True,
     nccl=_nccl_broadcast, cupy=_cupy_broadcast)
 SCATTER = Op(
     "scatter", methods=("scatter",), check=check_scatter, plan=plan_scatter,
