@@ -28,6 +28,7 @@ import torch.distributed as dist
 import hpccomm
 from helpers import fake_group
 from hpccomm._ops import alltoall, gather, p2p, reduce, registry, scatter
+from hpccomm._core.plan import AFTER, BEFORE, CALL, FIELDS, KEEP, NBYTES, OUTPUTS
 from hpccomm._ops.op import Call
 
 R = dist.ReduceOp
@@ -298,9 +299,9 @@ def test_premul_sum_and_strange_reduce_ops_are_never_kept():
 # --------------------------------------------------------------------------
 
 def _bound_cases(rank: int):
-    """``(op, call, fill expected)`` for every op with a bound plan: the hot
-    cases (a plan of one MPI call, no steps) and those ``fill`` must leave to
-    ``plan`` (strided, aliased)."""
+    """``(op, args, hot)`` for every op with a bound plan: the hot calls
+    (``hot``: a plan of one MPI call on the tensors' memory, no steps) and
+    those ``fill`` must leave to ``plan`` (strided, aliased)."""
     out = torch.zeros(4 * SIZE)
     mine = out[4 * rank:4 * rank + 4]  # this rank's slot of the output (FSDP's in-place layout)
     other = out[4 * ((rank + 1) % SIZE):4 * ((rank + 1) % SIZE) + 4]  # another rank's slot: aliased
@@ -362,23 +363,21 @@ def test_a_bound_plan_is_the_ops_plan(rank):
             continue
         seen.add(op)
         plan = op.plan(g, call, args)
-        assert plan[5] is None and plan[6] is None and made[5] is None and made[6] is None  # (no steps)
-        assert _plain(made[:3]) == _plain(plan[:3]), (op, args)
-        assert made[3] == plan[3] or all(a is b for a, b in zip(made[3], plan[3])), (op, args)  # outputs
-        assert _kept(made[4]) == _kept(plan[4]) and made[7] == plan[7], (op, args)
+        assert len(made) == len(plan) == len(FIELDS)
+        assert made[BEFORE] is made[AFTER] is plan[BEFORE] is plan[AFTER] is None, (op, args)  # (no steps)
+        assert _plain(made[CALL:OUTPUTS]) == _plain(plan[CALL:OUTPUTS]), (op, args)  # call, its arguments, icall
+        outputs = made[OUTPUTS], plan[OUTPUTS]
+        assert len(outputs[0]) == len(outputs[1]) and all(a is b for a, b in zip(*outputs)), (op, args)
+        assert _kept(made[KEEP]) == _kept(plan[KEEP]) and made[NBYTES] == plan[NBYTES], (op, args)
     assert seen == bound
     # shapes that need the op's plan: steps (AVG, PREMUL_SUM) or pieces (past the count limit)
     assert reduce.ALL_REDUCE.bind(g, reduce.ALL_REDUCE.check(g, [t()], R.AVG)) is None
     assert reduce.ALL_REDUCE.bind(g, reduce.ALL_REDUCE.check(g, [t()], dist._make_nccl_premul_sum(2.0))) is None
-    assert reduce.REDUCE_SCATTER_TENSOR.bind(g, reduce.REDUCE_SCATTER_TENSOR.check(g, t(), big4(), R.AVG)) is None
+    assert reduce.REDUCE_SCATTER_TENSOR.bind(g, reduce.REDUCE_SCATTER_TENSOR.check(g, t(), t(4 * SIZE), R.AVG)) is None
     g.max_count = 3
     for op in bound:  # (each op's first case)
         args = next(args for o, args, _ in _bound_cases(rank) if o is op)
         assert op.bind(g, op.check(g, *args)) is None, op
-
-
-def big4():
-    return torch.ones(4 * SIZE)
 
 
 # --------------------------------------------------------------------------
