@@ -402,11 +402,17 @@ def _branches(source: str, names: set) -> list:
                     literals += [e for e in c.elts if isinstance(e, ast.Constant)]
             if any(isinstance(c.value, str) and c.value in names for c in literals):
                 found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                node.func.attr in ("startswith", "endswith") and node.args and isinstance(node.args[0], ast.Constant):
+            part = node.args[0].value  # a name's start or end standing for the ops that have it
+            if isinstance(part, str) and len(part) > 1 and any(
+                    (n.startswith(part) if node.func.attr == "startswith" else n.endswith(part)) for n in names):
+                found.append((node.lineno, ast.unparse(node)))
     return found
 
 
 def test_no_branch_on_an_op_name_in_the_library():
-    names = {op.name for op in registry.OPS}
+    names = {op.name for op in registry.OPS} | {n for op in registry.OPS for n in (*op.methods, *op.legacy)}
     found = []
     for path in sorted(PKG.rglob("*.py")):
         rel = path.relative_to(PKG).as_posix()
@@ -423,3 +429,5 @@ def test_the_branch_finder_finds_branches():
     assert [t for _, t in _branches('if op == "all_reduce":\n    pass\n', names)] == ["op == 'all_reduce'"]
     assert len(_branches('x = name in ("recv", "send")\n', names)) == 1
     assert _branches('x = op.name == other\n', names) == []
+    assert len(_branches('x = name.endswith("_base")\n', {"_allgather_base"})) == 1  # (a part of a name)
+    assert _branches('x = name.startswith("_")\n', {"_allgather_base"}) == []  # (one character: not a name)

@@ -40,12 +40,12 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
-def outer(args, script: str = __file__) -> int:
-    """Run ``script`` (this one, or one that wraps it) again under callgrind, instrumentation off until each case asks."""
+def outer(args) -> int:
+    """Run this script again under callgrind, instrumentation off until each case asks."""
     out = args.keep or tempfile.mkdtemp(prefix="op-instructions-")
     os.makedirs(out, exist_ok=True)
     cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}/out",
-           sys.executable, "-W", "ignore", script, "--inner", out, *sys.argv[1:]]
+           sys.executable, "-W", "ignore", __file__, "--inner", out, *sys.argv[1:]]
     proc = subprocess.run(cmd, stderr=subprocess.DEVNULL)
     return proc.returncode
 

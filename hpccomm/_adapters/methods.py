@@ -24,7 +24,7 @@ from .._about import BACKEND_NAME
 from .._compat import ReduceOp
 from .._core import comm_thread, failures, state, trace
 from .._gpu import group_routes
-from .._ops import alltoall, gather, op_path, p2p, reduce, scatter
+from .._ops import alltoall, gather, op_path, p2p, reduce, registry, scatter
 
 _SUM = ReduceOp.SUM
 
@@ -132,12 +132,26 @@ class TorchOps:
         g.free()
 
 
+def _legacy() -> dict:
+    """torch's older method names -> the method each stands for (the ops' declared ``legacy`` names)."""
+    return {old: op.methods[0] for op in registry.OPS for old in op.legacy}
+
+
+def add_legacy(cls) -> None:
+    """Give ``cls`` torch's older names of its methods (each op's declared
+    ``legacy`` names: ``_allgather_base`` is ``all_gather_single``), which
+    only the ProcessGroup route (torch 2.13) is called by."""
+    for old, name in _legacy().items():
+        setattr(cls, old, getattr(TorchOps, name))
+
+
 def hide_methods(cls) -> None:
     """Keep the methods torch's C++ layer calls on ``cls`` (the public ones
-    and torch's legacy aliases) out of ``torch.compile``."""
+    and the ops' declared legacy names) out of ``torch.compile``."""
+    legacy = _legacy()
     compat.hide_from_compiler(cls, [
         name for name, value in vars(cls).items()
-        if isinstance(value, types.FunctionType) and (not name.startswith("_") or name.endswith("_base"))])
+        if isinstance(value, types.FunctionType) and (not name.startswith("_") or name in legacy)])
 
 
 hide_methods(TorchOps)

@@ -73,14 +73,6 @@ class ProcessGroupHpccomm(methods.TorchOps, ProcessGroupBase):
     def group_name(self) -> str:
         return self._g.name
 
-    # torch's older names of the same methods, which only this route is called by (each op's declaration
-    # lists them as its ``legacy`` names)
-    _allgather_base = methods.TorchOps.all_gather_single
-    _reduce_scatter_base = methods.TorchOps.reduce_scatter_single
-    allgather_into_tensor_coalesced = methods.TorchOps.all_gather_single_coalesced
-    reduce_scatter_tensor_coalesced = methods.TorchOps.reduce_scatter_single_coalesced
-    alltoall_base = methods.TorchOps.all_to_all_single
-
     def monitored_barrier(self, timeout=None, wait_all_ranks: bool = False) -> None:
         """``group.monitored_barrier(timeout, wait_all_ranks)`` (what
         ``dist.monitored_barrier`` calls; see :func:`hpccomm.monitored_barrier`)."""
@@ -88,7 +80,6 @@ class ProcessGroupHpccomm(methods.TorchOps, ProcessGroupBase):
 
     # (abort, shutdown: hpccomm._adapters.methods.TorchOps)
 
-    # torch's legacy names for the same ops (older callers use them)
 
-
+methods.add_legacy(ProcessGroupHpccomm)  # torch's older names, which only this route is called by
 methods.hide_methods(ProcessGroupHpccomm)

@@ -501,7 +501,7 @@ def bind_reduce_scatter_tensor(group, call: Call):
     scatter, iscatter = calls.Reduce_scatter_block, calls.Ireduce_scatter_block if r.nonblocking else None
 
     def fill(args):
-        output, input = args[0], args[1]
+        output, input, _ = args
         if not (output.is_contiguous() and input.is_contiguous()):
             return None
         out_at, in_at = output.data_ptr(), input.data_ptr()
