@@ -17,7 +17,6 @@ key.  No MPI: declarations and checks run on a fake group.
 from __future__ import annotations
 
 import ast
-import re
 import types
 from pathlib import Path
 
@@ -95,6 +94,18 @@ def _arguments(method):
     opts = types.SimpleNamespace(rootRank=0, reduceOp=R.SUM, asyncOp=False)
     params = list(inspect.signature(method).parameters)[1:]
     return [opts if p == "opts" else 0 if p in ("dst", "src", "tag") else ["x"] for p in params]
+
+
+def test_each_point_to_point_op_names_its_counterpart():
+    """A point-to-point op declares the op its peer must post (``matched_by``, what the
+    watchdog's diagnosis of a timed-out one names); the two name each other, and no
+    collective names one."""
+    for op in registry.OPS:
+        if not op.p2p:
+            assert op.matched_by is None, op.name
+            continue
+        other = registry.BY_NAME[op.matched_by]
+        assert other.p2p and other.matched_by == op.name and other.receives != op.receives, (op.name, other.name)
 
 
 def test_adapter_methods_are_the_declared_ones():
@@ -392,10 +403,14 @@ CLIENTS = ("tools", "examples", "horovod", "__main__.py")
 
 
 def _branches(source: str, names: set) -> list:
-    """``(line, text)`` of each comparison of a value with a string literal that is an op's name."""
+    """``(line, text)`` of each comparison of a value with a string literal that is an op's name,
+    and of each conditional expression that chooses an op's name."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Compare):
+        if isinstance(node, ast.IfExp) and any(isinstance(c, ast.Constant) and isinstance(c.value, str)
+                                               and c.value in names for c in (node.body, node.orelse)):
+            found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Compare):
             literals = [c for c in [node.left, *node.comparators] if isinstance(c, ast.Constant)]
             for c in [node.left, *node.comparators]:
                 if isinstance(c, (ast.Tuple, ast.List, ast.Set)):
@@ -431,3 +446,5 @@ def test_the_branch_finder_finds_branches():
     assert _branches('x = op.name == other\n', names) == []
     assert len(_branches('x = name.endswith("_base")\n', {"_allgather_base"})) == 1  # (a part of a name)
     assert _branches('x = name.startswith("_")\n', {"_allgather_base"}) == []  # (one character: not a name)
+    assert len(_branches('x = "recv" if receives else "send"\n', names)) == 1  # (an op's name chosen by a flag)
+    assert _branches('x = op.matched_by if op else None\n', names) == []

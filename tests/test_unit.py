@@ -995,7 +995,7 @@ def test_every_form_in_flight_is_one_record_type(self_group):
     r.post()
     assert isinstance(r, state.InFlight) and r in state.records() and current() is r
     made = rec.OpRecord(g, _op("recv"), _plan(), "p2p", peer=0)
-    plain = state.InFlight(g, "recv", "p2p", 0, True)  # (OpRecord sets InFlight's fields itself: the same)
+    plain = state.InFlight(g, "recv", "p2p", 0, "send")  # (OpRecord sets InFlight's fields itself: the same)
     assert {k: getattr(made, k) for k in state.InFlight.__slots__} == {k: getattr(plain, k)
                                                                      for k in state.InFlight.__slots__}
     req.finish()

@@ -83,9 +83,9 @@ class OpRecord(InFlight):
         # the two alike, tests/test_unit.py::test_every_form_in_flight_is_one_record_type)
         self.group, self.kind, self.peer = group, kind, peer
         if op is not None:
-            self.name, self.receives = op.name, op.receives
+            self.name, self.matched_by = op.name, op.matched_by
         else:
-            self.name, self.receives = name, False
+            self.name, self.matched_by = name, None
         self.seq = self.start = self.token = None
         self.timed_out = False
         self.op, self.plan = op, plan
@@ -123,7 +123,7 @@ class OpRecord(InFlight):
         g, plan = self.group, self.plan
         if self.op.completes is not None:  # its step at completion reads what arrived (hpccomm._ops.op.Op)
             self.status = _mpi.status()
-        seq = state.start(g, self.name, self, self.io)
+        state.start(g, self.name, self, self.io)
         if g.instrumented and self.kind == "collective" and trace.active():
             self.traced = trace.now_ns()
         try:

@@ -83,7 +83,8 @@ class InFlight:
     group being created its members (hpccomm._core.group.Members); ``name``:
     what it is in messages; ``kind``: ``"collective"`` (numbered alike on every
     member), ``"p2p"`` (numbered by this rank; ``peer``: the other group rank,
-    None for any; ``receives``: a receive, which waits for the peer's send)
+    None for any; ``matched_by``: the op the peer must post for it to
+    complete, its declaration's: hpccomm._ops.op.Op)
     or ``"setup"`` (a group's creation, split or shrink, watched against the
     timeout outside the op order; its ``seq`` the number of the group's
     latest collective); ``seq``, ``start``: its number and when it
@@ -104,10 +105,10 @@ class InFlight:
     '1', rank 1/4)`` and its deadline is its start plus its group's timeout.
     """
 
-    __slots__ = ("group", "name", "kind", "peer", "receives", "seq", "start", "token", "timed_out")
+    __slots__ = ("group", "name", "kind", "peer", "matched_by", "seq", "start", "token", "timed_out")
 
-    def __init__(self, group, name: str = "", kind: str = "collective", peer=None, receives: bool = False) -> None:
-        self.group, self.name, self.kind, self.peer, self.receives = group, name, kind, peer, receives
+    def __init__(self, group, name: str = "", kind: str = "collective", peer=None, matched_by=None) -> None:
+        self.group, self.name, self.kind, self.peer, self.matched_by = group, name, kind, peer, matched_by
         self.seq = self.start = self.token = None
         self.timed_out = False
 

@@ -222,7 +222,7 @@ class Watchdog:
         peer = others[0] if others else me
         if peer in answers:
             return f"rank {peer} is stuck in {answers[peer]} (the two ranks wait for each other)"
-        matching = "send" if op.receives else "recv"
+        matching = op.matched_by  # (the op's declaration names its counterpart)
         left = state.who_left([int(peer)])
         if left:
             return f"rank {peer} left before posting the matching {matching}: it {left[int(peer)]}"

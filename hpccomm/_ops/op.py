@@ -180,8 +180,11 @@ class Op:
         output; ``"input"``: reduce_scatter_tensor's output in its slot of the
         input): NCCL's in-place forms.
     :param any_source: None may name its peer (a receive from any rank).
-    :param receives: a receive (a peer sends to it: the watchdog's diagnosis
-        names the send it waits for; the flight record draws it ``<-``).
+    :param receives: a receive (a peer sends to it: the flight record draws
+        it ``<-``).
+    :param matched_by: a point-to-point op's counterpart, the op its peer must
+        post for it to complete (send's ``"recv"``, recv's ``"send"``): the
+        watchdog's diagnosis of a timed-out one names it.
     :param completes: a posted op's step once its request completed, given
         ``(plan, status, peer, describe, error)``: its request's MPI status is
         kept for it (hpccomm._core.record); ``error`` None: it checks what
@@ -207,15 +210,16 @@ class Op:
     """
 
     __slots__ = ("name", "methods", "legacy", "check", "plan", "key", "composed", "p2p", "reducing", "first",
-                 "roles", "nonblocking", "chunkable", "slot", "any_source", "receives", "completes", "nccl", "cupy",
-                 "recorded_as", "stacked", "scatters", "bind", "code")
+                 "roles", "nonblocking", "chunkable", "slot", "any_source", "receives", "matched_by", "completes",
+                 "nccl", "cupy", "recorded_as", "stacked", "scatters", "bind", "code")
 
     def __init__(self, name: str, *, methods: tuple, check: Callable, plan: Callable, key: Optional[Callable] = None,
                  bind: Optional[Callable] = None, composed: Optional[Callable] = None, legacy: tuple = (),
                  p2p: bool = False, reducing: bool = False,
                  first: str = "out", roles: Optional[Callable] = None, nonblocking: bool = False,
                  chunkable: bool = False, slot: Optional[str] = None, any_source: bool = False,
-                 receives: bool = False, completes: Optional[Callable] = None, nccl: Optional[Callable] = None,
+                 receives: bool = False, matched_by: Optional[str] = None, completes: Optional[Callable] = None,
+                 nccl: Optional[Callable] = None,
                  cupy: Optional[Callable] = None,
                  recorded_as: Optional[str] = None, stacked: tuple = (False, False), scatters: bool = False) -> None:
         self.name, self.methods, self.legacy = name, tuple(methods), tuple(legacy)
@@ -224,7 +228,7 @@ class Op:
         self.bind = bind
         self.p2p, self.reducing, self.first, self.roles = p2p, reducing, first, roles
         self.nonblocking, self.chunkable, self.slot, self.any_source = nonblocking, chunkable, slot, any_source
-        self.receives, self.completes = receives, completes
+        self.receives, self.matched_by, self.completes = receives, matched_by, completes
         self.nccl, self.cupy = nccl, cupy
         self.recorded_as, self.stacked, self.scatters = recorded_as or name, stacked, scatters
         self.code = next(_codes)  # (unique: what distinguishes two ops' cache keys)

@@ -216,12 +216,12 @@ def plan_barrier(group, call: Call, args):
 # ----------------------------------------------------------------------------
 
 SEND = Op(
-    "send", methods=("send",), key=send_key, check=check_send, plan=plan_send, p2p=True,
+    "send", methods=("send",), key=send_key, check=check_send, plan=plan_send, p2p=True, matched_by="recv",
     first="in", nonblocking=True, nccl=_nccl_send, cupy=_cupy_send)
 RECV = Op(
     "recv", methods=("recv", "recv_anysource"), key=recv_key, check=check_recv,
-    plan=plan_recv, p2p=True, nonblocking=True, any_source=True, receives=True, completes=received, nccl=_nccl_recv,
-    cupy=_cupy_recv)
+    plan=plan_recv, p2p=True, nonblocking=True, any_source=True, receives=True, matched_by="send",
+    completes=received, nccl=_nccl_recv, cupy=_cupy_recv)
 BARRIER = Op("barrier", methods=("barrier",), key=barrier_key, check=check_barrier, plan=plan_barrier)
 BARRIER_KEY = (BARRIER,)
 
